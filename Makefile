@@ -1,0 +1,37 @@
+# The two commands a newcomer needs: `make run` and `make test`.
+# Both create .venv and install what they need on first use.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# CPU build for tests and demos; GPU users: make TORCH_SPEC='torch>=2.3' ...
+TORCH_SPEC ?= torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: run test lint typecheck pytest bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check '$(TORCH_SPEC)'
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/pinfeed serve --demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check app client tests bench
+	$(BIN)/ruff format --check app client tests bench
+
+typecheck: $(STAMP)
+	$(BIN)/mypy app client
+
+pytest: $(STAMP)
+	$(BIN)/pytest
+
+test: lint typecheck pytest
+
+bench: $(STAMP)
+	$(BIN)/python -m bench
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

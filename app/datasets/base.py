@@ -1,0 +1,74 @@
+"""What every dataset kind shares: the build context, path checks, the error type."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+import torch
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+
+class DatasetError(ValueError):
+    """A dataset cannot be built from its kind and params (shown to users as 422)."""
+
+
+@dataclass(frozen=True)
+class DatasetContext:
+    """What a dataset kind may use when it is built, in the server or in a worker."""
+
+    data_root: Path
+    allowed_plugins: tuple[str, ...] = field(default_factory=tuple)
+
+    def resolve(self, relative: str) -> Path:
+        """Resolve ``relative`` inside the data root, following symlinks; refuse escapes."""
+        root = self.data_root.resolve()
+        path = (root / relative).resolve()
+        if not path.is_relative_to(root):
+            raise DatasetError(
+                f"path {relative!r} resolves outside the data root {str(root)!r}; "
+                "give a path relative to PINFEED_DATA_ROOT"
+            )
+        if not path.is_file():
+            raise DatasetError(f"file {relative!r} not found under the data root {str(root)!r}")
+        return path
+
+
+@runtime_checkable
+class MapDataset(Protocol):
+    """The map-style Dataset protocol that DataLoader uses."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Any: ...
+
+
+@runtime_checkable
+class BatchFetcher(Protocol):
+    """Array-backed kinds: write a whole index list straight into the slot's leaf views.
+
+    ``out[j]`` is the view of leaf ``j`` (flattened sample order), shaped
+    ``[len(indices), *sample_shape]``. The result must equal ``default_collate`` of
+    ``[self[i] for i in indices]``; that is what the parity tests check.
+    """
+
+    def fetch_into(self, indices: Sequence[int], out: Sequence[torch.Tensor]) -> None: ...
+
+
+class Params(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+P = TypeVar("P", bound=Params)
+
+
+def parse_params(model: type[P], params: dict[str, Any]) -> P:
+    try:
+        return model.model_validate(params)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'params'}: {e['msg']}" for e in exc.errors()
+        )
+        raise DatasetError(f"invalid params: {problems}") from None

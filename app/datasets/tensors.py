@@ -1,0 +1,117 @@
+"""``tensors``: a ``.pt`` or ``.safetensors`` file of equal-length tensors.
+
+Like ``TensorDataset``: a tuple (or list) of tensors gives tuple (list) samples,
+a dict gives dict samples; sample ``i`` indexes every tensor at ``i``.
+``.pt`` files are loaded with ``weights_only=True`` only, memory-mapped so loaders
+and workers share the file's pages; ``.safetensors`` files are memory-mapped
+copy-on-write, never read whole.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from app.datasets.base import DatasetContext, DatasetError, Params, parse_params
+
+_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class TensorsParams(Params):
+    path: str
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    with path.open("rb") as f:
+        # ACCESS_COPY: a private mapping, so tensors are writable views that share
+        # the page cache until someone writes (nobody does).
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    try:
+        (header_len,) = struct.unpack_from("<Q", mm, 0)
+        header = json.loads(mm[8 : 8 + header_len])
+    except (struct.error, ValueError) as exc:
+        raise DatasetError(f"{path.name} is not a safetensors file: {exc}") from None
+    base = 8 + header_len
+    out: dict[str, torch.Tensor] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise DatasetError(f"tensor {name!r}: unsupported safetensors dtype {info['dtype']}")
+        start, stop = info["data_offsets"]
+        flat = torch.frombuffer(mm, dtype=torch.uint8, count=stop - start, offset=base + start)
+        out[name] = flat.view(dtype).view(info["shape"])
+    return out
+
+
+def _load(path: Path) -> Any:
+    if path.suffix == ".safetensors":
+        return _load_safetensors(path)
+    if path.suffix in (".pt", ".pth"):
+        try:
+            return torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+        except Exception as exc:
+            # weights_only refuses pickled code; say so instead of a pickle trace.
+            raise DatasetError(f"cannot load {path.name} with weights_only=True: {exc}") from None
+    raise DatasetError(f"{path.name}: expected a .pt, .pth or .safetensors file")
+
+
+class TensorsDataset:
+    def __init__(self, data: Any) -> None:
+        if isinstance(data, dict):
+            keys = list(data)
+            tensors = list(data.values())
+        elif isinstance(data, (tuple, list)):
+            keys = None
+            tensors = list(data)
+        elif isinstance(data, torch.Tensor):
+            keys, tensors = None, [data]
+            data = (data,)
+        else:
+            raise DatasetError(f"expected a tuple, list or dict of tensors, got {type(data)}")
+        if not tensors or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in tensors):
+            raise DatasetError("every entry must be a tensor with at least one dimension")
+        lengths = {t.shape[0] for t in tensors}
+        if len(lengths) != 1:
+            raise DatasetError(f"tensors must have equal length, got lengths {sorted(lengths)}")
+        self._kind: type = dict if keys is not None else type(data)
+        self._keys = keys
+        self.tensors = tensors
+        self._length = lengths.pop()
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index: int) -> Any:
+        items = [t[index] for t in self.tensors]
+        if self._keys is not None:
+            return dict(zip(self._keys, items, strict=True))
+        return list(items) if self._kind is list else tuple(items)
+
+    def fetch_into(self, indices: Sequence[int], out: Sequence[torch.Tensor]) -> None:
+        idx = torch.as_tensor(indices, dtype=torch.int64)
+        for t, o in zip(self.tensors, out, strict=True):
+            torch.index_select(t, 0, idx, out=o)
+
+
+def build(params: dict[str, Any], ctx: DatasetContext) -> TensorsDataset:
+    p = parse_params(TensorsParams, params)
+    return TensorsDataset(_load(ctx.resolve(p.path)))

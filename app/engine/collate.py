@@ -1,0 +1,299 @@
+"""Batch layout and collation straight into a ring slot.
+
+``probe`` reads one sample and records default_collate's structure (the *treedef*)
+and one *leaf* per tensor-like value. ``fill_slot`` writes a batch into its slot:
+array-backed datasets through ``fetch_into`` (one gather per leaf), all others by
+``torch.stack(..., out=leaf_view)``. There is no intermediate batch tensor: the
+collate is the batch's one host copy.
+
+default_collate's rules that we keep: tensors stack; numpy arrays and scalars become
+tensors; Python ``int`` -> int64, ``float`` -> float64, ``bool`` -> bool; ``str``
+comes back as a list of strings; tuples, lists and dicts keep their structure.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from app.datasets.base import BatchFetcher
+from client._protocol import align
+
+# treedef: ["leaf", j] | ["tuple", [..]] | ["list", [..]] | ["dict", [[key, ..], ..]]
+TreeDef = list[Any]
+
+
+class LayoutError(ValueError):
+    """A sample's structure cannot be batched the way the first sample was."""
+
+
+class SampleFailure(Exception):
+    """A dataset raised while producing a batch; ``index`` names the sample if known."""
+
+    def __init__(self, slug: str, detail: str, index: int | None, error_type: str) -> None:
+        super().__init__(detail)
+        self.slug = slug
+        self.detail = detail
+        self.index = index
+        self.error_type = error_type
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "type": self.slug,
+            "detail": self.detail,
+            "index": self.index,
+            "error_type": self.error_type,
+        }
+
+
+@dataclass(frozen=True)
+class Leaf:
+    kind: str  # "tensor" or "str"
+    dtype: str  # torch dtype name without "torch.", "" for strings
+    shape: tuple[int, ...]  # sample shape
+    offset: int  # byte offset of this leaf's rows inside a slot
+    capacity: int  # bytes reserved for batch_size rows
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        dtype = getattr(torch, self.dtype)
+        assert isinstance(dtype, torch.dtype)
+        return dtype
+
+    @property
+    def row_bytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.torch_dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Layout:
+    treedef: TreeDef
+    leaves: tuple[Leaf, ...]
+    batch_size: int
+    slot_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "treedef": self.treedef,
+            "leaves": [
+                {"kind": x.kind, "dtype": x.dtype, "shape": list(x.shape), "offset": x.offset,
+                 "capacity": x.capacity}
+                for x in self.leaves
+            ],
+            "batch_size": self.batch_size,
+            "slot_bytes": self.slot_bytes,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Layout:
+        leaves = tuple(
+            Leaf(x["kind"], x["dtype"], tuple(x["shape"]), x["offset"], x["capacity"])
+            for x in data["leaves"]
+        )
+        return cls(data["treedef"], leaves, data["batch_size"], data["slot_bytes"])
+
+    @property
+    def has_strings(self) -> bool:
+        return any(x.kind == "str" for x in self.leaves)
+
+    def describe(self) -> Any:
+        """The batch structure with shapes and dtypes, for humans and the HTTP API."""
+
+        def walk(node: TreeDef) -> Any:
+            tag, body = node
+            if tag == "leaf":
+                leaf = self.leaves[body]
+                if leaf.kind == "str":
+                    return {"kind": "str"}
+                return {"dtype": leaf.dtype, "shape": list(leaf.shape)}
+            if tag == "dict":
+                return {str(k): walk(v) for k, v in body}
+            return [walk(c) for c in body]
+
+        return walk(self.treedef)
+
+
+def _leaf_of(value: Any) -> tuple[str, str, tuple[int, ...]] | None:
+    if isinstance(value, torch.Tensor):
+        return "tensor", str(value.dtype).removeprefix("torch."), tuple(value.shape)
+    if isinstance(value, (np.ndarray, np.generic)):
+        if value.dtype.kind in "OUSV":
+            return None
+        dtype = torch.from_numpy(np.empty(0, dtype=value.dtype)).dtype
+        return "tensor", str(dtype).removeprefix("torch."), tuple(np.shape(value))
+    if isinstance(value, bool):
+        return "tensor", "bool", ()
+    if isinstance(value, int):
+        return "tensor", "int64", ()
+    if isinstance(value, float):
+        return "tensor", "float64", ()
+    if isinstance(value, str):
+        return "str", "", ()
+    return None
+
+
+def probe(sample: Any, batch_size: int) -> Layout:
+    """The layout of a batch of ``batch_size`` samples shaped like ``sample``."""
+    specs: list[tuple[str, str, tuple[int, ...]]] = []
+
+    def walk(value: Any) -> TreeDef:
+        leaf = _leaf_of(value)
+        if leaf is not None:
+            specs.append(leaf)
+            return ["leaf", len(specs) - 1]
+        if isinstance(value, Mapping):
+            for k in value:
+                if not isinstance(k, (str, int)):
+                    raise LayoutError(f"dict keys must be str or int, got {type(k).__name__}")
+            return ["dict", [[k, walk(v)] for k, v in value.items()]]
+        if isinstance(value, (tuple, list)):
+            return ["list" if isinstance(value, list) else "tuple", [walk(v) for v in value]]
+        raise LayoutError(
+            f"default_collate cannot batch {type(value).__name__}; samples must be tensors, "
+            "numpy arrays, numbers or strings in tuples, lists or dicts"
+        )
+
+    treedef = walk(sample)
+    leaves = []
+    offset = 0
+    for kind, dtype, shape in specs:
+        if kind == "str":
+            leaves.append(Leaf(kind, dtype, shape, offset, 0))
+            continue
+        row = int(np.prod(shape, dtype=np.int64)) * getattr(torch, dtype).itemsize
+        capacity = align(row * batch_size)
+        leaves.append(Leaf(kind, dtype, shape, offset, capacity))
+        offset += capacity
+    return Layout(treedef, tuple(leaves), batch_size, max(offset, 64))
+
+
+def flatten(sample: Any, treedef: TreeDef, out: list[Any]) -> None:
+    """Append ``sample``'s leaves in treedef order; LayoutError if its structure differs."""
+    tag, body = treedef
+    if tag == "leaf":
+        out.append(sample)
+    elif tag == "dict":
+        if not isinstance(sample, Mapping) or len(sample) != len(body):
+            raise LayoutError("sample structure differs from the first sample's (dict)")
+        for key, child in body:
+            if key not in sample:
+                raise LayoutError(f"sample has no key {key!r}")
+            flatten(sample[key], child, out)
+    else:
+        if not isinstance(sample, (tuple, list)) or len(sample) != len(body):
+            raise LayoutError(f"sample structure differs from the first sample's ({tag})")
+        for value, child in zip(sample, body, strict=True):
+            flatten(value, child, out)
+
+
+def leaf_views(layout: Layout, slot: torch.Tensor, rows: int) -> list[torch.Tensor | None]:
+    """Views of the first ``rows`` rows of every tensor leaf inside ``slot`` (uint8)."""
+    views: list[torch.Tensor | None] = []
+    for leaf in layout.leaves:
+        if leaf.kind == "str":
+            views.append(None)
+            continue
+        nbytes = leaf.row_bytes * rows
+        raw = slot[leaf.offset : leaf.offset + nbytes]
+        views.append(raw.view(leaf.torch_dtype).view(rows, *leaf.shape))
+    return views
+
+
+def _fetch_samples(dataset: Any, indices: Sequence[int]) -> list[Any]:
+    getitems = getattr(dataset, "__getitems__", None)
+    if getitems is not None:
+        try:
+            return list(getitems(list(indices)))
+        except Exception as exc:
+            raise SampleFailure(
+                "sample-error",
+                f"__getitems__ for indices {list(indices)[:8]}... raised "
+                f"{type(exc).__name__}: {exc}",
+                None,
+                type(exc).__name__,
+            ) from exc
+    samples = []
+    for i in indices:
+        try:
+            samples.append(dataset[i])
+        except Exception as exc:
+            raise SampleFailure(
+                "sample-error",
+                f"sample {i} raised {type(exc).__name__}: {exc}",
+                i,
+                type(exc).__name__,
+            ) from exc
+    return samples
+
+
+def _write_leaf(leaf: Leaf, view: torch.Tensor, values: list[Any], indices: Sequence[int]) -> None:
+    for value, index in zip(values, indices, strict=True):
+        spec = _leaf_of(value)
+        if spec is None or spec[1] != leaf.dtype or spec[2] != leaf.shape:
+            got = "unbatchable value" if spec is None else f"{spec[1]} {list(spec[2])}"
+            slug = "batch-too-large" if spec and _nbytes(spec) > _nbytes(leaf) else "sample-error"
+            raise SampleFailure(
+                slug,
+                f"sample {index}: a field is {got}, but the loader's layout (from the first "
+                f"sample) is {leaf.dtype} {list(leaf.shape)}; samples must have equal shapes "
+                "and dtypes, as default_collate requires",
+                index,
+                "LayoutError",
+            )
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        torch.stack(values, out=view)
+    elif isinstance(first, (np.ndarray, np.generic)):
+        np.stack(values, out=view.numpy())
+    else:
+        view.numpy()[:] = values
+
+
+def _nbytes(spec: Leaf | tuple[str, str, tuple[int, ...]]) -> int:
+    if isinstance(spec, Leaf):
+        return spec.row_bytes
+    return int(np.prod(spec[2], dtype=np.int64)) * getattr(torch, spec[1]).itemsize
+
+
+def fill_slot(
+    dataset: Any, layout: Layout, slot: torch.Tensor, indices: Sequence[int]
+) -> bytes:
+    """Write the batch for ``indices`` into ``slot``; return the strings JSON (or b"")."""
+    rows = len(indices)
+    if rows > layout.batch_size:
+        raise SampleFailure(
+            "batch-too-large", f"{rows} samples exceed batch_size {layout.batch_size}", None, ""
+        )
+    views = leaf_views(layout, slot, rows)
+    if isinstance(dataset, BatchFetcher) and not layout.has_strings:
+        try:
+            dataset.fetch_into(indices, [v for v in views if v is not None])
+            return b""
+        except Exception:  # noqa: S110 - the per-sample path below names the failing index
+            pass
+    samples = _fetch_samples(dataset, indices)
+    flats: list[list[Any]] = []
+    for sample, index in zip(samples, indices, strict=True):
+        flat: list[Any] = []
+        try:
+            flatten(sample, layout.treedef, flat)
+        except LayoutError as exc:
+            raise SampleFailure("sample-error", f"sample {index}: {exc}", index, "LayoutError")
+        flats.append(flat)
+    strings: list[list[str]] = []
+    for j, (leaf, view) in enumerate(zip(layout.leaves, views, strict=True)):
+        values = [flat[j] for flat in flats]
+        if view is None:
+            if not all(isinstance(v, str) for v in values):
+                raise SampleFailure(
+                    "sample-error", "a string field holds a non-string value", None, "LayoutError"
+                )
+            strings.append(values)
+        else:
+            _write_leaf(leaf, view, values, indices)
+    return json.dumps(strings).encode() if strings else b""

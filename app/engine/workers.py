@@ -1,0 +1,270 @@
+"""The worker pool: ``num_workers`` processes that collate batches into ring slots.
+
+Workers are forked from a forkserver that has already imported torch and the dataset
+kinds, so starting one costs milliseconds and never forks the server's threads. Each
+worker builds the dataset from its spec (memory-mapped kinds share pages; nothing is
+pickled per worker), maps the ring once, then serves tasks ``(seq, slot, indices)``
+from its pipe and answers ``(seq, strings_json, error)``.
+
+A worker that dies is replaced and its outstanding tasks are sent to the new one;
+a task that kills workers repeatedly comes back as an error for that batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import random
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing import reduction
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import numpy as np
+import torch
+
+from app.datasets import DatasetContext, build_dataset
+from app.engine.collate import Layout, SampleFailure, fill_slot
+from app.engine.ring import map_ring
+
+log = logging.getLogger("pinfeed.workers")
+
+MAX_TASK_RETRIES = 2
+
+# (seq, strings_json, error_info or None)
+Result = tuple[int, bytes, dict[str, Any] | None]
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    loader: str
+    kind: str
+    params: dict[str, Any]
+    context: DatasetContext
+    layout: dict[str, Any]
+    ring_size: int
+    slot_bytes: int
+    seed: int
+
+
+def _error_info(exc: BaseException) -> dict[str, Any]:
+    if isinstance(exc, SampleFailure):
+        return exc.info()
+    return {
+        "type": "sample-error",
+        "detail": f"{type(exc).__name__}: {exc}",
+        "index": None,
+        "error_type": type(exc).__name__,
+        "where": traceback.format_exc(limit=-3),
+    }
+
+
+def worker_main(worker_id: int, conn: Connection, spec: WorkerSpec) -> None:
+    """Entry point of a worker process."""
+    torch.set_num_threads(1)
+    seed = spec.seed + worker_id
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    try:
+        fd = reduction.recv_handle(conn)
+        mm, base = map_ring(fd, spec.ring_size)
+        os.close(fd)
+        dataset = build_dataset(spec.kind, spec.params, spec.context)
+        layout = Layout.from_json(spec.layout)
+    except BaseException as exc:
+        conn.send((-1, b"", _error_info(exc)))
+        return
+    conn.send((-1, b"", None))  # ready
+    while True:
+        try:
+            task = conn.recv()
+        except (EOFError, OSError):
+            break  # the server went away
+        if task is None:
+            break
+        seq, slot, indices = task
+        start = slot * spec.slot_bytes
+        try:
+            strings = fill_slot(dataset, layout, base[start : start + spec.slot_bytes], indices)
+            conn.send((seq, strings, None))
+        except Exception as exc:
+            conn.send((seq, b"", _error_info(exc)))
+    del base
+    mm.close()
+
+
+@dataclass
+class _Worker:
+    wid: int
+    process: Any
+    conn: Connection
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+    outstanding: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
+    busy_s: float = 0.0
+    started: dict[int, float] = field(default_factory=dict)
+
+
+class WorkerPool:
+    """Processes that fill slots; results go to ``on_result`` from one collector thread."""
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        ring_fd: int,
+        num_workers: int,
+        on_result: Callable[[Result], None],
+        on_fatal: Callable[[str], None],
+    ) -> None:
+        self.spec = spec
+        self._ring_fd = ring_fd
+        self._ctx = mp.get_context("forkserver")
+        self._on_result = on_result
+        self._on_fatal = on_fatal
+        self._lock = threading.Lock()
+        self._workers: list[_Worker] = []
+        self._retries: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._next_id = 0
+        self.restarts = 0
+        for _ in range(num_workers):
+            self._workers.append(self._spawn())
+        self._collector = threading.Thread(
+            target=self._collect, name=f"pinfeed-collect-{spec.loader}", daemon=True
+        )
+        self._collector.start()
+
+    @property
+    def size(self) -> int:
+        return len(self._workers)
+
+    def _spawn(self) -> _Worker:
+        parent, child = self._ctx.Pipe(duplex=True)
+        wid = self._next_id
+        self._next_id += 1
+        proc = self._ctx.Process(
+            target=worker_main,
+            args=(wid, child, self.spec),
+            name=f"pinfeed-worker-{self.spec.loader}-{wid}",
+            daemon=True,
+        )
+        proc.start()
+        child.close()
+        reduction.send_handle(parent, self._ring_fd, proc.pid)
+        # Wait (bounded) for the worker to map the ring and build its dataset.
+        if not parent.poll(120):
+            proc.kill()
+            raise RuntimeError(f"worker {wid} did not start within 120 s")
+        _, _, error = parent.recv()
+        if error is not None:
+            proc.join(5)
+            raise RuntimeError(f"worker {wid} failed to start: {error['detail']}")
+        return _Worker(wid, proc, parent)
+
+    def submit(self, seq: int, slot: int, indices: list[int]) -> None:
+        with self._lock:
+            worker = min(self._workers, key=lambda w: len(w.outstanding))
+            worker.outstanding[seq] = (slot, indices)
+            worker.started.setdefault(seq, time.perf_counter())
+        self._send(worker, (seq, slot, indices))
+
+    def _send(self, worker: _Worker, message: Any) -> None:
+        try:
+            with worker.send_lock:
+                worker.conn.send(message)
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            pass  # the collector sees the death and re-sends the worker's tasks
+
+    def busy_seconds(self) -> float:
+        with self._lock:
+            return sum(w.busy_s for w in self._workers)
+
+    def _collect(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                by_conn = {w.conn: w for w in self._workers}
+                by_sentinel = {w.process.sentinel: w for w in self._workers}
+            ready = wait([*by_conn, *by_sentinel], timeout=0.2)
+            for obj in ready:
+                if obj in by_conn:
+                    self._receive(by_conn[obj])  # type: ignore[index]
+            for obj in ready:
+                if obj in by_sentinel and not self._stop.is_set():
+                    self._replace(by_sentinel[obj])  # type: ignore[index]
+
+    def _receive(self, worker: _Worker) -> None:
+        try:
+            while worker.conn.poll():
+                seq, strings, error = worker.conn.recv()
+                with self._lock:
+                    worker.outstanding.pop(seq, None)
+                    t0 = worker.started.pop(seq, None)
+                    if t0 is not None:
+                        worker.busy_s += time.perf_counter() - t0
+                    self._retries.pop(seq, None)
+                self._on_result((seq, strings, error))
+        except (EOFError, OSError):
+            pass  # dead: its sentinel fires and _replace handles it
+
+    def _replace(self, dead: _Worker) -> None:
+        dead.process.join(1)
+        code = dead.process.exitcode
+        log.warning(
+            "loader %s: worker %d died (exit code %s); replacing it",
+            self.spec.loader, dead.wid, code,
+        )
+        self._receive(dead)  # results it sent before dying
+        with self._lock:
+            self._workers.remove(dead)
+        dead.conn.close()
+        self.restarts += 1
+        try:
+            worker = self._spawn()
+        except Exception as exc:
+            self._on_fatal(f"worker {dead.wid} died (exit code {code}) and no replacement "
+                           f"could start: {exc}")
+            return
+        with self._lock:
+            self._workers.append(worker)
+        for seq, (slot, indices) in sorted(dead.outstanding.items()):
+            tries = self._retries.get(seq, 0) + 1
+            self._retries[seq] = tries
+            if tries > MAX_TASK_RETRIES:
+                self._on_result((seq, b"", {
+                    "type": "sample-error",
+                    "detail": f"worker died (exit code {code}) {tries} times producing the "
+                              f"batch of indices {indices[:8]}...",
+                    "index": None,
+                    "error_type": "WorkerDied",
+                }))
+                continue
+            with self._lock:
+                worker.outstanding[seq] = (slot, indices)
+            self._send(worker, (seq, slot, indices))
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._collector.join(timeout)
+        for w in self._workers:
+            self._send(w, None)
+        deadline = time.monotonic() + timeout
+        for w in self._workers:
+            w.process.join(max(0.0, deadline - time.monotonic()))
+            if w.process.is_alive():
+                w.process.kill()
+                w.process.join(1)
+            w.conn.close()
+        self._workers.clear()
+
+
+def configure_forkserver() -> None:
+    """Preload torch and the dataset kinds in the forkserver (once per process)."""
+    try:
+        mp.set_forkserver_preload(["app.engine.workers"])
+    except Exception:  # pragma: no cover - older Pythons raise if already started
+        log.debug("forkserver preload not set", exc_info=True)

@@ -1,0 +1,103 @@
+"""SQLite persistence of datasets and loaders (the embedded default registry).
+
+Every change is one transaction, so a server killed at any moment restarts with a
+consistent registry. WAL mode lets readers run beside the one writer.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS datasets (
+    name TEXT PRIMARY KEY,
+    kind TEXT NOT NULL,
+    params TEXT NOT NULL,
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS loaders (
+    name TEXT PRIMARY KEY,
+    dataset TEXT NOT NULL REFERENCES datasets(name),
+    config TEXT NOT NULL,
+    created_at REAL NOT NULL
+);
+"""
+
+
+class DuplicateName(Exception):
+    pass
+
+
+class Registry:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _write(self, sql: str, args: tuple[Any, ...]) -> int:
+        with self._lock:
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                cur = self._db.execute(sql, args)
+                self._db.execute("COMMIT")
+                return cur.rowcount
+            except sqlite3.IntegrityError as exc:
+                self._db.execute("ROLLBACK")
+                raise DuplicateName(str(exc)) from None
+            except BaseException:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
+
+    def _read(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        with self._lock:
+            return list(self._db.execute(sql, args).fetchall())
+
+    # datasets
+    def add_dataset(self, name: str, kind: str, params: dict[str, Any]) -> float:
+        now = time.time()
+        self._write("INSERT INTO datasets VALUES (?, ?, ?, ?)",
+                    (name, kind, json.dumps(params), now))
+        return now
+
+    def datasets(self) -> list[dict[str, Any]]:
+        return [
+            {"name": n, "kind": k, "params": json.loads(p), "created_at": c}
+            for n, k, p, c in self._read("SELECT * FROM datasets ORDER BY name")
+        ]
+
+    def delete_dataset(self, name: str) -> bool:
+        return self._write("DELETE FROM datasets WHERE name = ?", (name,)) > 0
+
+    # loaders
+    def add_loader(self, name: str, dataset: str, config: dict[str, Any]) -> float:
+        now = time.time()
+        self._write("INSERT INTO loaders VALUES (?, ?, ?, ?)",
+                    (name, dataset, json.dumps(config), now))
+        return now
+
+    def update_loader(self, name: str, config: dict[str, Any]) -> None:
+        self._write("UPDATE loaders SET config = ? WHERE name = ?", (json.dumps(config), name))
+
+    def loaders(self) -> list[dict[str, Any]]:
+        return [
+            {"name": n, "dataset": d, "config": json.loads(c), "created_at": t}
+            for n, d, c, t in self._read("SELECT * FROM loaders ORDER BY name")
+        ]
+
+    def delete_loader(self, name: str) -> bool:
+        return self._write("DELETE FROM loaders WHERE name = ?", (name,)) > 0

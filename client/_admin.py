@@ -1,0 +1,120 @@
+"""``Client``: the HTTP admin API for scripts and orchestration tools (httpx).
+
+    with Client() as c:
+        c.create_dataset("demo", "synthetic", {...})
+        c.create_loader("demo", dataset="demo", batch_size=10, shuffle=True, seed=0)
+        print(c.loader_stats("demo")["consumer_wait_share"])
+
+Problem+json errors come back as the typed exceptions of ``client._errors``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import httpx
+
+from client._errors import PinfeedError, ProblemError, error_from_slug
+
+DEFAULT_URL = "http://127.0.0.1:8321"
+
+
+class Client:
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        token: str | None = None,
+        timeout: float = 30.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        url = url or os.environ.get("PINFEED_URL", DEFAULT_URL)
+        token = token if token is not None else os.environ.get("PINFEED_TOKEN")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=url, headers=headers, timeout=timeout,
+                                  transport=transport)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise PinfeedError(
+                f"cannot reach the pinfeed server at {self._http.base_url}: {exc}; "
+                "is `pinfeed serve` running (PINFEED_URL)?"
+            ) from None
+        if response.status_code >= 400:
+            raise self._problem(response)
+        if response.status_code == 204 or not response.content:
+            return None
+        return response.json()
+
+    @staticmethod
+    def _problem(response: httpx.Response) -> PinfeedError:
+        try:
+            body = response.json()
+        except ValueError:
+            body = {}
+        if not isinstance(body, dict):
+            body = {}
+        slug = str(body.pop("type", ""))
+        detail = str(body.pop("detail", response.text or response.reason_phrase))
+        error = error_from_slug(slug, detail, **body)
+        if not isinstance(error, ProblemError):
+            error = ProblemError(detail, **body)
+        error.status = response.status_code
+        return error
+
+    # health
+    def health(self) -> dict[str, Any]:
+        result: dict[str, Any] = self._request("GET", "/healthz")
+        return result
+
+    # datasets
+    def create_dataset(self, name: str, kind: str, params: dict[str, Any]) -> dict[str, Any]:
+        result: dict[str, Any] = self._request(
+            "POST", "/v1/datasets", json={"name": name, "kind": kind, "params": params}
+        )
+        return result
+
+    def datasets(self) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = self._request("GET", "/v1/datasets")
+        return result
+
+    def dataset(self, name: str) -> dict[str, Any]:
+        result: dict[str, Any] = self._request("GET", f"/v1/datasets/{name}")
+        return result
+
+    def delete_dataset(self, name: str) -> None:
+        self._request("DELETE", f"/v1/datasets/{name}")
+
+    # loaders
+    def create_loader(self, name: str, *, dataset: str, **config: Any) -> dict[str, Any]:
+        result: dict[str, Any] = self._request(
+            "POST", "/v1/loaders", json={"name": name, "dataset": dataset, **config}
+        )
+        return result
+
+    def loaders(self) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = self._request("GET", "/v1/loaders")
+        return result
+
+    def loader(self, name: str) -> dict[str, Any]:
+        result: dict[str, Any] = self._request("GET", f"/v1/loaders/{name}")
+        return result
+
+    def loader_stats(self, name: str) -> dict[str, Any]:
+        result: dict[str, Any] = self._request("GET", f"/v1/loaders/{name}/stats")
+        return result
+
+    def delete_loader(self, name: str) -> None:
+        self._request("DELETE", f"/v1/loaders/{name}")

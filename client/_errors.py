@@ -1,0 +1,129 @@
+"""The client's exception tree.
+
+Every HTTP problem+json ``type`` and every data-plane error maps back to one class
+here, so a script can ``except pinfeed.NotFound`` whether the error came over HTTP
+or over the Unix socket.
+
+    PinfeedError
+    ├── ProblemError            an HTTP problem+json response (status, type, detail)
+    │   ├── InvalidRequest      422/400: the request body or a parameter is wrong
+    │   ├── Unauthorized        401: a bearer token is required or wrong
+    │   ├── NotFound            404: no such dataset or loader
+    │   ├── Conflict            409: exists already, or still in use
+    │   └── InsufficientMemory  507: the ring would exceed the memory budget
+    └── DataPlaneError          errors on the Unix socket
+        ├── ServerUnavailable   cannot connect, or the server closed the connection
+        ├── LoaderBusy          another consumer is attached to this loader
+        ├── LoaderFailed        the loader could not start (bad dataset, layout)
+        ├── SampleError         a sample raised in the dataset (carries the index)
+        └── BatchTooLarge       a batch does not fit its ring slot
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PROBLEM_PREFIX = "urn:pinfeed:problem:"
+
+
+class PinfeedError(Exception):
+    """Base class of every pinfeed error."""
+
+    slug = "error"
+
+    def __init__(self, detail: str, **extra: Any) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.extra = extra
+
+    @property
+    def type(self) -> str:
+        return PROBLEM_PREFIX + self.slug
+
+
+class ProblemError(PinfeedError):
+    """An HTTP problem+json response."""
+
+    slug = "error"
+    status = 500
+
+
+class InvalidRequest(ProblemError):
+    slug = "invalid-request"
+    status = 422
+
+
+class Unauthorized(ProblemError):
+    slug = "unauthorized"
+    status = 401
+
+
+class NotFound(ProblemError):
+    slug = "not-found"
+    status = 404
+
+
+class Conflict(ProblemError):
+    slug = "conflict"
+    status = 409
+
+
+class InsufficientMemory(ProblemError):
+    slug = "insufficient-memory"
+    status = 507
+
+
+class DataPlaneError(PinfeedError):
+    """An error on the data-plane Unix socket."""
+
+    slug = "data-plane"
+
+
+class ServerUnavailable(DataPlaneError):
+    slug = "server-unavailable"
+
+
+class LoaderBusy(DataPlaneError):
+    slug = "loader-busy"
+
+
+class LoaderFailed(DataPlaneError):
+    slug = "loader-failed"
+
+
+class SampleError(DataPlaneError):
+    """A sample raised in the dataset; ``index`` names it, ``error_type`` the original."""
+
+    slug = "sample-error"
+
+    @property
+    def index(self) -> int | None:
+        value = self.extra.get("index")
+        return int(value) if value is not None else None
+
+    @property
+    def error_type(self) -> str:
+        return str(self.extra.get("error_type", ""))
+
+
+class BatchTooLarge(DataPlaneError):
+    slug = "batch-too-large"
+
+
+def _all_subclasses(cls: type[PinfeedError]) -> list[type[PinfeedError]]:
+    out: list[type[PinfeedError]] = []
+    for sub in cls.__subclasses__():
+        out.append(sub)
+        out.extend(_all_subclasses(sub))
+    return out
+
+
+_BY_SLUG: dict[str, type[PinfeedError]] = {c.slug: c for c in _all_subclasses(PinfeedError)}
+
+
+def error_from_slug(slug: str, detail: str, **extra: Any) -> PinfeedError:
+    """Rebuild the typed exception for a problem ``type`` (or a bare slug)."""
+    if slug.startswith(PROBLEM_PREFIX):
+        slug = slug[len(PROBLEM_PREFIX) :]
+    cls = _BY_SLUG.get(slug, PinfeedError)
+    return cls(detail, **extra)

@@ -1,0 +1,311 @@
+"""``Loader``: the trainer-side iterable over a pinfeed loader.
+
+    loader = Loader("demo")                  # attach: ring fd + layout, mapped once
+    for images, labels in loader:            # one epoch; iterate again for the next
+        ...
+
+Yields the same nested structure as DataLoader (tuple, list or dict of tensors).
+Without ``copy`` or ``device`` the tensors are zero-copy views into the server's ring:
+**a view stays valid until the next batch is requested**; keep data longer with
+``copy=True`` (owned CPU tensors) or ``device="cuda"`` (a non_blocking copy on a
+side stream; the slot is released once that copy's CUDA event has completed).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from client import _protocol as p
+from client._errors import DataPlaneError, ServerUnavailable, error_from_slug
+from client._ring import RingMapping
+
+PIN_WARNING = (
+    "'pin_memory' argument is set as true but no accelerator is found, "
+    "then device pinned memory won't be used."
+)
+
+Builder = Callable[[list[Any]], Any]
+
+
+def _builder(node: list[Any]) -> Builder:
+    """Turn a treedef into a function from flat leaves to the nested batch."""
+    tag, body = node
+    if tag == "leaf":
+        j = int(body)
+        return lambda leaves: leaves[j]
+    if tag == "dict":
+        keys = [k for k, _ in body]
+        subs = [_builder(c) for _, c in body]
+        return lambda leaves: {k: f(leaves) for k, f in zip(keys, subs, strict=True)}
+    subs = [_builder(c) for c in body]
+    if tag == "list":
+        return lambda leaves: [f(leaves) for f in subs]
+    return lambda leaves: tuple(f(leaves) for f in subs)
+
+
+def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, dict):
+        return {k: _map_tensors(v, fn) for k, v in batch.items()}
+    if isinstance(batch, list):
+        return [_map_tensors(v, fn) for v in batch]
+    if isinstance(batch, tuple):
+        return tuple(_map_tensors(v, fn) for v in batch)
+    return batch
+
+
+class Loader:
+    """Attach to loader ``name`` on the node's pinfeed server.
+
+    ``socket`` defaults to ``PINFEED_SOCKET``, then the server's default path.
+    ``device``: copy each batch there (``non_blocking`` on a copy stream).
+    ``copy``: yield owned CPU tensors instead of views into the ring.
+    ``timeout``: seconds to wait for one batch before raising ``TimeoutError``.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        socket: str | os.PathLike[str] | None = None,
+        device: str | torch.device | None = None,
+        copy: bool = False,
+        timeout: float | None = 600.0,
+    ) -> None:
+        self.name = name
+        self.socket_path = Path(socket) if socket is not None else p.default_socket_path()
+        self.device = torch.device(device) if device is not None else None
+        if self.device is not None and self.device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"device={device!r} was asked for, but CUDA is not available")
+        self.copy = copy
+        self._buf = bytearray(p.MAX_MESSAGE)
+        self._view = memoryview(self._buf)
+        self._release: list[int] = []  # slots to hand back with the next message
+        self._pending: list[tuple[int, torch.cuda.Event]] = []  # (slot, copy done)
+        self._in_epoch = False
+        self._closed = False
+        self._ring: RingMapping | None = None
+        self._sock = p.new_socket()
+        try:
+            self._attach(timeout)
+        except BaseException:
+            self._sock.close()
+            raise
+
+    # -- attach ----------------------------------------------------------------------
+    def _attach(self, timeout: float | None) -> None:
+        try:
+            self._sock.connect(str(self.socket_path))
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            raise ServerUnavailable(
+                f"no pinfeed server at {self.socket_path} ({exc.strerror}); start one with "
+                "`pinfeed serve` or set PINFEED_SOCKET"
+            ) from None
+        self._sock.settimeout(timeout)
+        self._sock.send(p.encode_json(p.ATTACH, {"loader": self.name,
+                                                 "version": p.PROTOCOL_VERSION}))
+        n, fds = self._recv()
+        if self._buf[0] != p.ATTACHED or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            self._raise(n)
+        meta = p.decode_json(self._view[:n])
+        self.meta = meta
+        self._ring = RingMapping(fds[0], int(meta["ring_bytes"]))
+        self.nslots = int(meta["nslots"])
+        self.slot_bytes = int(meta["slot_bytes"])
+        self.pin_memory = bool(meta["pin_memory"])
+        layout = meta["layout"]
+        self._leaves = [
+            (leaf["offset"], getattr(torch, leaf["dtype"]) if leaf["kind"] == "tensor" else None,
+             len(leaf["shape"]) + 1)
+            for leaf in layout["leaves"]
+        ]
+        self._ndims = sum(nd for _, dt, nd in self._leaves if dt is not None)
+        self._dims = struct.Struct(f"<{self._ndims}q")
+        self._build = _builder(layout["treedef"])
+        self._strides: dict[tuple[int, ...], tuple[int, ...]] = {}
+        if self.pin_memory:
+            if torch.cuda.is_available():
+                self._ring.register_cuda()
+            else:
+                warnings.warn(PIN_WARNING, stacklevel=3)
+        if self.device is not None and self.device.type == "cuda":
+            self._stream: torch.cuda.Stream | None = torch.cuda.Stream(self.device)
+        else:
+            self._stream = None
+
+    def _recv(self) -> tuple[int, list[int]]:
+        try:
+            n, fds = p.recv_message(self._sock, self._buf)
+        except TimeoutError:
+            raise TimeoutError(
+                f"no batch from loader {self.name!r} within {self._sock.gettimeout()} s; "
+                "check its stats (GET /v1/loaders/{name}/stats) or raise Loader(timeout=...)"
+            ) from None
+        except (ConnectionResetError, BrokenPipeError) as exc:
+            raise ServerUnavailable(f"lost the pinfeed server: {exc}") from None
+        if n == 0:
+            raise ServerUnavailable(
+                "the pinfeed server closed the connection (restarted or stopped); "
+                "create a new Loader to continue"
+            )
+        return n, fds
+
+    def _raise(self, n: int) -> None:
+        if self._buf[0] == p.ERROR:
+            info = p.decode_json(self._view[:n])
+            slug = str(info.pop("type", "data-plane"))
+            detail = str(info.pop("detail", "error"))
+            raise error_from_slug(slug, detail, **info)
+        raise DataPlaneError(f"unexpected message kind {self._buf[0]} from the server")
+
+    # -- iteration ---------------------------------------------------------------------
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        return int(self.meta["batches_per_epoch"])
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._closed:
+            raise RuntimeError("this Loader is closed")
+        if self._in_epoch:
+            self._skip_epoch()  # the last loop broke early: start the next epoch, as DataLoader
+        self._in_epoch = True
+        while True:
+            batch = self._next()
+            if batch is None:
+                self._in_epoch = False
+                return
+            yield batch
+
+    def _send_next(self, kind: int) -> None:
+        if self._pending:
+            self._collect_copies()
+        self._sock.send(p.encode_release(kind, self._release))
+        self._release.clear()
+
+    def _collect_copies(self) -> None:
+        # Release slots whose device copy has finished; block on the oldest only when
+        # we would otherwise hold so many slots that the server could not prefetch.
+        while self._pending and (
+            self._pending[0][1].query() or len(self._pending) >= max(1, self.nslots - 1)
+        ):
+            slot, event = self._pending.pop(0)
+            event.synchronize()
+            self._release.append(slot)
+
+    def _next(self) -> Any:
+        self._send_next(p.NEXT)
+        n, _ = self._recv()
+        kind = self._buf[0]
+        if kind == p.END:
+            return None
+        if kind != p.BATCH:
+            self._raise(n)
+        _, slot, _seq, epoch, index, nstr = p.BATCH_HEAD.unpack_from(self._buf)
+        self.epoch, self.index = epoch, index
+        dims = self._dims.unpack_from(self._buf, p.BATCH_HEAD.size)
+        strings = None
+        if nstr:
+            start = p.BATCH_HEAD.size + self._dims.size
+            strings = iter(json.loads(bytes(self._view[start : start + nstr])))
+        batch = self._build(self._leaves_for(slot, dims, strings))
+        return self._deliver(slot, batch)
+
+    def _leaves_for(self, slot: int, dims: tuple[int, ...], strings: Any) -> list[Any]:
+        assert self._ring is not None
+        out: list[Any] = []
+        base = slot * self.slot_bytes
+        d = 0
+        for offset, dtype, ndim in self._leaves:
+            if dtype is None:
+                out.append(next(strings))
+                continue
+            shape = dims[d : d + ndim]
+            d += ndim
+            stride = self._strides.get(shape)
+            if stride is None:
+                stride = self._strides[shape] = tuple(
+                    math.prod(shape[i + 1 :]) for i in range(len(shape))
+                )
+            typed = self._ring.typed(dtype)
+            out.append(torch.as_strided(typed, shape, stride, (base + offset) // dtype.itemsize))
+        return out
+
+    def _deliver(self, slot: int, batch: Any) -> Any:
+        if self._stream is not None:
+            assert self.device is not None
+            current = torch.cuda.current_stream(self.device)
+            with torch.cuda.stream(self._stream):
+                out = _map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
+                event = torch.cuda.Event()
+                event.record(self._stream)
+            current.wait_event(event)
+            _map_tensors(out, lambda t: (t.record_stream(current), t)[1])
+            self._pending.append((slot, event))
+            return out
+        if self.copy:
+            out = _map_tensors(batch, torch.Tensor.clone)
+            self._release.append(slot)
+            return out
+        self._release.append(slot)  # handed back with the next NEXT: the view lives until then
+        return batch
+
+    def _skip_epoch(self) -> None:
+        self._send_next(p.SKIP)
+        n, _ = self._recv()
+        if self._buf[0] != p.END:
+            self._raise(n)
+        self._in_epoch = False
+
+    # -- lifecycle -----------------------------------------------------------------------
+    @property
+    def cuda_registered(self) -> bool:
+        return bool(self._ring and self._ring.cuda_registered)
+
+    def ring_contains(self, t: torch.Tensor) -> bool:
+        """True if ``t``'s memory lies inside this loader's ring (a zero-copy view)."""
+        return bool(self._ring and self._ring.contains(t))
+
+    def close(self) -> None:
+        """Detach: hand back every slot, close the socket, unmap once no view is alive."""
+        if self._closed:
+            return
+        self._closed = True
+        for slot, event in self._pending:
+            event.synchronize()
+            self._release.append(slot)
+        self._pending.clear()
+        try:
+            if self._release:
+                self._sock.send(p.encode_release(p.RELEASE, self._release))
+        except OSError:
+            pass
+        self._release.clear()
+        self._sock.close()
+        if self._ring is not None:
+            self._ring.close()
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            try:
+                self.close()
+            except Exception:
+                pass
+

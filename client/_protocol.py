@@ -1,0 +1,118 @@
+"""The data-plane wire format, shared by the client and ``app.engine.dataplane``.
+
+One ``SOCK_SEQPACKET`` Unix socket per consumer: message boundaries are kept by the
+kernel, so every message is one ``send``/``recv`` with no framing. The first byte is
+the message kind. Control messages (attach, errors) carry JSON; the per-batch
+messages are fixed ``struct`` layouts so the hot path neither pickles nor allocates
+beyond the tensor views.
+
+client -> server
+    ATTACH  b"A" + JSON {"loader": name, "version": 1}
+    NEXT    b"N" + u16 count + count x u32 slots released     (one per batch)
+    RELEASE b"R" + u16 count + count x u32 slots released     (no reply)
+    SKIP    b"S"            drop the rest of the current epoch; reply END
+server -> client
+    ATTACHED b"a" + JSON layout, the ring's memfd in SCM_RIGHTS
+    BATCH    b"B" + BATCH_HEAD + leaf dims (int64) + optional JSON strings
+    END      b"E" + END_BODY (epoch, seq)
+    ERROR    b"X" + JSON {"type", "detail", ...}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+from pathlib import Path
+from typing import Any
+
+PROTOCOL_VERSION = 1
+
+ATTACH = ord("A")
+NEXT = ord("N")
+RELEASE = ord("R")
+SKIP = ord("S")
+ATTACHED = ord("a")
+BATCH = ord("B")
+END = ord("E")
+ERROR = ord("X")
+
+# kind, slot, seq, epoch, index in epoch, length of the trailing strings JSON
+BATCH_HEAD = struct.Struct("<B3xIQIII")
+END_BODY = struct.Struct("<B3xIQ")
+RELEASE_HEAD = struct.Struct("<BxH")
+SLOT = struct.Struct("<I")
+
+# Largest message either side sends. Batches of strings are the only variable part.
+MAX_MESSAGE = 256 * 1024
+# Slot offsets and leaf offsets are aligned so every dtype view is aligned too.
+ALIGN = 64
+
+DEFAULT_SOCKET_NAME = "pinfeed.sock"
+
+
+def default_run_dir() -> Path:
+    """Where the server puts its socket unless told otherwise."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime):
+        return Path(runtime) / "pinfeed"
+    return Path(f"/tmp/pinfeed-{os.getuid()}")
+
+
+def default_socket_path() -> Path:
+    """``PINFEED_SOCKET`` if set, else the server's default path."""
+    env = os.environ.get("PINFEED_SOCKET")
+    if env:
+        return Path(env)
+    return default_run_dir() / DEFAULT_SOCKET_NAME
+
+
+def align(n: int, to: int = ALIGN) -> int:
+    return (n + to - 1) // to * to
+
+
+def encode_json(kind: int, payload: dict[str, Any]) -> bytes:
+    return bytes([kind]) + json.dumps(payload, separators=(",", ":")).encode()
+
+
+def decode_json(data: bytes | bytearray | memoryview) -> dict[str, Any]:
+    value = json.loads(bytes(data[1:]))
+    if not isinstance(value, dict):
+        raise ValueError("expected a JSON object")
+    return value
+
+
+def encode_release(kind: int, slots: list[int]) -> bytes:
+    return RELEASE_HEAD.pack(kind, len(slots)) + b"".join(SLOT.pack(s) for s in slots)
+
+
+def decode_release(data: bytes | bytearray | memoryview) -> list[int]:
+    """Slots listed in a NEXT or RELEASE message; ValueError when malformed."""
+    if len(data) < RELEASE_HEAD.size:
+        raise ValueError("short release message")
+    _, count = RELEASE_HEAD.unpack_from(data)
+    if len(data) != RELEASE_HEAD.size + count * SLOT.size:
+        raise ValueError("release message length does not match its count")
+    return [SLOT.unpack_from(data, RELEASE_HEAD.size + i * SLOT.size)[0] for i in range(count)]
+
+
+def new_socket() -> socket.socket:
+    return socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+
+
+def recv_message(sock: socket.socket, buf: bytearray) -> tuple[int, list[int]]:
+    """Receive one message into ``buf``; return (length, fds). Length 0 means EOF."""
+    fds: list[int] = []
+    nbytes, ancdata, flags, _ = sock.recvmsg_into(
+        [buf], socket.CMSG_SPACE(4 * struct.calcsize("i"))
+    )
+    for level, ctype, data in ancdata:
+        if level == socket.SOL_SOCKET and ctype == socket.SCM_RIGHTS:
+            usable = len(data) - len(data) % 4
+            fds.extend(struct.unpack(f"{usable // 4}i", data[:usable]))
+    if flags & socket.MSG_TRUNC:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError(f"message longer than {len(buf)} bytes")
+    return nbytes, fds
