@@ -13,12 +13,14 @@ side stream; the slot is released once that copy's CUDA event has completed).
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
 import math
 import os
 import struct
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +48,25 @@ def _builder(node: list[Any]) -> Builder:
         keys = [k for k, _ in body]
         subs = [_builder(c) for _, c in body]
         return lambda leaves: {k: f(leaves) for k, f in zip(keys, subs, strict=True)}
+    if tag == "namedtuple":
+        typename, fields, children = body
+        cls = collections.namedtuple(typename, fields)  # type: ignore[misc]
+        nsubs = [_builder(c) for c in children]
+        return lambda leaves: cls(*(f(leaves) for f in nsubs))
     subs = [_builder(c) for c in body]
     if tag == "list":
         return lambda leaves: [f(leaves) for f in subs]
     return lambda leaves: tuple(f(leaves) for f in subs)
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, dict):
+        return [t for v in batch.values() for t in _tensors(v)]
+    if isinstance(batch, (list, tuple)):
+        return [t for v in batch for t in _tensors(v)]
+    return []
 
 
 def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -112,8 +129,9 @@ class Loader:
                 "`pinfeed serve` or set PINFEED_SOCKET"
             ) from None
         self._sock.settimeout(timeout)
-        self._sock.send(p.encode_json(p.ATTACH, {"loader": self.name,
-                                                 "version": p.PROTOCOL_VERSION}))
+        self._sock.send(
+            p.encode_json(p.ATTACH, {"loader": self.name, "version": p.PROTOCOL_VERSION})
+        )
         n, fds = self._recv()
         if self._buf[0] != p.ATTACHED or len(fds) != 1:
             for fd in fds:
@@ -127,8 +145,11 @@ class Loader:
         self.pin_memory = bool(meta["pin_memory"])
         layout = meta["layout"]
         self._leaves = [
-            (leaf["offset"], getattr(torch, leaf["dtype"]) if leaf["kind"] == "tensor" else None,
-             len(leaf["shape"]) + 1)
+            (
+                leaf["offset"],
+                getattr(torch, leaf["dtype"]) if leaf["kind"] == "tensor" else None,
+                len(leaf["shape"]) + 1,
+            )
             for leaf in layout["leaves"]
         ]
         self._ndims = sum(nd for _, dt, nd in self._leaves if dt is not None)
@@ -141,7 +162,7 @@ class Loader:
             else:
                 warnings.warn(PIN_WARNING, stacklevel=3)
         if self.device is not None and self.device.type == "cuda":
-            self._stream: torch.cuda.Stream | None = torch.cuda.Stream(self.device)
+            self._stream: torch.cuda.Stream | None = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         else:
             self._stream = None
 
@@ -175,18 +196,24 @@ class Loader:
         """Batches per epoch."""
         return int(self.meta["batches_per_epoch"])
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Loader:
+        """Start an epoch. If the last one was left unfinished, its rest is skipped,
+        so every ``for`` loop is a fresh epoch, as with DataLoader."""
         if self._closed:
             raise RuntimeError("this Loader is closed")
         if self._in_epoch:
-            self._skip_epoch()  # the last loop broke early: start the next epoch, as DataLoader
+            self._skip_epoch()
         self._in_epoch = True
-        while True:
-            batch = self._next()
-            if batch is None:
-                self._in_epoch = False
-                return
-            yield batch
+        return self
+
+    def __next__(self) -> Any:
+        if not self._in_epoch:
+            raise StopIteration
+        batch = self._next()
+        if batch is None:
+            self._in_epoch = False
+            raise StopIteration
+        return batch
 
     def _send_next(self, kind: int) -> None:
         if self._pending:
@@ -197,9 +224,11 @@ class Loader:
     def _collect_copies(self) -> None:
         # Release slots whose device copy has finished; block on the oldest only when
         # we would otherwise hold so many slots that the server could not prefetch.
-        while self._pending and (
-            self._pending[0][1].query() or len(self._pending) >= max(1, self.nslots - 1)
-        ):
+        hold = max(1, self.nslots - 1)
+        while self._pending:
+            done = self._pending[0][1].query()  # type: ignore[no-untyped-call]
+            if not done and len(self._pending) < hold:
+                break
             slot, event = self._pending.pop(0)
             event.synchronize()
             self._release.append(slot)
@@ -248,10 +277,13 @@ class Loader:
             current = torch.cuda.current_stream(self.device)
             with torch.cuda.stream(self._stream):
                 out = _map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
-                event = torch.cuda.Event()
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 event.record(self._stream)
             current.wait_event(event)
-            _map_tensors(out, lambda t: (t.record_stream(current), t)[1])
+            for t in _tensors(out):
+                # The trainer uses these on its own stream: keep the allocator from
+                # recycling them until that stream is done with them.
+                t.record_stream(current)
             self._pending.append((slot, event))
             return out
         if self.copy:
@@ -304,8 +336,5 @@ class Loader:
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
-            try:
+            with contextlib.suppress(Exception):
                 self.close()
-            except Exception:
-                pass
-

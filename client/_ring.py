@@ -27,8 +27,9 @@ def _storage_users(t: torch.Tensor) -> int:
 class RingMapping:
     def __init__(self, fd: int, size: int) -> None:
         try:
-            self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED,
-                                 prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            self._mm = mmap.mmap(
+                fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
+            )
         finally:
             os.close(fd)  # the mapping keeps the memfd alive
         self.size = size
@@ -51,7 +52,7 @@ class RingMapping:
         """Page-lock the whole ring for CUDA once, so every view is ``is_pinned()``."""
         if self.cuda_registered:
             return
-        cudart = torch.cuda.cudart()
+        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
         torch.cuda.check_error(cudart.cudaHostRegister(self.ptr, self.size, 0))
         self.cuda_registered = True
 
@@ -76,7 +77,8 @@ class RingMapping:
         self._closed = True
         if self.cuda_registered:
             # Unregister before unmapping; never after.
-            torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(self.ptr))
+            cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+            torch.cuda.check_error(cudart.cudaHostUnregister(self.ptr))
             self.cuda_registered = False
         self._typed.clear()
         del self.base

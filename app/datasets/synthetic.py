@@ -16,7 +16,16 @@ from app.datasets.base import DatasetContext, DatasetError, Params, parse_params
 _DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
     for name in (
-        "float16 bfloat16 float32 float64 uint8 int8 int16 int32 int64 bool".split()
+        "float16",
+        "bfloat16",
+        "float32",
+        "float64",
+        "uint8",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "bool",
     )
 }
 

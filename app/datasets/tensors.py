@@ -95,7 +95,7 @@ class TensorsDataset:
         self._kind: type = dict if keys is not None else type(data)
         self._keys = keys
         self.tensors = tensors
-        self._length = lengths.pop()
+        self._length: int = int(lengths.pop())
 
     def __len__(self) -> int:
         return self._length

@@ -24,7 +24,8 @@ import torch
 from app.datasets.base import BatchFetcher
 from client._protocol import align
 
-# treedef: ["leaf", j] | ["tuple", [..]] | ["list", [..]] | ["dict", [[key, ..], ..]]
+# treedef: ["leaf", j] | ["list", [..]] | ["dict", [[key, ..], ..]]
+#        | ["namedtuple", [typename, [field, ..], [..]]]
 TreeDef = list[Any]
 
 
@@ -81,8 +82,13 @@ class Layout:
         return {
             "treedef": self.treedef,
             "leaves": [
-                {"kind": x.kind, "dtype": x.dtype, "shape": list(x.shape), "offset": x.offset,
-                 "capacity": x.capacity}
+                {
+                    "kind": x.kind,
+                    "dtype": x.dtype,
+                    "shape": list(x.shape),
+                    "offset": x.offset,
+                    "capacity": x.capacity,
+                }
                 for x in self.leaves
             ],
             "batch_size": self.batch_size,
@@ -113,6 +119,11 @@ class Layout:
                 return {"dtype": leaf.dtype, "shape": list(leaf.shape)}
             if tag == "dict":
                 return {str(k): walk(v) for k, v in body}
+            if tag == "namedtuple":
+                return {
+                    "namedtuple": body[0],
+                    "fields": dict(zip(body[1], map(walk, body[2]), strict=True)),
+                }
             return [walk(c) for c in body]
 
         return walk(self.treedef)
@@ -151,8 +162,13 @@ def probe(sample: Any, batch_size: int) -> Layout:
                 if not isinstance(k, (str, int)):
                     raise LayoutError(f"dict keys must be str or int, got {type(k).__name__}")
             return ["dict", [[k, walk(v)] for k, v in value.items()]]
+        if isinstance(value, tuple) and hasattr(value, "_fields"):
+            # default_collate rebuilds namedtuples; the client rebuilds one of this name.
+            children = [walk(v) for v in value]
+            return ["namedtuple", [type(value).__name__, list(value._fields), children]]
         if isinstance(value, (tuple, list)):
-            return ["list" if isinstance(value, list) else "tuple", [walk(v) for v in value]]
+            # default_collate returns a list for tuple samples too ("backwards compatibility").
+            return ["list", [walk(v) for v in value]]
         raise LayoutError(
             f"default_collate cannot batch {type(value).__name__}; samples must be tensors, "
             "numpy arrays, numbers or strings in tuples, lists or dicts"
@@ -185,6 +201,8 @@ def flatten(sample: Any, treedef: TreeDef, out: list[Any]) -> None:
                 raise LayoutError(f"sample has no key {key!r}")
             flatten(sample[key], child, out)
     else:
+        if tag == "namedtuple":
+            body = body[2]
         if not isinstance(sample, (tuple, list)) or len(sample) != len(body):
             raise LayoutError(f"sample structure differs from the first sample's ({tag})")
         for value, child in zip(sample, body, strict=True):
@@ -257,12 +275,11 @@ def _write_leaf(leaf: Leaf, view: torch.Tensor, values: list[Any], indices: Sequ
 def _nbytes(spec: Leaf | tuple[str, str, tuple[int, ...]]) -> int:
     if isinstance(spec, Leaf):
         return spec.row_bytes
-    return int(np.prod(spec[2], dtype=np.int64)) * getattr(torch, spec[1]).itemsize
+    itemsize: int = getattr(torch, spec[1]).itemsize
+    return int(np.prod(spec[2], dtype=np.int64)) * itemsize
 
 
-def fill_slot(
-    dataset: Any, layout: Layout, slot: torch.Tensor, indices: Sequence[int]
-) -> bytes:
+def fill_slot(dataset: Any, layout: Layout, slot: torch.Tensor, indices: Sequence[int]) -> bytes:
     """Write the batch for ``indices`` into ``slot``; return the strings JSON (or b"")."""
     rows = len(indices)
     if rows > layout.batch_size:
@@ -274,7 +291,7 @@ def fill_slot(
         try:
             dataset.fetch_into(indices, [v for v in views if v is not None])
             return b""
-        except Exception:  # noqa: S110 - the per-sample path below names the failing index
+        except Exception:
             pass
     samples = _fetch_samples(dataset, indices)
     flats: list[list[Any]] = []
@@ -283,7 +300,9 @@ def fill_slot(
         try:
             flatten(sample, layout.treedef, flat)
         except LayoutError as exc:
-            raise SampleFailure("sample-error", f"sample {index}: {exc}", index, "LayoutError")
+            raise SampleFailure(
+                "sample-error", f"sample {index}: {exc}", index, "LayoutError"
+            ) from None
         flats.append(flat)
     strings: list[list[str]] = []
     for j, (leaf, view) in enumerate(zip(layout.leaves, views, strict=True)):

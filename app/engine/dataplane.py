@@ -8,6 +8,7 @@ returned when it closes, however it closes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -72,16 +73,12 @@ class DataPlaneServer:
         with self._lock:
             conns = list(self._conns)
         for conn in conns:
-            try:
+            with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
         for t in list(self._threads):
             t.join(5)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
-        except FileNotFoundError:
-            pass
 
     def _accept_loop(self) -> None:
         assert self._sock is not None
@@ -99,8 +96,9 @@ class DataPlaneServer:
                 log.warning("refusing data-plane peer with uid %d", uid)
                 conn.close()
                 continue
-            t = threading.Thread(target=self._serve, args=(conn,), daemon=True,
-                                 name="pinfeed-consumer")
+            t = threading.Thread(
+                target=self._serve, args=(conn,), daemon=True, name="pinfeed-consumer"
+            )
             with self._lock:
                 self._threads.add(t)
                 self._conns.add(conn)
@@ -143,8 +141,13 @@ class DataPlaneServer:
         name = str(request.get("loader", ""))
         engine = self._lookup(name)
         if engine is None:
-            self._send_error(conn, {"type": "not-found", "detail": f"no loader named {name!r}; "
-                                    "create it with POST /v1/loaders"})
+            self._send_error(
+                conn,
+                {
+                    "type": "not-found",
+                    "detail": f"no loader named {name!r}; create it with POST /v1/loaders",
+                },
+            )
             return None
         try:
             engine.wait_started(self._attach_timeout)
@@ -152,8 +155,11 @@ class DataPlaneServer:
             self._send_error(conn, {"type": "loader-failed", "detail": str(exc)})
             return None
         if engine.state != "ready" or engine.ring is None:
-            self._send_error(conn, engine.failure or {
-                "type": "loader-failed", "detail": f"loader {name!r} is {engine.state}"})
+            self._send_error(
+                conn,
+                engine.failure
+                or {"type": "loader-failed", "detail": f"loader {name!r} is {engine.state}"},
+            )
             return None
         try:
             engine.attach()
@@ -199,8 +205,9 @@ class DataPlaneServer:
                 slots = p.decode_release(view[:n])
                 bad = [s for s in slots if s not in leased]
                 if bad:
-                    self._send_error(conn, {"type": "data-plane",
-                                            "detail": f"release of slots {bad} not leased"})
+                    self._send_error(
+                        conn, {"type": "data-plane", "detail": f"release of slots {bad} not leased"}
+                    )
                     return
                 leased.difference_update(slots)
                 engine.release(slots)
@@ -210,16 +217,18 @@ class DataPlaneServer:
             elif kind == p.SKIP:
                 item = self._skip_epoch(engine, leased)
             else:
-                self._send_error(conn, {"type": "data-plane",
-                                        "detail": f"unexpected message kind {kind}"})
+                self._send_error(
+                    conn, {"type": "data-plane", "detail": f"unexpected message kind {kind}"}
+                )
                 return
             if isinstance(item, BatchItem):
                 leased.add(item.slot)
                 dims = dims_cache.get(item.rows)
                 if dims is None:
                     dims = dims_cache[item.rows] = dims_message(engine.layout, item.rows)
-                head = p.BATCH_HEAD.pack(p.BATCH, item.slot, item.seq, item.epoch, item.index,
-                                         len(item.strings))
+                head = p.BATCH_HEAD.pack(
+                    p.BATCH, item.slot, item.seq, item.epoch, item.index, len(item.strings)
+                )
                 conn.sendmsg([head, dims, item.strings])
             elif isinstance(item, EndItem):
                 conn.send(p.END_BODY.pack(p.END, item.epoch, item.seq))
@@ -231,7 +240,9 @@ class DataPlaneServer:
                 if item.seq < 0:
                     return  # the loader itself failed or closed
 
-    def _skip_epoch(self, engine: LoaderEngine, leased: set[int]) -> BatchItem | EndItem | ErrorItem:
+    def _skip_epoch(
+        self, engine: LoaderEngine, leased: set[int]
+    ) -> BatchItem | EndItem | ErrorItem:
         """Drop what is left of the current epoch (a trainer broke out of its loop)."""
         while True:
             item = engine.next_item(self._stop)

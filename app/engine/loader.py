@@ -97,7 +97,10 @@ class LoaderEngine:
         self.dataset = dataset
         self.layout = layout
         self.sampler = EpochSampler(
-            len(dataset), config.batch_size, shuffle=config.shuffle, seed=config.seed,
+            len(dataset),
+            config.batch_size,
+            shuffle=config.shuffle,
+            seed=config.seed,
             drop_last=config.drop_last,
         )
         self.state = "starting"
@@ -120,8 +123,9 @@ class LoaderEngine:
 
     # -- lifecycle ---------------------------------------------------------------
     def start(self) -> None:
-        t = threading.Thread(target=self._boot, name=f"pinfeed-boot-{self.config.name}",
-                             daemon=True)
+        t = threading.Thread(
+            target=self._boot, name=f"pinfeed-boot-{self.config.name}", daemon=True
+        )
         self._threads.append(t)
         t.start()
 
@@ -130,8 +134,14 @@ class LoaderEngine:
             self.ring = Ring(self.config.name, self.nslots, self.layout.slot_bytes)
             if self.config.num_workers > 0:
                 spec = WorkerSpec(
-                    self.config.name, self._kind, self._params, self._context,
-                    self.layout.to_json(), self.ring.size, self.ring.slot_bytes, self.config.seed,
+                    self.config.name,
+                    self._kind,
+                    self._params,
+                    self._context,
+                    self.layout.to_json(),
+                    self.ring.size,
+                    self.ring.slot_bytes,
+                    self.config.seed,
                 )
                 self.pool = WorkerPool(
                     spec, self.ring.fd, self.config.num_workers, self._on_result, self._fail
@@ -238,8 +248,13 @@ class LoaderEngine:
                 else:
                     self.slots.move(task.slot, SlotState.FILLING, SlotState.FREE)
                     self.stats.errors += 1
-                    log.warning("loader %s: batch %d of epoch %d: %s", self.config.name,
-                                task.index, task.epoch, error.get("detail"))
+                    log.warning(
+                        "loader %s: batch %d of epoch %d: %s",
+                        self.config.name,
+                        task.index,
+                        task.epoch,
+                        error.get("detail"),
+                    )
                     self._queue.append(ErrorItem(seq, task.epoch, task.index, error))
                 if task.index == last:
                     self._queue.append(EndItem(task.epoch, seq))
@@ -274,10 +289,15 @@ class LoaderEngine:
                 if self.state == "failed" and self.failure is not None:
                     return ErrorItem(-1, -1, -1, self.failure)
                 if stop.is_set() or self.state in ("draining", "closed"):
-                    return ErrorItem(-1, -1, -1, {
-                        "type": "server-unavailable",
-                        "detail": f"loader {self.config.name!r} is shutting down or was deleted",
-                    })
+                    return ErrorItem(
+                        -1,
+                        -1,
+                        -1,
+                        {
+                            "type": "server-unavailable",
+                            "detail": f"loader {self.config.name!r} was deleted or is stopping",
+                        },
+                    )
                 self._ready_cond.wait(0.5)
             item = self._queue.popleft()
             if isinstance(item, BatchItem):

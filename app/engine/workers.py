@@ -192,10 +192,10 @@ class WorkerPool:
             ready = wait([*by_conn, *by_sentinel], timeout=0.2)
             for obj in ready:
                 if obj in by_conn:
-                    self._receive(by_conn[obj])  # type: ignore[index]
+                    self._receive(by_conn[obj])
             for obj in ready:
                 if obj in by_sentinel and not self._stop.is_set():
-                    self._replace(by_sentinel[obj])  # type: ignore[index]
+                    self._replace(by_sentinel[obj])
 
     def _receive(self, worker: _Worker) -> None:
         try:
@@ -216,7 +216,9 @@ class WorkerPool:
         code = dead.process.exitcode
         log.warning(
             "loader %s: worker %d died (exit code %s); replacing it",
-            self.spec.loader, dead.wid, code,
+            self.spec.loader,
+            dead.wid,
+            code,
         )
         self._receive(dead)  # results it sent before dying
         with self._lock:
@@ -226,8 +228,9 @@ class WorkerPool:
         try:
             worker = self._spawn()
         except Exception as exc:
-            self._on_fatal(f"worker {dead.wid} died (exit code {code}) and no replacement "
-                           f"could start: {exc}")
+            self._on_fatal(
+                f"worker {dead.wid} died (exit code {code}) and no replacement could start: {exc}"
+            )
             return
         with self._lock:
             self._workers.append(worker)
@@ -235,13 +238,19 @@ class WorkerPool:
             tries = self._retries.get(seq, 0) + 1
             self._retries[seq] = tries
             if tries > MAX_TASK_RETRIES:
-                self._on_result((seq, b"", {
-                    "type": "sample-error",
-                    "detail": f"worker died (exit code {code}) {tries} times producing the "
-                              f"batch of indices {indices[:8]}...",
-                    "index": None,
-                    "error_type": "WorkerDied",
-                }))
+                self._on_result(
+                    (
+                        seq,
+                        b"",
+                        {
+                            "type": "sample-error",
+                            "detail": f"worker died (exit code {code}) {tries} times producing the "
+                            f"batch of indices {indices[:8]}...",
+                            "index": None,
+                            "error_type": "WorkerDied",
+                        },
+                    )
+                )
                 continue
             with self._lock:
                 worker.outstanding[seq] = (slot, indices)

@@ -1,0 +1,159 @@
+"""The trainer's view: errors, one consumer per loader, pin warnings, lifecycle."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from client import (
+    BatchTooLarge,
+    Client,
+    Loader,
+    LoaderBusy,
+    NotFound,
+    SampleError,
+    ServerUnavailable,
+)
+from client._loader import PIN_WARNING
+from tests.conftest import Server
+from tests.helpers import unique
+
+FLAKY = {"factory": "tests.fixtures.datasets:Flaky", "kwargs": {"length": 40, "fail_at": 13}}
+
+
+@pytest.fixture(scope="module")
+def flaky(server: Server) -> str:
+    name = unique("flaky")
+    with server.client() as c:
+        c.create_dataset(name, "python", FLAKY)
+    return name
+
+
+def _synthetic(admin: Client, length: int = 32) -> str:
+    name = unique("syn")
+    admin.create_dataset(
+        name,
+        "synthetic",
+        {
+            "length": length,
+            "fields": [
+                {"shape": [4], "dtype": "float32"},
+                {"shape": [], "dtype": "int64", "high": 5},
+            ],
+        },
+    )
+    return name
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_sample_error_names_the_index_and_the_loader_recovers(
+    admin: Client, server: Server, flaky: str, num_workers: int
+) -> None:
+    name = unique("err")
+    admin.create_loader(name, dataset=flaky, batch_size=4, num_workers=num_workers)
+    with Loader(name, socket=server.socket) as loader:
+        it = iter(loader)
+        for b in range(3):  # batches 0-2: indices 0..11
+            _, y = next(it)
+            assert y.tolist() == list(range(4 * b, 4 * b + 4))
+        with pytest.raises(SampleError) as info:
+            next(it)  # batch 3 holds index 13
+        assert info.value.index == 13
+        assert info.value.error_type == "ValueError"
+        assert "corrupt record 13" in str(info.value)
+        _x, y = next(it)  # the iterator goes on with the next batch, as DataLoader's does
+        assert y.tolist() == [16, 17, 18, 19]
+    assert httpx.get(server.url + "/healthz").status_code == 200
+    assert admin.loader(name)["state"] == "ready"
+    assert admin.loader_stats(name)["errors"] >= 1
+    admin.delete_loader(name)
+    admin.create_loader(name, dataset=flaky, batch_size=4, num_workers=num_workers)
+    with Loader(name, socket=server.socket) as loader:
+        assert next(iter(loader))[1].tolist() == [0, 1, 2, 3]
+    admin.delete_loader(name)
+
+
+def test_one_consumer_per_loader(admin: Client, server: Server) -> None:
+    name = unique("busy")
+    admin.create_loader(name, dataset=_synthetic(admin), batch_size=4)
+    with Loader(name, socket=server.socket) as first:
+        next(iter(first))
+        with pytest.raises(LoaderBusy, match="already has a consumer"):
+            Loader(name, socket=server.socket)
+        assert admin.loader(name)["consumer_attached"] is True
+        assert admin.loader(name)["slots"]["leased"] == 1
+    # The first consumer's slots came back; a new consumer can attach.
+    with Loader(name, socket=server.socket) as second:
+        next(iter(second))
+    admin.delete_loader(name)
+
+
+def test_unknown_loader_and_missing_server(server: Server, tmp_path: Path) -> None:
+    with pytest.raises(NotFound, match="no loader named"):
+        Loader("nope", socket=server.socket)
+    with pytest.raises(ServerUnavailable, match="pinfeed serve"):
+        Loader("demo", socket=tmp_path / "absent.sock")
+
+
+def test_pin_memory_without_cuda_warns_like_dataloader(admin: Client, server: Server) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: pinned views are tested in tests/gpu")
+    name = unique("pin")
+    admin.create_loader(name, dataset=_synthetic(admin), batch_size=4, pin_memory=True)
+    with pytest.warns(UserWarning, match="no accelerator is found"):
+        loader = Loader(name, socket=server.socket)
+    with loader:
+        x, _ = next(iter(loader))
+        assert not x.is_pinned()
+        assert not loader.cuda_registered
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.utils.data.DataLoader([0], pin_memory=True).__iter__()
+    assert str(seen[0].message) == PIN_WARNING
+    admin.delete_loader(name)
+
+
+def test_cuda_device_without_cuda_is_a_clear_error(server: Server) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        Loader("demo", socket=server.socket, device="cuda")
+
+
+def test_batch_larger_than_its_slot_is_an_error(admin: Client, server: Server) -> None:
+    ds = unique("grow")
+    admin.create_dataset(ds, "python", {"factory": "tests.fixtures.datasets:Growing"})
+    name = unique("grow")
+    admin.create_loader(name, dataset=ds, batch_size=2, num_workers=1)
+    with (
+        Loader(name, socket=server.socket) as loader,
+        pytest.raises(BatchTooLarge, match="sample 1"),
+    ):
+        next(iter(loader))
+    admin.delete_loader(name)
+
+
+def test_deleting_a_loader_under_a_trainer(admin: Client, server: Server) -> None:
+    name = unique("del")
+    admin.create_loader(name, dataset=_synthetic(admin, 400), batch_size=1)
+    with Loader(name, socket=server.socket) as loader:
+        it = iter(loader)
+        next(it)
+        admin.delete_loader(name)
+        with pytest.raises(ServerUnavailable):
+            for _ in range(400):
+                next(it)
+
+
+def test_len_is_batches_per_epoch(admin: Client, server: Server) -> None:
+    name = unique("len")
+    admin.create_loader(name, dataset=_synthetic(admin, 30), batch_size=7, drop_last=True)
+    with Loader(name, socket=server.socket) as loader:
+        assert len(loader) == 4
+        assert sum(1 for _ in loader) == 4
+        assert sum(1 for _ in loader) == 4
+    admin.delete_loader(name)
