@@ -19,6 +19,7 @@ import json
 import math
 import os
 import struct
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +28,14 @@ from typing import Any
 import torch
 
 from client import _protocol as p
-from client._errors import DataPlaneError, ServerUnavailable, error_from_slug
+from client._errors import (
+    DataPlaneError,
+    LoaderBusy,
+    LoaderFailed,
+    NotFound,
+    ServerUnavailable,
+    error_from_slug,
+)
 from client._ring import RingMapping
 
 PIN_WARNING = (
@@ -88,6 +96,10 @@ class Loader:
     ``device``: copy each batch there (``non_blocking`` on a copy stream).
     ``copy``: yield owned CPU tensors instead of views into the ring.
     ``timeout``: seconds to wait for one batch before raising ``TimeoutError``.
+    ``member``: this process's index in the loader's consumer group (default: the
+    lowest free one); a member that reconnects with its index resumes where it was.
+    ``reconnect``: if the server restarts, re-attach (retrying for up to
+    ``reconnect_timeout`` seconds) and continue from this loader's ``state_dict()``.
     """
 
     def __init__(
@@ -98,6 +110,9 @@ class Loader:
         device: str | torch.device | None = None,
         copy: bool = False,
         timeout: float | None = 600.0,
+        member: int | None = None,
+        reconnect: bool = False,
+        reconnect_timeout: float = 60.0,
     ) -> None:
         self.name = name
         self.socket_path = Path(socket) if socket is not None else p.default_socket_path()
@@ -105,6 +120,14 @@ class Loader:
         if self.device is not None and self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"device={device!r} was asked for, but CUDA is not available")
         self.copy = copy
+        self.member = member
+        self.reconnect = reconnect
+        self.reconnect_timeout = reconnect_timeout
+        self._timeout = timeout
+        self._pos = (0, 0)  # (epoch, index) of the next batch this loader will yield
+        self._resume = False  # load_state_dict/set_epoch placed us: no skip at __iter__
+        self._want_epoch: int | None = None
+        self._epoch_batches = 0  # batches received in the epoch being iterated
         self._buf = bytearray(p.MAX_MESSAGE)
         self._view = memoryview(self._buf)
         self._release: list[int] = []  # slots to hand back with the next message
@@ -130,7 +153,10 @@ class Loader:
             ) from None
         self._sock.settimeout(timeout)
         self._sock.send(
-            p.encode_json(p.ATTACH, {"loader": self.name, "version": p.PROTOCOL_VERSION})
+            p.encode_json(
+                p.ATTACH,
+                {"loader": self.name, "version": p.PROTOCOL_VERSION, "member": self.member},
+            )
         )
         n, fds = self._recv()
         if self._buf[0] != p.ATTACHED or len(fds) != 1:
@@ -139,6 +165,8 @@ class Loader:
             self._raise(n)
         meta = p.decode_json(self._view[:n])
         self.meta = meta
+        self.member = int(meta["member"])
+        self._pos = (int(meta["epoch"]), int(meta["position"]))
         self._ring = RingMapping(fds[0], int(meta["ring_bytes"]))
         self.nslots = int(meta["nslots"])
         self.slot_bytes = int(meta["slot_bytes"])
@@ -159,6 +187,7 @@ class Loader:
         if self.pin_memory:
             if torch.cuda.is_available():
                 self._ring.register_cuda()
+                self._sock.send(bytes([p.CUDA]))
             else:
                 warnings.warn(PIN_WARNING, stacklevel=3)
         if self.device is not None and self.device.type == "cuda":
@@ -186,6 +215,9 @@ class Loader:
     def _raise(self, n: int) -> None:
         if self._buf[0] == p.ERROR:
             info = p.decode_json(self._view[:n])
+            if "batch_index" in info:  # a failed batch counts as consumed, as in DataLoader
+                epoch, index = int(info["epoch"]), int(info["batch_index"])
+                self._pos = (epoch, index + 1) if index + 1 < len(self) else (epoch + 1, 0)
             slug = str(info.pop("type", "data-plane"))
             detail = str(info.pop("detail", "error"))
             raise error_from_slug(slug, detail, **info)
@@ -201,10 +233,71 @@ class Loader:
         so every ``for`` loop is a fresh epoch, as with DataLoader."""
         if self._closed:
             raise RuntimeError("this Loader is closed")
-        if self._in_epoch:
-            self._skip_epoch()
+        try:
+            self._start_epoch()
+        except ServerUnavailable:
+            if not self.reconnect:
+                raise
+            self._reconnect()
+            self._start_epoch()
+        self._resume = False
         self._in_epoch = True
+        self._epoch_batches = 0
         return self
+
+    def _start_epoch(self) -> None:
+        if self._want_epoch is not None:
+            epoch = self._want_epoch
+            if self._in_epoch or self._pos != (epoch, 0):
+                self._seek(epoch, 0)
+            self._want_epoch = None
+        elif self._in_epoch and not self._resume:
+            self._skip_epoch()
+
+    # -- epochs and resume ---------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """The next ``for`` loop iterates ``epoch`` (as ``DistributedSampler.set_epoch``).
+
+        Free when the loader is already there (the usual loop): prefetched batches stay.
+        """
+        if epoch < 0:
+            raise ValueError("epoch must be >= 0")
+        self._want_epoch = epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader is: a new Loader that loads it yields the next batch on.
+
+        Same meaning as StatefulDataLoader's: after k batches of an epoch, the
+        resumed loader's first batch is batch k (0-based) of that epoch.
+        """
+        self._check_resumable()
+        epoch, index = self._pos
+        return {"version": 1, "loader": self.name, "epoch": epoch, "index": index}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``: the next ``for`` loop yields the rest of that epoch."""
+        self._check_resumable()
+        if state.get("loader") not in (None, self.name):
+            raise ValueError(f"state is for loader {state.get('loader')!r}, not {self.name!r}")
+        self._seek(int(state["epoch"]), int(state["index"]))
+        self._resume = True
+        self._want_epoch = None
+
+    def _check_resumable(self) -> None:
+        if self.meta.get("group_mode") == "split" and int(self.meta["group_size"]) > 1:
+            raise RuntimeError(
+                "state_dict/load_state_dict need a plain or broadcast loader; split groups "
+                "resume at epoch boundaries with set_epoch"
+            )
+
+    def _seek(self, epoch: int, index: int) -> None:
+        self._send_next(p.SEEK, p.POSITION_BODY.pack(p.SEEK, epoch, index))
+        n, _ = self._recv()
+        if self._buf[0] != p.POSITION:
+            self._raise(n)
+        _, e, i = p.POSITION_BODY.unpack_from(self._buf)
+        self._pos = (e, i)
+        self._in_epoch = False
 
     def __next__(self) -> Any:
         if not self._in_epoch:
@@ -215,10 +308,20 @@ class Loader:
             raise StopIteration
         return batch
 
-    def _send_next(self, kind: int) -> None:
+    def _send_next(self, kind: int, message: bytes | None = None) -> None:
         if self._pending:
             self._collect_copies()
-        self._sock.send(p.encode_release(kind, self._release))
+        if message is None:
+            message = p.encode_release(kind, self._release)
+        try:
+            if kind != p.NEXT and self._release:
+                self._sock.send(p.encode_release(p.RELEASE, self._release))
+            self._sock.send(message)
+        except OSError as exc:
+            raise ServerUnavailable(
+                f"lost the pinfeed server ({exc.strerror}): it restarted or stopped; "
+                "create a new Loader, or use Loader(reconnect=True)"
+            ) from None
         self._release.clear()
 
     def _collect_copies(self) -> None:
@@ -234,15 +337,25 @@ class Loader:
             self._release.append(slot)
 
     def _next(self) -> Any:
-        self._send_next(p.NEXT)
-        n, _ = self._recv()
+        try:
+            self._send_next(p.NEXT)
+            n, _ = self._recv()
+        except ServerUnavailable:
+            if not self.reconnect:
+                raise
+            self._reconnect()
+            if self._epoch_batches and self._pos[1] == 0:
+                return None  # the epoch's last batch came before the crash; its END did not
+            return self._next()
         kind = self._buf[0]
         if kind == p.END:
+            self._pos = (p.END_BODY.unpack_from(self._buf)[1] + 1, 0)
             return None
         if kind != p.BATCH:
             self._raise(n)
         _, slot, _seq, epoch, index, nstr = p.BATCH_HEAD.unpack_from(self._buf)
-        self.epoch, self.index = epoch, index
+        self._epoch_batches += 1
+        self._pos = (epoch, index + 1) if index + 1 < len(self) else (epoch + 1, 0)
         dims = self._dims.unpack_from(self._buf, p.BATCH_HEAD.size)
         strings = None
         if nstr:
@@ -298,7 +411,38 @@ class Loader:
         n, _ = self._recv()
         if self._buf[0] != p.END:
             self._raise(n)
+        self._pos = (p.END_BODY.unpack_from(self._buf)[1] + 1, 0)
         self._in_epoch = False
+
+    def _reconnect(self) -> None:
+        """Re-attach after a server restart and seek to where this loader was."""
+        for _, event in self._pending:
+            event.synchronize()
+        self._pending.clear()
+        self._release.clear()
+        self._sock.close()
+        if self._ring is not None:
+            self._ring.close()  # parks the old mapping while its views live
+            self._ring = None
+        position, in_epoch = self._pos, self._in_epoch
+        deadline = time.monotonic() + self.reconnect_timeout
+        delay = 0.05
+        while True:
+            self._sock = p.new_socket()
+            try:
+                self._attach(self._timeout)
+                break
+            except (ServerUnavailable, NotFound, LoaderFailed, LoaderBusy) as exc:
+                self._sock.close()
+                if time.monotonic() + delay > deadline:
+                    raise ServerUnavailable(
+                        f"the pinfeed server restarted and loader {self.name!r} could not be "
+                        f"re-attached within {self.reconnect_timeout} s: {exc}"
+                    ) from None
+                time.sleep(delay)  # the server is restarting: nothing to wait on but time
+                delay = min(delay * 2, 1.0)
+        self._seek(*position)
+        self._in_epoch = in_epoch
 
     # -- lifecycle -----------------------------------------------------------------------
     @property

@@ -11,10 +11,13 @@ client -> server
     NEXT    b"N" + u16 count + count x u32 slots released     (one per batch)
     RELEASE b"R" + u16 count + count x u32 slots released     (no reply)
     SKIP    b"S"            drop the rest of the current epoch; reply END
+    SEEK    b"K" + POSITION_BODY (epoch, index): make that the next batch; reply POSITION
+    CUDA    b"C"            the client registered the ring with CUDA (for status)
 server -> client
     ATTACHED b"a" + JSON layout, the ring's memfd in SCM_RIGHTS
     BATCH    b"B" + BATCH_HEAD + leaf dims (int64) + optional JSON strings
     END      b"E" + END_BODY (epoch, seq)
+    POSITION b"P" + POSITION_BODY (epoch, index): the next batch after a SEEK
     ERROR    b"X" + JSON {"type", "detail", ...}
 """
 
@@ -33,6 +36,9 @@ ATTACH = ord("A")
 NEXT = ord("N")
 RELEASE = ord("R")
 SKIP = ord("S")
+SEEK = ord("K")
+CUDA = ord("C")
+POSITION = ord("P")
 ATTACHED = ord("a")
 BATCH = ord("B")
 END = ord("E")
@@ -41,6 +47,7 @@ ERROR = ord("X")
 # kind, slot, seq, epoch, index in epoch, length of the trailing strings JSON
 BATCH_HEAD = struct.Struct("<B3xIQIII")
 END_BODY = struct.Struct("<B3xIQ")
+POSITION_BODY = struct.Struct("<B3xII")
 RELEASE_HEAD = struct.Struct("<BxH")
 SLOT = struct.Struct("<I")
 

@@ -18,14 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from app.engine.loader import (
-    BatchItem,
-    EndItem,
-    ErrorItem,
-    LoaderBusyError,
-    LoaderEngine,
-    dims_message,
-)
+from app.engine.consumers import BatchItem, EndItem, ErrorItem, Item
+from app.engine.loader import LoaderBusyError, LoaderEngine, dims_message
 from client import _protocol as p
 
 log = logging.getLogger("pinfeed.dataplane")
@@ -105,19 +99,19 @@ class DataPlaneServer:
             t.start()
 
     def _serve(self, conn: socket.socket) -> None:
-        engine: LoaderEngine | None = None
+        attached: tuple[LoaderEngine, int] | None = None
         leased: set[int] = set()
         try:
-            engine = self._attach(conn)
-            if engine is not None:
-                self._loop(conn, engine, leased)
+            attached = self._attach(conn)
+            if attached is not None:
+                self._loop(conn, *attached, leased)
         except (OSError, ValueError) as exc:
             log.debug("consumer connection ended: %s", exc)
         except Exception:
             log.exception("data-plane connection failed")
         finally:
-            if engine is not None:
-                engine.detach(leased)
+            if attached is not None:
+                attached[0].detach(attached[1], leased)
             conn.close()
             with self._lock:
                 self._conns.discard(conn)
@@ -126,8 +120,8 @@ class DataPlaneServer:
     def _send_error(self, conn: socket.socket, info: dict[str, Any]) -> None:
         conn.send(p.encode_json(p.ERROR, info))
 
-    def _attach(self, conn: socket.socket) -> LoaderEngine | None:
-        conn.settimeout(10)
+    def _attach(self, conn: socket.socket) -> tuple[LoaderEngine, int] | None:
+        conn.settimeout(10)  # a peer that connects and says nothing is dropped
         buf = bytearray(p.MAX_MESSAGE)
         n, fds = p.recv_message(conn, buf)
         for fd in fds:
@@ -139,6 +133,10 @@ class DataPlaneServer:
             return None
         request = p.decode_json(memoryview(buf)[:n])
         name = str(request.get("loader", ""))
+        member = request.get("member")
+        if member is not None and not isinstance(member, int):
+            self._send_error(conn, {"type": "data-plane", "detail": "member must be an int"})
+            return None
         engine = self._lookup(name)
         if engine is None:
             self._send_error(
@@ -162,11 +160,12 @@ class DataPlaneServer:
             )
             return None
         try:
-            engine.attach()
-        except LoaderBusyError as exc:
+            member = engine.attach(member)
+        except (LoaderBusyError, ValueError) as exc:
             self._send_error(conn, {"type": "loader-busy", "detail": str(exc)})
             return None
         cfg = engine.config
+        epoch, index = engine.position(member)
         meta = {
             "loader": name,
             "version": p.PROTOCOL_VERSION,
@@ -174,11 +173,14 @@ class DataPlaneServer:
             "nslots": engine.nslots,
             "slot_bytes": engine.ring.slot_bytes,
             "layout": engine.layout.to_json(),
-            "batches_per_epoch": len(engine.sampler),
+            "batches_per_epoch": engine.batches_per_epoch,
             "pin_memory": cfg.pin_memory,
             "batch_size": cfg.batch_size,
-            "epoch": engine.position[0],
-            "position": engine.position[1],
+            "member": member,
+            "group_size": cfg.group_size,
+            "group_mode": cfg.group_mode,
+            "epoch": epoch,
+            "position": index,
         }
         try:
             conn.sendmsg(
@@ -186,21 +188,23 @@ class DataPlaneServer:
                 [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", engine.ring.fd))],
             )
         except BaseException:
-            engine.detach(set())
+            engine.detach(member, set())
             raise
-        return engine
+        return engine, member
 
-    def _loop(self, conn: socket.socket, engine: LoaderEngine, leased: set[int]) -> None:
+    def _loop(
+        self, conn: socket.socket, engine: LoaderEngine, member: int, leased: set[int]
+    ) -> None:
         conn.settimeout(None)
         buf = bytearray(p.MAX_MESSAGE)
         view = memoryview(buf)
         dims_cache: dict[int, bytes] = {}
-
         while not self._stop.is_set():
             n = conn.recv_into(buf)
             if n == 0:
                 return  # the trainer closed (or died): leases are returned in _serve
             kind = buf[0]
+            item: Item
             if kind in (p.NEXT, p.RELEASE):
                 slots = p.decode_release(view[:n])
                 bad = [s for s in slots if s not in leased]
@@ -210,15 +214,29 @@ class DataPlaneServer:
                     )
                     return
                 leased.difference_update(slots)
-                engine.release(slots)
+                engine.release(member, slots)
                 if kind == p.RELEASE:
                     continue
-                item = engine.next_item(self._stop)
-            elif kind == p.SKIP:
-                item = self._skip_epoch(engine, leased)
+                item = engine.next_item(member, self._stop)
+            elif kind == p.SKIP and n == 1:
+                item = self._skip_epoch(engine, member)
+            elif kind == p.SEEK and n == p.POSITION_BODY.size:
+                _, epoch, index = p.POSITION_BODY.unpack_from(buf)
+                try:
+                    engine.seek(member, epoch, index)
+                except ValueError as exc:
+                    self._send_error(conn, {"type": "invalid-request", "detail": str(exc)})
+                    continue
+                epoch, index = engine.position(member)
+                conn.send(p.POSITION_BODY.pack(p.POSITION, epoch, index))
+                continue
+            elif kind == p.CUDA and n == 1:
+                engine.cuda_registered.add(member)
+                continue
             else:
                 self._send_error(
-                    conn, {"type": "data-plane", "detail": f"unexpected message kind {kind}"}
+                    conn,
+                    {"type": "data-plane", "detail": f"unexpected message kind {kind} ({n} bytes)"},
                 )
                 return
             if isinstance(item, BatchItem):
@@ -237,17 +255,15 @@ class DataPlaneServer:
                 if item.epoch >= 0:
                     info.update(epoch=item.epoch, batch_index=item.index)
                 self._send_error(conn, info)
-                if item.seq < 0:
+                if item.seq == -1:
                     return  # the loader itself failed or closed
 
-    def _skip_epoch(
-        self, engine: LoaderEngine, leased: set[int]
-    ) -> BatchItem | EndItem | ErrorItem:
-        """Drop what is left of the current epoch (a trainer broke out of its loop)."""
+    def _skip_epoch(self, engine: LoaderEngine, member: int) -> Item:
+        """Drop the rest of the member's current epoch (a trainer broke out of its loop)."""
         while True:
-            item = engine.next_item(self._stop)
+            item = engine.next_item(member, self._stop)
             if isinstance(item, BatchItem):
-                engine.release([item.slot])
+                engine.release(member, [item.slot])
                 continue
             if isinstance(item, ErrorItem) and item.seq >= 0:
                 continue

@@ -2,12 +2,13 @@
 
 Prefetch starts when the loader is created and runs on across epoch boundaries,
 bounded only by free ring slots. Results may finish in any order; the publisher
-hands them to the consumer in sampler order, with an END marker after each epoch.
+hands them to the consumers in sampler order, with an END marker after each epoch.
+``seek`` (set_epoch, resume) moves production to any (epoch, index): work for the
+old position is discarded by sequence number, never published.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import struct
 import threading
@@ -17,52 +18,34 @@ from typing import Any
 
 from app.datasets import DatasetContext
 from app.engine.collate import Layout, fill_slot
+from app.engine.consumers import BatchItem, Consumers, EndItem, ErrorItem, Item
 from app.engine.ring import Ring, SlotState, SlotTable
 from app.engine.sampler import EpochSampler
 from app.engine.stats import LoaderStats
-from app.engine.workers import Result, WorkerPool, WorkerSpec, _error_info
+from app.engine.workers import Result, WorkerPool, WorkerSpec, error_info
 
 log = logging.getLogger("pinfeed.loader")
+
+__all__ = ["BatchItem", "EndItem", "ErrorItem", "Item", "LoaderConfig", "LoaderEngine"]
 
 
 @dataclass(frozen=True)
 class LoaderConfig:
     name: str
     dataset: str
-    batch_size: int
-    shuffle: bool
-    seed: int
-    drop_last: bool
-    num_workers: int
-    pin_memory: bool
-    prefetch_factor: int
-
-
-@dataclass(frozen=True)
-class BatchItem:
-    slot: int
-    seq: int
-    epoch: int
-    index: int
-    rows: int
-    strings: bytes
-
-
-@dataclass(frozen=True)
-class EndItem:
-    epoch: int
-    seq: int
-
-
-@dataclass(frozen=True)
-class ErrorItem:
-    seq: int
-    epoch: int
-    index: int
-    info: dict[str, Any]
-
-
-Item = BatchItem | EndItem | ErrorItem
+    batch_size: int = 1
+    shuffle: bool = False
+    seed: int = 0
+    drop_last: bool = False
+    num_workers: int = 0
+    pin_memory: bool = False
+    prefetch_factor: int = 2
+    rank: int = 0
+    world_size: int | None = None
+    group_size: int = 1
+    group_mode: str = "broadcast"
+    group_timeout_s: float = 300.0
+    on_error: str = "raise"
 
 
 @dataclass(frozen=True)
@@ -78,11 +61,25 @@ class LoaderBusyError(RuntimeError):
 
 
 def ring_slots(config: LoaderConfig) -> int:
-    return max(2, config.num_workers * config.prefetch_factor)
+    # A broadcast group holds up to one slot per member while they consume.
+    extra = config.group_size - 1 if config.group_mode == "broadcast" else 0
+    return max(2, config.num_workers * config.prefetch_factor) + extra
+
+
+def make_sampler(config: LoaderConfig, length: int) -> EpochSampler:
+    return EpochSampler(
+        length,
+        config.batch_size,
+        shuffle=config.shuffle,
+        seed=config.seed,
+        drop_last=config.drop_last,
+        rank=config.rank,
+        world_size=config.world_size,
+    )
 
 
 class LoaderEngine:
-    """States: starting -> ready | failed; draining while closing."""
+    """States: starting -> ready | failed; draining -> closed when deleted."""
 
     def __init__(
         self,
@@ -96,13 +93,8 @@ class LoaderEngine:
         self.config = config
         self.dataset = dataset
         self.layout = layout
-        self.sampler = EpochSampler(
-            len(dataset),
-            config.batch_size,
-            shuffle=config.shuffle,
-            seed=config.seed,
-            drop_last=config.drop_last,
-        )
+        self.sampler = make_sampler(config, len(dataset))
+        self.batches_per_epoch = len(self.sampler)
         self.state = "starting"
         self.failure: dict[str, Any] | None = None
         self.stats = LoaderStats()
@@ -110,18 +102,21 @@ class LoaderEngine:
         self.nslots = ring_slots(config)
         self.ring: Ring | None = None
         self.slots = SlotTable(self.nslots)
+        self.consumers = Consumers(config.group_size, config.group_mode, self.slots)
         self.pool: WorkerPool | None = None
         self._stop = threading.Event()
-        self._ready_cond = threading.Condition()
-        self._queue: collections.deque[Item] = collections.deque()
+        self._cond = threading.Condition()
         self._tasks: dict[int, _Task] = {}
         self._done: dict[int, Result] = {}
-        self._next_publish = 0
-        self._consumer = False
-        self.position = (0, 0)  # (epoch, index) of the next batch to hand out
+        self._seq = 0  # next sequence number the producer assigns
+        self._next_publish = 0  # next sequence number to publish
+        self._gen = 0  # bumped by seek: the producer restarts at _cursor
+        self._cursor = (0, 0)  # (epoch, index) the producer makes next
+        self.head = (0, 0)  # (epoch, index) the publisher publishes next
+        self.cuda_registered: set[int] = set()
         self._threads: list[threading.Thread] = []
 
-    # -- lifecycle ---------------------------------------------------------------
+    # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
         t = threading.Thread(
             target=self._boot, name=f"pinfeed-boot-{self.config.name}", daemon=True
@@ -154,34 +149,34 @@ class LoaderEngine:
             target=self._produce, name=f"pinfeed-produce-{self.config.name}", daemon=True
         )
         self._threads.append(producer)
-        with self._ready_cond:
+        with self._cond:
             if self.state == "starting":
                 self.state = "ready"
-            self._ready_cond.notify_all()
+            self._cond.notify_all()
         producer.start()
 
     def _fail(self, detail: str) -> None:
-        with self._ready_cond:
+        with self._cond:
             self.state = "failed"
             self.failure = {"type": "loader-failed", "detail": detail}
-            self._ready_cond.notify_all()
+            self._cond.notify_all()
         self._stop.set()
 
     def wait_started(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        with self._ready_cond:
+        with self._cond:
             while self.state == "starting":
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"loader {self.config.name} still starting after {timeout}s")
-                self._ready_cond.wait(min(left, 0.5))
+                self._cond.wait(min(left, 0.5))
 
     def close(self) -> None:
-        with self._ready_cond:
-            if self.state == "closed":
+        with self._cond:
+            if self.state in ("draining", "closed"):
                 return
             self.state = "draining"
-            self._ready_cond.notify_all()
+            self._cond.notify_all()
         self._stop.set()
         with self.slots.cond:
             self.slots.cond.notify_all()
@@ -192,32 +187,45 @@ class LoaderEngine:
             self.pool.close()
         if self.ring is not None:
             self.ring.close()
-        with self._ready_cond:
+        with self._cond:
             self.state = "closed"
-            self._ready_cond.notify_all()
+            self._cond.notify_all()
 
-    # -- producer ------------------------------------------------------------------
+    # -- producer ----------------------------------------------------------------------
     def _produce(self) -> None:
-        assert self.ring is not None
-        seq = 0
-        epoch = 0
         try:
             while not self._stop.is_set():
-                for index, indices in enumerate(self.sampler.batches(epoch)):
-                    slot = self.slots.acquire_free(self._stop)
-                    if slot is None:
-                        return
-                    with self._ready_cond:
-                        self._tasks[seq] = _Task(epoch, index, slot, len(indices))
-                    if self.pool is not None:
-                        self.pool.submit(seq, slot, indices)
-                    else:
-                        self._on_result(self._run_inline(seq, slot, indices))
-                    seq += 1
-                epoch += 1
+                with self._cond:
+                    gen, (epoch, index) = self._gen, self._cursor
+                self._produce_from(gen, epoch, index)
         except Exception as exc:  # a bug here must reach the consumer, not vanish
             log.exception("loader %s: producer failed", self.config.name)
             self._fail(f"producer failed: {type(exc).__name__}: {exc}")
+
+    def _produce_from(self, gen: int, epoch: int, index: int) -> None:
+        """Produce from (epoch, index) on until a seek (new generation) or stop."""
+        while not self._stop.is_set():
+            for i, indices in enumerate(self.sampler.batches(epoch, index), start=index):
+                slot = self.slots.acquire_free(self._stop)
+                if slot is None:
+                    return
+                with self._cond:
+                    if self._gen != gen:
+                        self.slots.move(slot, SlotState.FILLING, SlotState.FREE)
+                        return
+                    seq = self._seq
+                    self._seq += 1
+                    self._tasks[seq] = _Task(epoch, i, slot, len(indices))
+                    self._cursor = (epoch, i + 1)
+                if self.pool is not None:
+                    self.pool.submit(seq, slot, indices)
+                else:
+                    self._on_result(self._run_inline(seq, slot, indices))
+            epoch, index = epoch + 1, 0
+            with self._cond:
+                if self._gen != gen:
+                    return
+                self._cursor = (epoch, 0)
 
     def _run_inline(self, seq: int, slot: int, indices: list[int]) -> Result:
         assert self.ring is not None
@@ -226,66 +234,111 @@ class LoaderEngine:
             strings = fill_slot(self.dataset, self.layout, self.ring.slot(slot), indices)
             result: Result = (seq, strings, None)
         except Exception as exc:
-            result = (seq, b"", _error_info(exc))
+            result = (seq, b"", error_info(exc))
         self.stats.add_busy(time.perf_counter() - t0)
         return result
 
-    # -- publisher -----------------------------------------------------------------
+    # -- publisher -----------------------------------------------------------------------
     def _on_result(self, result: Result) -> None:
-        last = len(self.sampler) - 1
-        with self._ready_cond:
-            self._done[result[0]] = result
+        last = self.batches_per_epoch - 1
+        with self._cond:
+            seq = result[0]
+            if seq < self._next_publish:  # produced for a position a seek abandoned
+                task = self._tasks.pop(seq, None)
+                if task is not None:
+                    self.slots.move(task.slot, SlotState.FILLING, SlotState.FREE)
+                return
+            self._done[seq] = result
             while self._next_publish in self._done:
                 seq, strings, error = self._done.pop(self._next_publish)
                 task = self._tasks.pop(seq)
                 self._next_publish += 1
+                self.head = (task.epoch, task.index + 1)
                 if error is None:
                     self.slots.move(task.slot, SlotState.FILLING, SlotState.READY)
-                    self._queue.append(
+                    self.consumers.publish(
                         BatchItem(task.slot, seq, task.epoch, task.index, task.rows, strings)
                     )
                     self.stats.produced(task.rows, self.layout.slot_bytes)
                 else:
                     self.slots.move(task.slot, SlotState.FILLING, SlotState.FREE)
-                    self.stats.errors += 1
-                    log.warning(
-                        "loader %s: batch %d of epoch %d: %s",
-                        self.config.name,
-                        task.index,
-                        task.epoch,
-                        error.get("detail"),
-                    )
-                    self._queue.append(ErrorItem(seq, task.epoch, task.index, error))
+                    self._record_error(task, error)
+                    if self.config.on_error == "raise":
+                        self.consumers.publish(ErrorItem(seq, task.epoch, task.index, error))
                 if task.index == last:
-                    self._queue.append(EndItem(task.epoch, seq))
-            self._ready_cond.notify_all()
+                    self.consumers.publish(EndItem(task.epoch, seq))
+                    self.head = (task.epoch + 1, 0)
+            self._cond.notify_all()
 
-    # -- consumer side (called from the data-plane thread) --------------------------
-    def attach(self) -> None:
-        with self._ready_cond:
-            if self._consumer:
-                raise LoaderBusyError(
-                    f"loader {self.config.name!r} already has a consumer; one trainer per loader"
-                )
-            self._consumer = True
-            self.stats.consumer_attached = True
+    def _record_error(self, task: _Task, error: dict[str, Any]) -> None:
+        self.stats.errors += 1
+        if self.config.on_error == "skip":
+            self.stats.skipped += 1
+        log.warning(
+            "loader %s: batch %d of epoch %d %s: %s",
+            self.config.name,
+            task.index,
+            task.epoch,
+            "skipped" if self.config.on_error == "skip" else "failed",
+            error.get("detail"),
+        )
 
-    def detach(self, leased: set[int]) -> None:
-        self.release(leased)
-        with self._ready_cond:
-            self._consumer = False
-            self.stats.consumer_attached = False
-            self.stats.consumer_registered = False
+    def seek(self, member: int, epoch: int, index: int) -> None:
+        """Make (epoch, index) the next batch; keep the warm queue if it already is."""
+        if not (0 <= index < self.batches_per_epoch and 0 <= epoch < 2**31):
+            raise ValueError(
+                f"position ({epoch}, {index}) is outside the loader's "
+                f"{self.batches_per_epoch} batches per epoch"
+            )
+        with self._cond:
+            if self.consumers.position(member, self.head) == (epoch, index):
+                return
+            self._gen += 1
+            self._cursor = (epoch, index)
+            self.head = (epoch, index)
+            self._next_publish = self._seq
+            for seq in [s for s in self._done if s < self._seq]:
+                self._done.pop(seq)
+                task = self._tasks.pop(seq)
+                self.slots.move(task.slot, SlotState.FILLING, SlotState.FREE)
+            self.consumers.reset()
+            self._cond.notify_all()
+        log.info("loader %s: seek to epoch %d batch %d", self.config.name, epoch, index)
 
-    def release(self, slots: set[int] | list[int]) -> None:
-        for slot in slots:
-            self.slots.move(slot, SlotState.LEASED, SlotState.FREE)
+    # -- consumer side (called from the data-plane threads) ------------------------------
+    def attach(self, member: int | None, wait_s: float = 2.0) -> int:
+        """Join the consumer group. A trainer that restarts at once may arrive before the
+        server has seen its old connection close, so a busy member is waited for briefly."""
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            while True:
+                try:
+                    return self.consumers.join(member)
+                except LookupError as exc:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise LoaderBusyError(f"loader {self.config.name!r}: {exc}") from None
+                    self._cond.wait(min(left, 0.1))
 
-    def next_item(self, stop: threading.Event) -> Item:
-        """The next item in sampler order; waits (bounded polls) while none is ready."""
+    def detach(self, member: int, leased: set[int]) -> None:
+        with self._cond:
+            self.consumers.leave(member, leased)
+            self.cuda_registered.discard(member)
+            self._cond.notify_all()
+
+    def release(self, member: int, slots: set[int] | list[int]) -> None:
+        with self._cond:
+            self.consumers.release(member, slots)
+
+    def position(self, member: int) -> tuple[int, int]:
+        with self._cond:
+            return self.consumers.position(member, self.head)
+
+    def next_item(self, member: int, stop: threading.Event) -> Item:
+        """The member's next item in sampler order; waits in bounded polls."""
         t0 = time.perf_counter()
-        with self._ready_cond:
-            while not self._queue:
+        with self._cond:
+            while (item := self.consumers.take(member)) is None:
                 if self.state == "failed" and self.failure is not None:
                     return ErrorItem(-1, -1, -1, self.failure)
                 if stop.is_set() or self.state in ("draining", "closed"):
@@ -298,19 +351,38 @@ class LoaderEngine:
                             "detail": f"loader {self.config.name!r} was deleted or is stopping",
                         },
                     )
-                self._ready_cond.wait(0.5)
-            item = self._queue.popleft()
-            if isinstance(item, BatchItem):
-                self.slots.move(item.slot, SlotState.READY, SlotState.LEASED)
-                self.position = (item.epoch, item.index + 1)
-            elif isinstance(item, EndItem):
-                self.position = (item.epoch + 1, 0)
+                lost = self.consumers.lost(self.config.group_timeout_s)
+                if lost:
+                    return ErrorItem(
+                        -2,
+                        -1,
+                        -1,
+                        {
+                            "type": "group-member-lost",
+                            "detail": f"group members {lost} of loader {self.config.name!r} have "
+                            f"been gone for over {self.config.group_timeout_s} s; the "
+                            "group waits for them: restart them, or recreate the loader",
+                        },
+                    )
+                self._cond.wait(0.5)
         if isinstance(item, BatchItem):
             self.stats.consumed(item.rows, time.perf_counter() - t0)
         return item
 
     def public_status(self) -> dict[str, Any]:
         ring = self.ring
+        with self._cond:
+            head = self.head
+            members = [
+                {
+                    "member": m.index,
+                    "attached": m.connected,
+                    "position": list(self.consumers.position(m.index, head)),
+                    "cuda_registered": m.index in self.cuda_registered,
+                }
+                for m in self.consumers.members
+            ]
+        first = self.consumers.position(0, head)
         return {
             "state": self.state,
             "failure": self.failure,
@@ -318,11 +390,12 @@ class LoaderEngine:
             "slot_bytes": self.layout.slot_bytes,
             "slots": self.slots.counts() | {"total": self.nslots},
             "page_locked": bool(ring and ring.page_locked),
-            "consumer_attached": self.stats.consumer_attached,
-            "consumer_cuda_registered": self.stats.consumer_registered,
-            "epoch": self.position[0],
-            "position": self.position[1],
-            "batches_per_epoch": len(self.sampler),
+            "consumer_attached": any(m["attached"] for m in members),
+            "consumer_cuda_registered": bool(self.cuda_registered),
+            "members": members,
+            "epoch": first[0],
+            "position": first[1],
+            "batches_per_epoch": self.batches_per_epoch,
             "worker_restarts": self.pool.restarts if self.pool else 0,
         }
 

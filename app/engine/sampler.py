@@ -1,15 +1,21 @@
 """Index batches with DataLoader's semantics, epoch after epoch.
 
-With ``shuffle`` and ``seed`` s, epoch e's batches equal those of
-``DataLoader(ds, batch_size, shuffle=True, drop_last=..., generator=Generator().manual_seed(s))``
-iterated for the (e+1)-th time with non-persistent workers. Per epoch, DataLoader's
-iterator draws its base seed from the generator (``random_``), then RandomSampler
-draws ``randperm(n)`` and, once exhausted, a second (empty-sliced) ``randperm(n)``.
-We replay exactly those draws.
+Plain (``world_size`` None): with ``shuffle`` and ``seed`` s, epoch e's batches equal
+those of ``DataLoader(ds, batch_size, shuffle=True, drop_last=...,
+generator=Generator().manual_seed(s))`` iterated for the (e+1)-th time with
+non-persistent workers. Per epoch, DataLoader's iterator draws its base seed from the
+generator (``random_``), then RandomSampler draws ``randperm(n)`` and, once exhausted,
+a second (empty-sliced) ``randperm(n)``. We replay exactly those draws.
+
+Distributed (``world_size`` W, ``rank`` r): epoch e's batches equal those of
+``DataLoader(ds, batch_size, drop_last=..., sampler=DistributedSampler(ds, W, r,
+shuffle, seed, drop_last))`` after ``sampler.set_epoch(e)``: each rank's shard is
+disjoint (up to DistributedSampler's padding) with no coordination between servers.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import torch
@@ -17,30 +23,48 @@ import torch
 
 class EpochSampler:
     def __init__(
-        self, length: int, batch_size: int, *, shuffle: bool, seed: int, drop_last: bool
+        self,
+        length: int,
+        batch_size: int,
+        *,
+        shuffle: bool,
+        seed: int,
+        drop_last: bool,
+        rank: int = 0,
+        world_size: int | None = None,
     ) -> None:
         if length <= 0 or batch_size <= 0:
             raise ValueError("length and batch_size must be positive")
+        if world_size is not None and not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside [0, {world_size - 1}]")
         self.length = length
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
+        self.rank = rank
+        self.world_size = world_size
         self._gen = torch.Generator()
         self._next_epoch = 0
         self._gen.manual_seed(seed)
+        if world_size is None:
+            self.samples = length
+        elif drop_last and length % world_size:
+            self.samples = math.ceil((length - world_size) / world_size)
+        else:
+            self.samples = math.ceil(length / world_size)
 
     def __len__(self) -> int:
         """Batches per epoch."""
         if self.drop_last:
-            return self.length // self.batch_size
-        return (self.length + self.batch_size - 1) // self.batch_size
+            return self.samples // self.batch_size
+        return (self.samples + self.batch_size - 1) // self.batch_size
 
-    def permutation(self, epoch: int) -> list[int]:
+    def _plain(self, epoch: int) -> list[int]:
         if not self.shuffle:
             return list(range(self.length))
         if epoch < self._next_epoch:
-            # Random access backwards (resume): replay from the seed.
+            # Random access backwards (resume, set_epoch): replay from the seed.
             self._gen.manual_seed(self.seed)
             self._next_epoch = 0
         perm: list[int] = []
@@ -50,6 +74,26 @@ class EpochSampler:
             torch.randperm(self.length, generator=self._gen)
             self._next_epoch += 1
         return perm
+
+    def _distributed(self, epoch: int, world: int) -> list[int]:
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + epoch)
+            indices: list[int] = torch.randperm(self.length, generator=g).tolist()
+        else:
+            indices = list(range(self.length))
+        total = self.samples * world
+        if self.drop_last:
+            indices = indices[:total]
+        else:
+            pad = total - len(indices)
+            indices += (indices * math.ceil(pad / len(indices)))[:pad]
+        return indices[self.rank : total : world]
+
+    def permutation(self, epoch: int) -> list[int]:
+        """This rank's sample order for ``epoch``."""
+        if self.world_size is None:
+            return self._plain(epoch)
+        return self._distributed(epoch, self.world_size)
 
     def batches(self, epoch: int, start: int = 0) -> Iterator[list[int]]:
         """The index batches of ``epoch``, from batch ``start`` on."""

@@ -19,10 +19,9 @@ class LoaderStats:
         self.samples_consumed = 0
         self.bytes_consumed = 0
         self.errors = 0
+        self.skipped = 0
         self.busy_s = 0.0
         self.wait_s = 0.0
-        self.consumer_attached = False
-        self.consumer_registered = False
         self._waits: collections.deque[float] = collections.deque(maxlen=4096)
         self._recent: collections.deque[tuple[float, int, int]] = collections.deque()
         self._slot_bytes = 0
@@ -67,6 +66,7 @@ class LoaderStats:
                 "batches_consumed": self.batches_consumed,
                 "samples_consumed": self.samples_consumed,
                 "errors": self.errors,
+                "skipped": self.skipped,
                 "samples_per_s": sum(r[1] for r in recent) / window,
                 "bytes_per_s": sum(r[2] for r in recent) / window,
                 "samples_per_s_total": self.samples_consumed / elapsed,

@@ -52,7 +52,7 @@ class WorkerSpec:
     seed: int
 
 
-def _error_info(exc: BaseException) -> dict[str, Any]:
+def error_info(exc: BaseException) -> dict[str, Any]:
     if isinstance(exc, SampleFailure):
         return exc.info()
     return {
@@ -78,7 +78,7 @@ def worker_main(worker_id: int, conn: Connection, spec: WorkerSpec) -> None:
         dataset = build_dataset(spec.kind, spec.params, spec.context)
         layout = Layout.from_json(spec.layout)
     except BaseException as exc:
-        conn.send((-1, b"", _error_info(exc)))
+        conn.send((-1, b"", error_info(exc)))
         return
     conn.send((-1, b"", None))  # ready
     while True:
@@ -94,7 +94,7 @@ def worker_main(worker_id: int, conn: Connection, spec: WorkerSpec) -> None:
             strings = fill_slot(dataset, layout, base[start : start + spec.slot_bytes], indices)
             conn.send((seq, strings, None))
         except Exception as exc:
-            conn.send((seq, b"", _error_info(exc)))
+            conn.send((seq, b"", error_info(exc)))
     del base
     mm.close()
 
