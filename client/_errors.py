@@ -6,17 +6,23 @@ or over the Unix socket.
 
     PinfeedError
     ├── ProblemError            an HTTP problem+json response (status, type, detail)
-    │   ├── InvalidRequest      422/400: the request body or a parameter is wrong
+    │   ├── InvalidRequest      422: the request body or a parameter is wrong
     │   ├── Unauthorized        401: a bearer token is required or wrong
-    │   ├── NotFound            404: no such dataset or loader
+    │   ├── NotFound            404: no such dataset, loader or route
+    │   ├── MethodNotAllowed    405: the route does not take this method
     │   ├── Conflict            409: exists already, or still in use
+    │   ├── PayloadTooLarge     413: the body exceeds the server's PINFEED_MAX_BODY_BYTES
+    │   ├── UnsupportedMediaType 415: the body is not application/json
+    │   ├── InternalError       500: a bug in the server (details in its log)
+    │   ├── NotReady            503: /readyz while a loader is still starting
     │   └── InsufficientMemory  507: the ring would exceed the memory budget
     └── DataPlaneError          errors on the Unix socket
         ├── ServerUnavailable   cannot connect, or the server closed the connection
         ├── LoaderBusy          another consumer is attached to this loader
         ├── LoaderFailed        the loader could not start (bad dataset, layout)
         ├── SampleError         a sample raised in the dataset (carries the index)
-        └── BatchTooLarge       a batch does not fit its ring slot
+        ├── BatchTooLarge       a batch does not fit its ring slot
+        └── GroupMemberLost     a consumer-group member stayed away past group_timeout_s
 """
 
 from __future__ import annotations
@@ -63,14 +69,51 @@ class NotFound(ProblemError):
     status = 404
 
 
+class MethodNotAllowed(ProblemError):
+    slug = "method-not-allowed"
+    status = 405
+
+
 class Conflict(ProblemError):
     slug = "conflict"
     status = 409
 
 
+class PayloadTooLarge(ProblemError):
+    slug = "payload-too-large"
+    status = 413
+
+
+class UnsupportedMediaType(ProblemError):
+    slug = "unsupported-media-type"
+    status = 415
+
+
+class InternalError(ProblemError):
+    slug = "internal"
+    status = 500
+
+
+class NotReady(ProblemError):
+    slug = "not-ready"
+    status = 503
+
+
 class InsufficientMemory(ProblemError):
+    """``need_bytes``: the ring the loader asked for; ``free_bytes``: what the budget has left."""
+
     slug = "insufficient-memory"
     status = 507
+
+    @property
+    def need_bytes(self) -> int | None:
+        value = self.extra.get("need_bytes")
+        return int(value) if value is not None else None
+
+    @property
+    def free_bytes(self) -> int | None:
+        value = self.extra.get("free_bytes")
+        return int(value) if value is not None else None
 
 
 class DataPlaneError(PinfeedError):
@@ -108,6 +151,12 @@ class SampleError(DataPlaneError):
 
 class BatchTooLarge(DataPlaneError):
     slug = "batch-too-large"
+
+
+class GroupMemberLost(DataPlaneError):
+    """A consumer-group member has been gone longer than the loader's group_timeout_s."""
+
+    slug = "group-member-lost"
 
 
 def _all_subclasses(cls: type[PinfeedError]) -> list[type[PinfeedError]]:

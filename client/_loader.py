@@ -311,10 +311,11 @@ class Loader:
     def _send_next(self, kind: int, message: bytes | None = None) -> None:
         if self._pending:
             self._collect_copies()
+        release_first = message is not None and bool(self._release)
         if message is None:
-            message = p.encode_release(kind, self._release)
+            message = p.encode_release(kind, self._release)  # releases ride along
         try:
-            if kind != p.NEXT and self._release:
+            if release_first:
                 self._sock.send(p.encode_release(p.RELEASE, self._release))
             self._sock.send(message)
         except OSError as exc:

@@ -10,7 +10,8 @@ client -> server
     ATTACH  b"A" + JSON {"loader": name, "version": 1}
     NEXT    b"N" + u16 count + count x u32 slots released     (one per batch)
     RELEASE b"R" + u16 count + count x u32 slots released     (no reply)
-    SKIP    b"S"            drop the rest of the current epoch; reply END
+    SKIP    b"S" + u16 count + count x u32 slots released: drop the rest of the
+                            current epoch; reply END
     SEEK    b"K" + POSITION_BODY (epoch, index): make that the next batch; reply POSITION
     CUDA    b"C"            the client registered the ring with CUDA (for status)
 server -> client

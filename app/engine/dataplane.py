@@ -205,7 +205,7 @@ class DataPlaneServer:
                 return  # the trainer closed (or died): leases are returned in _serve
             kind = buf[0]
             item: Item
-            if kind in (p.NEXT, p.RELEASE):
+            if kind in (p.NEXT, p.RELEASE, p.SKIP):
                 slots = p.decode_release(view[:n])
                 bad = [s for s in slots if s not in leased]
                 if bad:
@@ -217,9 +217,10 @@ class DataPlaneServer:
                 engine.release(member, slots)
                 if kind == p.RELEASE:
                     continue
-                item = engine.next_item(member, self._stop)
-            elif kind == p.SKIP and n == 1:
-                item = self._skip_epoch(engine, member)
+                if kind == p.SKIP:
+                    item = self._skip_epoch(engine, member)
+                else:
+                    item = engine.next_item(member, self._stop)
             elif kind == p.SEEK and n == p.POSITION_BODY.size:
                 _, epoch, index = p.POSITION_BODY.unpack_from(buf)
                 try:

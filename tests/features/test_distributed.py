@@ -13,8 +13,11 @@ from client import Client, Loader
 from tests.conftest import Server
 from tests.helpers import assert_same, unique
 
-PARAMS: dict[str, Any] = {"length": 50, "seed": 4, "fields": [
-    {"shape": [2], "dtype": "float32"}, {"shape": [], "dtype": "int64", "high": 100}]}
+PARAMS: dict[str, Any] = {
+    "length": 50,
+    "seed": 4,
+    "fields": [{"shape": [2], "dtype": "float32"}, {"shape": [], "dtype": "int64", "high": 100}],
+}
 
 
 @pytest.fixture(scope="module")
@@ -28,17 +31,32 @@ def dataset(server: Server) -> tuple[str, Any]:
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("shuffle", [False, True])
 @pytest.mark.parametrize("drop_last", [False, True])
-def test_distributed_parity(admin: Client, server: Server, dataset: tuple[str, Any],
-                            world_size: int, shuffle: bool, drop_last: bool) -> None:
+def test_distributed_parity(
+    admin: Client,
+    server: Server,
+    dataset: tuple[str, Any],
+    world_size: int,
+    shuffle: bool,
+    drop_last: bool,
+) -> None:
     name, ds = dataset
     seen: list[tuple[float, ...]] = []  # samples by their (random, unique) features
     for rank in range(world_size):
         loader_name = unique("rank")
-        admin.create_loader(loader_name, dataset=name, batch_size=4, shuffle=shuffle, seed=11,
-                            drop_last=drop_last, rank=rank, world_size=world_size,
-                            num_workers=2 if rank == 0 else 0)
-        sampler = DistributedSampler(ds, num_replicas=world_size, rank=rank, shuffle=shuffle,
-                                     seed=11, drop_last=drop_last)
+        admin.create_loader(
+            loader_name,
+            dataset=name,
+            batch_size=4,
+            shuffle=shuffle,
+            seed=11,
+            drop_last=drop_last,
+            rank=rank,
+            world_size=world_size,
+            num_workers=2 if rank == 0 else 0,
+        )
+        sampler = DistributedSampler(
+            ds, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=11, drop_last=drop_last
+        )
         ref = DataLoader(ds, batch_size=4, sampler=sampler, drop_last=drop_last)
         with Loader(loader_name, socket=server.socket) as loader:
             assert len(loader) == len(ref)
@@ -61,8 +79,16 @@ def test_set_epoch_can_jump(admin: Client, server: Server, dataset: tuple[str, A
     """set_epoch to any epoch (forward or back) gives that epoch's batches."""
     name, ds = dataset
     loader_name = unique("jump")
-    admin.create_loader(loader_name, dataset=name, batch_size=8, shuffle=True, seed=2,
-                        rank=1, world_size=2, num_workers=2)
+    admin.create_loader(
+        loader_name,
+        dataset=name,
+        batch_size=8,
+        shuffle=True,
+        seed=2,
+        rank=1,
+        world_size=2,
+        num_workers=2,
+    )
     sampler = DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=2)
     ref = DataLoader(ds, batch_size=8, sampler=sampler)
     with Loader(loader_name, socket=server.socket) as loader:

@@ -22,15 +22,19 @@ from tests.conftest import REPO, Server
 from tests.fixtures.trainer import digest
 from tests.helpers import unique
 
-PARAMS: dict[str, Any] = {"length": 60, "seed": 8, "fields": [
-    {"shape": [3, 4], "dtype": "float32"}, {"shape": [], "dtype": "int64", "high": 9}]}
+PARAMS: dict[str, Any] = {
+    "length": 60,
+    "seed": 8,
+    "fields": [{"shape": [3, 4], "dtype": "float32"}, {"shape": [], "dtype": "int64", "high": 9}],
+}
 BATCH = 4  # 15 batches per epoch
 
 
 def _reference(root: Path, epochs: int, seed: int) -> list[str]:
     ds = build_dataset("synthetic", PARAMS, DatasetContext(root))
-    dl = DataLoader(ds, batch_size=BATCH, shuffle=True,
-                    generator=torch.Generator().manual_seed(seed))
+    dl = DataLoader(
+        ds, batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(seed)
+    )
     return [digest(b) for _ in range(epochs) for b in dl]
 
 
@@ -66,8 +70,17 @@ def test_resume_in_process(admin: Client, server: Server, num_workers: int) -> N
 
 
 def _run_trainer(server: Server, name: str, out: Path, *extra: str) -> int:
-    cmd = [sys.executable, "-m", "tests.fixtures.trainer", name, "--socket", str(server.socket),
-           "--out", str(out), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.fixtures.trainer",
+        name,
+        "--socket",
+        str(server.socket),
+        "--out",
+        str(out),
+        *extra,
+    ]
     return subprocess.run(cmd, cwd=REPO, timeout=60).returncode
 
 
@@ -79,8 +92,19 @@ def test_resume_after_trainer_sigkill(admin: Client, server: Server, tmp_path: P
     want = _reference(server.data_root, 2, 21)
     name = _new_loader(admin, num_workers=2)
     state, first, second = tmp_path / "state.json", tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    code = _run_trainer(server, name, first, "--epochs", "2", "--state-at", "7",
-                        "--state-file", str(state), "--die-after", "5")
+    code = _run_trainer(
+        server,
+        name,
+        first,
+        "--epochs",
+        "2",
+        "--state-at",
+        "7",
+        "--state-file",
+        str(state),
+        "--die-after",
+        "5",
+    )
     assert code == -signal.SIGKILL
     assert len(_lines(first)) == 12
     assert _run_trainer(server, name, second, "--resume", str(state), "--epochs", "2") == 0
