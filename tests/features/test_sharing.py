@@ -65,7 +65,7 @@ def test_four_workers_over_a_1gib_npy_share_it(admin: Client, server: Server) ->
         next(iter(loader))  # workers are up, ring mapped
         before = _memory(server.proc.pid)
         seen = 0
-        for images, labels in loader:  # the rest of the epoch: all 1 GiB goes through
+        for _images, labels in loader:  # the rest of the epoch: all 1 GiB goes through
             seen += len(labels)
         after = _memory(server.proc.pid)
     grow = {k: after[k] - before[k] for k in ("anon", "rss", "pss")}
