@@ -13,7 +13,7 @@ import logging
 import struct
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from app.datasets import DatasetContext
@@ -281,6 +281,38 @@ class LoaderEngine:
             task.epoch,
             "skipped" if self.config.on_error == "skip" else "failed",
             error.get("detail"),
+        )
+
+    def reconfigure(self, num_workers: int, prefetch_factor: int) -> None:
+        """Apply new ``num_workers``/``prefetch_factor`` live, keeping position and batches.
+
+        Raises ValueError when the change needs a different ring (more slots than it
+        has) or moves between in-server (0) and worker-process production.
+        """
+        new = replace(self.config, num_workers=num_workers, prefetch_factor=prefetch_factor)
+        need = ring_slots(new)
+        if (num_workers == 0) != (self.config.num_workers == 0):
+            raise ValueError(
+                "switching between num_workers=0 (in-server) and worker processes needs the "
+                "loader recreated; carry the position with Loader.state_dict()"
+            )
+        if need > self.nslots:
+            raise ValueError(
+                f"num_workers={num_workers} x prefetch_factor={prefetch_factor} needs {need} "
+                f"ring slots; this loader's ring has {self.nslots}. Lower them, or recreate "
+                "the loader (carry the position with Loader.state_dict())"
+            )
+        if self.pool is not None:
+            self.pool.resize(num_workers)
+        self.slots.set_limit(need)
+        self.config = new
+        log.info(
+            "loader %s: num_workers=%d prefetch_factor=%d (%d of %d slots ahead)",
+            new.name,
+            num_workers,
+            prefetch_factor,
+            need,
+            self.nslots,
         )
 
     def seek(self, member: int, epoch: int, index: int) -> None:

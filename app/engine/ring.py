@@ -84,17 +84,27 @@ class SlotTable:
     def __init__(self, nslots: int) -> None:
         self.states = [SlotState.FREE] * nslots
         self.cond = threading.Condition()
+        # Most slots filling or ready at once (the prefetch depth); a live PATCH may
+        # lower it below the ring's size.
+        self.limit = nslots
 
     def acquire_free(self, stop: threading.Event, poll_s: float = 0.2) -> int | None:
         """Wait for a free slot and mark it filling; ``None`` once ``stop`` is set."""
         with self.cond:
             while not stop.is_set():
-                for i, state in enumerate(self.states):
-                    if state is SlotState.FREE:
-                        self.states[i] = SlotState.FILLING
-                        return i
+                ahead = sum(s in (SlotState.FILLING, SlotState.READY) for s in self.states)
+                if ahead < self.limit:
+                    for i, state in enumerate(self.states):
+                        if state is SlotState.FREE:
+                            self.states[i] = SlotState.FILLING
+                            return i
                 self.cond.wait(poll_s)
         return None
+
+    def set_limit(self, limit: int) -> None:
+        with self.cond:
+            self.limit = max(1, min(limit, len(self.states)))
+            self.cond.notify_all()
 
     def move(self, slot: int, expect: SlotState, to: SlotState) -> bool:
         with self.cond:

@@ -128,6 +128,7 @@ class WorkerPool:
         self._on_fatal = on_fatal
         self._lock = threading.Lock()
         self._workers: list[_Worker] = []
+        self._retiring: list[_Worker] = []  # finish their tasks, then exit (a live shrink)
         self._retries: dict[int, int] = {}
         self._stop = threading.Event()
         self._next_id = 0
@@ -166,6 +167,34 @@ class WorkerPool:
             raise RuntimeError(f"worker {wid} failed to start: {error['detail']}")
         return _Worker(wid, proc, parent)
 
+    def resize(self, num_workers: int) -> None:
+        """Grow or shrink live: new workers take new tasks at once; removed ones first
+        finish what they hold, so no batch is lost or produced twice."""
+        if num_workers < 1:
+            raise ValueError("a worker pool needs at least one worker")
+        while len(self._workers) < num_workers:
+            worker = self._spawn()
+            with self._lock:
+                self._workers.append(worker)
+        with self._lock:
+            while len(self._workers) > num_workers:
+                worker = min(self._workers, key=lambda w: len(w.outstanding))
+                self._workers.remove(worker)
+                self._retiring.append(worker)
+
+    def _retire_idle(self) -> None:
+        with self._lock:
+            idle = [w for w in self._retiring if not w.outstanding]
+            for w in idle:
+                self._retiring.remove(w)
+        for w in idle:
+            self._send(w, None)
+            w.process.join(5)
+            if w.process.is_alive():
+                w.process.kill()
+                w.process.join(1)
+            w.conn.close()
+
     def submit(self, seq: int, slot: int, indices: list[int]) -> None:
         with self._lock:
             worker = min(self._workers, key=lambda w: len(w.outstanding))
@@ -186,9 +215,11 @@ class WorkerPool:
 
     def _collect(self) -> None:
         while not self._stop.is_set():
+            self._retire_idle()
             with self._lock:
-                by_conn = {w.conn: w for w in self._workers}
-                by_sentinel = {w.process.sentinel: w for w in self._workers}
+                watched = self._workers + self._retiring
+                by_conn = {w.conn: w for w in watched}
+                by_sentinel = {w.process.sentinel: w for w in watched}
             ready = wait([*by_conn, *by_sentinel], timeout=0.2)
             for obj in ready:
                 if obj in by_conn:
@@ -222,18 +253,24 @@ class WorkerPool:
         )
         self._receive(dead)  # results it sent before dying
         with self._lock:
-            self._workers.remove(dead)
+            retiring = dead in self._retiring
+            (self._retiring if retiring else self._workers).remove(dead)
         dead.conn.close()
         self.restarts += 1
-        try:
-            worker = self._spawn()
-        except Exception as exc:
-            self._on_fatal(
-                f"worker {dead.wid} died (exit code {code}) and no replacement could start: {exc}"
-            )
-            return
-        with self._lock:
-            self._workers.append(worker)
+        if retiring and self._workers:
+            # A worker on its way out needs no replacement: its tasks go to the others.
+            worker = min(self._workers, key=lambda w: len(w.outstanding))
+        else:
+            try:
+                worker = self._spawn()
+            except Exception as exc:
+                self._on_fatal(
+                    f"worker {dead.wid} died (exit code {code}) and no replacement could "
+                    f"start: {exc}"
+                )
+                return
+            with self._lock:
+                self._workers.append(worker)
         for seq, (slot, indices) in sorted(dead.outstanding.items()):
             tries = self._retries.get(seq, 0) + 1
             self._retries[seq] = tries
@@ -259,16 +296,18 @@ class WorkerPool:
     def close(self, timeout: float = 5.0) -> None:
         self._stop.set()
         self._collector.join(timeout)
-        for w in self._workers:
+        everyone = self._workers + self._retiring
+        for w in everyone:
             self._send(w, None)
         deadline = time.monotonic() + timeout
-        for w in self._workers:
+        for w in everyone:
             w.process.join(max(0.0, deadline - time.monotonic()))
             if w.process.is_alive():
                 w.process.kill()
                 w.process.join(1)
             w.conn.close()
         self._workers.clear()
+        self._retiring.clear()
 
 
 def configure_forkserver() -> None:
