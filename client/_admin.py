@@ -12,12 +12,18 @@ from __future__ import annotations
 
 import os
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
 from client._errors import PinfeedError, ProblemError, error_from_slug
 
 DEFAULT_URL = "http://127.0.0.1:8321"
+
+
+def _item(collection: str, name: str, *rest: str) -> str:
+    """``/v1/<collection>/<name>``: the name is quoted so '/' or '..' cannot change the route."""
+    return "/".join((f"/v1/{collection}", quote(name, safe=""), *rest))
 
 
 class Client:
@@ -32,8 +38,9 @@ class Client:
         url = url or os.environ.get("PINFEED_URL", DEFAULT_URL)
         token = token if token is not None else os.environ.get("PINFEED_TOKEN")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=url, headers=headers, timeout=timeout,
-                                  transport=transport)
+        self._http = httpx.Client(
+            base_url=url, headers=headers, timeout=timeout, transport=transport
+        )
 
     def close(self) -> None:
         self._http.close()
@@ -44,7 +51,7 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+    def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
             response = self._http.request(method, path, **kwargs)
         except httpx.TransportError as exc:
@@ -54,6 +61,10 @@ class Client:
             ) from None
         if response.status_code >= 400:
             raise self._problem(response)
+        return response
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        response = self._send(method, path, **kwargs)
         if response.status_code == 204 or not response.content:
             return None
         return response.json()
@@ -74,10 +85,19 @@ class Client:
         error.status = response.status_code
         return error
 
-    # health
+    # health and metrics
     def health(self) -> dict[str, Any]:
         result: dict[str, Any] = self._request("GET", "/healthz")
         return result
+
+    def ready(self) -> dict[str, Any]:
+        """``{"status": "ok"}``; raises ``NotReady`` while a loader is still starting."""
+        result: dict[str, Any] = self._request("GET", "/readyz")
+        return result
+
+    def metrics(self) -> str:
+        """The Prometheus text exposition of ``GET /metrics``."""
+        return self._send("GET", "/metrics").text
 
     # datasets
     def create_dataset(self, name: str, kind: str, params: dict[str, Any]) -> dict[str, Any]:
@@ -91,11 +111,11 @@ class Client:
         return result
 
     def dataset(self, name: str) -> dict[str, Any]:
-        result: dict[str, Any] = self._request("GET", f"/v1/datasets/{name}")
+        result: dict[str, Any] = self._request("GET", _item("datasets", name))
         return result
 
     def delete_dataset(self, name: str) -> None:
-        self._request("DELETE", f"/v1/datasets/{name}")
+        self._request("DELETE", _item("datasets", name))
 
     # loaders
     def create_loader(self, name: str, *, dataset: str, **config: Any) -> dict[str, Any]:
@@ -109,12 +129,17 @@ class Client:
         return result
 
     def loader(self, name: str) -> dict[str, Any]:
-        result: dict[str, Any] = self._request("GET", f"/v1/loaders/{name}")
+        result: dict[str, Any] = self._request("GET", _item("loaders", name))
         return result
 
     def loader_stats(self, name: str) -> dict[str, Any]:
-        result: dict[str, Any] = self._request("GET", f"/v1/loaders/{name}/stats")
+        result: dict[str, Any] = self._request("GET", _item("loaders", name, "stats"))
+        return result
+
+    def patch_loader(self, name: str, **changes: Any) -> dict[str, Any]:
+        """Change ``num_workers``/``prefetch_factor`` live."""
+        result: dict[str, Any] = self._request("PATCH", f"/v1/loaders/{name}", json=changes)
         return result
 
     def delete_loader(self, name: str) -> None:
-        self._request("DELETE", f"/v1/loaders/{name}")
+        self._request("DELETE", _item("loaders", name))

@@ -18,6 +18,7 @@ import contextlib
 import json
 import math
 import os
+import select
 import struct
 import time
 import warnings
@@ -128,6 +129,7 @@ class Loader:
         self._resume = False  # load_state_dict/set_epoch placed us: no skip at __iter__
         self._want_epoch: int | None = None
         self._epoch_batches = 0  # batches received in the epoch being iterated
+        self._ahead = False  # a NEXT is in flight (see _next)
         self._buf = bytearray(p.MAX_MESSAGE)
         self._view = memoryview(self._buf)
         self._release: list[int] = []  # slots to hand back with the next message
@@ -135,6 +137,7 @@ class Loader:
         self._in_epoch = False
         self._closed = False
         self._ring: RingMapping | None = None
+        self._fds: list[int] = []
         self._sock = p.new_socket()
         try:
             self._attach(timeout)
@@ -152,13 +155,16 @@ class Loader:
                 "`pinfeed serve` or set PINFEED_SOCKET"
             ) from None
         self._sock.settimeout(timeout)
+        self._readable = select.poll()
+        self._readable.register(self._sock, select.POLLIN)
         self._sock.send(
             p.encode_json(
                 p.ATTACH,
                 {"loader": self.name, "version": p.PROTOCOL_VERSION, "member": self.member},
             )
         )
-        n, fds = self._recv()
+        n = self._recv(with_fds=True)
+        fds = self._fds
         if self._buf[0] != p.ATTACHED or len(fds) != 1:
             for fd in fds:
                 os.close(fd)
@@ -195,22 +201,27 @@ class Loader:
         else:
             self._stream = None
 
-    def _recv(self) -> tuple[int, list[int]]:
+    def _recv(self, *, with_fds: bool = False) -> int:
+        """Receive one reply into the buffer; its length. Only ATTACHED carries fds
+        (kept in ``self._fds``); every other reply takes a plain ``recv_into``."""
         try:
-            n, fds = p.recv_message(self._sock, self._buf)
+            if with_fds:
+                n, self._fds = p.recv_message(self._sock, self._buf)
+            else:
+                n = self._sock.recv_into(self._buf)
         except TimeoutError:
             raise TimeoutError(
                 f"no batch from loader {self.name!r} within {self._sock.gettimeout()} s; "
                 "check its stats (GET /v1/loaders/{name}/stats) or raise Loader(timeout=...)"
             ) from None
-        except (ConnectionResetError, BrokenPipeError) as exc:
+        except OSError as exc:
             raise ServerUnavailable(f"lost the pinfeed server: {exc}") from None
         if n == 0:
             raise ServerUnavailable(
                 "the pinfeed server closed the connection (restarted or stopped); "
-                "create a new Loader to continue"
+                "create a new Loader, or use Loader(reconnect=True)"
             )
-        return n, fds
+        return n
 
     def _raise(self, n: int) -> None:
         if self._buf[0] == p.ERROR:
@@ -291,8 +302,9 @@ class Loader:
             )
 
     def _seek(self, epoch: int, index: int) -> None:
+        self._drain()
         self._send_next(p.SEEK, p.POSITION_BODY.pack(p.SEEK, epoch, index))
-        n, _ = self._recv()
+        n = self._recv()
         if self._buf[0] != p.POSITION:
             self._raise(n)
         _, e, i = p.POSITION_BODY.unpack_from(self._buf)
@@ -338,9 +350,30 @@ class Loader:
             self._release.append(slot)
 
     def _next(self) -> Any:
+        """The next batch, or None at the end of the epoch.
+
+        One NEXT is kept in flight: it is sent as soon as a batch arrives, so while the
+        trainer works on batch k the server already announces k+1, and a ready batch
+        is in this socket's buffer when the trainer asks (no server wake-up on the
+        critical path). Still one send and one recv per batch.
+        """
         try:
-            self._send_next(p.NEXT)
-            n, _ = self._recv()
+            if not self._ahead:
+                self._send_next(p.NEXT)
+                n = self._recv()
+            else:
+                # Fast path: the batch asked for last time is already here. Otherwise we
+                # are about to wait: hand back the last view's slot first, so the server
+                # can produce into it (a group member must never hold and wait).
+                if not self._readable.poll(0) and (self._release or self._pending):
+                    self._send_next(p.RELEASE)
+                n = self._recv()
+            self._ahead = False
+            kind = self._buf[0]
+            if kind == p.BATCH or (kind == p.ERROR and self._buf.find(b'"batch_index"', 0, n) > 0):
+                # Ask for the following item now; this releases the previous view's slot.
+                self._send_next(p.NEXT)
+                self._ahead = True
         except ServerUnavailable:
             if not self.reconnect:
                 raise
@@ -348,7 +381,6 @@ class Loader:
             if self._epoch_batches and self._pos[1] == 0:
                 return None  # the epoch's last batch came before the crash; its END did not
             return self._next()
-        kind = self._buf[0]
         if kind == p.END:
             self._pos = (p.END_BODY.unpack_from(self._buf)[1] + 1, 0)
             return None
@@ -407,9 +439,26 @@ class Loader:
         self._release.append(slot)  # handed back with the next NEXT: the view lives until then
         return batch
 
+    def _drain(self) -> bool:
+        """Read the reply to the NEXT in flight; True if it ended the epoch."""
+        if not self._ahead:
+            return False
+        self._ahead = False
+        self._recv()
+        kind = self._buf[0]
+        if kind == p.BATCH:
+            self._release.append(p.BATCH_HEAD.unpack_from(self._buf)[1])  # never yielded
+        elif kind == p.END:
+            self._pos = (p.END_BODY.unpack_from(self._buf)[1] + 1, 0)
+            return True
+        return False
+
     def _skip_epoch(self) -> None:
+        if self._drain():
+            self._in_epoch = False
+            return
         self._send_next(p.SKIP)
-        n, _ = self._recv()
+        n = self._recv()
         if self._buf[0] != p.END:
             self._raise(n)
         self._pos = (p.END_BODY.unpack_from(self._buf)[1] + 1, 0)
@@ -426,6 +475,7 @@ class Loader:
             self._ring.close()  # parks the old mapping while its views live
             self._ring = None
         position, in_epoch = self._pos, self._in_epoch
+        self._ahead = False
         deadline = time.monotonic() + self.reconnect_timeout
         delay = 0.05
         while True:

@@ -91,7 +91,12 @@ def decode_json(data: bytes | bytearray | memoryview) -> dict[str, Any]:
     return value
 
 
+_ONE_RELEASE = struct.Struct("<BxHI")
+
+
 def encode_release(kind: int, slots: list[int]) -> bytes:
+    if len(slots) == 1:  # the per-batch case: one pack, no joins
+        return _ONE_RELEASE.pack(kind, 1, slots[0])
     return RELEASE_HEAD.pack(kind, len(slots)) + b"".join(SLOT.pack(s) for s in slots)
 
 
@@ -109,12 +114,13 @@ def new_socket() -> socket.socket:
     return socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 
 
+_ANCILLARY = socket.CMSG_SPACE(4 * struct.calcsize("i"))
+
+
 def recv_message(sock: socket.socket, buf: bytearray) -> tuple[int, list[int]]:
     """Receive one message into ``buf``; return (length, fds). Length 0 means EOF."""
     fds: list[int] = []
-    nbytes, ancdata, flags, _ = sock.recvmsg_into(
-        [buf], socket.CMSG_SPACE(4 * struct.calcsize("i"))
-    )
+    nbytes, ancdata, flags, _ = sock.recvmsg_into([buf], _ANCILLARY)
     for level, ctype, data in ancdata:
         if level == socket.SOL_SOCKET and ctype == socket.SCM_RIGHTS:
             usable = len(data) - len(data) % 4

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from app.datasets.base import BatchFetcher
-from client._protocol import align
+from client._protocol import MAX_MESSAGE, align
 
 # treedef: ["leaf", j] | ["list", [..]] | ["dict", [[key, ..], ..]]
 #        | ["namedtuple", [typename, [field, ..], [..]]]
@@ -315,4 +315,15 @@ def fill_slot(dataset: Any, layout: Layout, slot: torch.Tensor, indices: Sequenc
             strings.append(values)
         else:
             _write_leaf(leaf, view, values, indices)
-    return json.dumps(strings).encode() if strings else b""
+    if not strings:
+        return b""
+    encoded = json.dumps(strings).encode()
+    if len(encoded) > MAX_MESSAGE - 4096:
+        raise SampleFailure(
+            "batch-too-large",
+            f"the batch's strings take {len(encoded)} bytes; a batch message holds at most "
+            f"{MAX_MESSAGE - 4096}: return tensors (e.g. token ids) instead of long strings",
+            None,
+            "LayoutError",
+        )
+    return encoded

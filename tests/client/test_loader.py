@@ -85,7 +85,8 @@ def test_one_consumer_per_loader(admin: Client, server: Server) -> None:
         with pytest.raises(LoaderBusy, match="already has a consumer"):
             Loader(name, socket=server.socket)
         assert admin.loader(name)["consumer_attached"] is True
-        assert admin.loader(name)["slots"]["leased"] == 1
+        # The batch in use, and the next one announced ahead (one NEXT in flight).
+        assert admin.loader(name)["slots"]["leased"] == 2
     # The first consumer's slots came back; a new consumer can attach.
     with Loader(name, socket=server.socket) as second:
         next(iter(second))
