@@ -3,9 +3,7 @@ round-robin distinct batches (split)."""
 
 from __future__ import annotations
 
-import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +13,7 @@ from torch.utils.data import DataLoader
 from app.datasets import DatasetContext, build_dataset
 from client import Client, Loader
 from tests.conftest import REPO, Server
-from tests.fixtures.trainer import digest
+from tests.fixtures.trainer import command, digest, read_log
 from tests.helpers import unique
 
 PARAMS: dict[str, Any] = {
@@ -41,20 +39,7 @@ def _trainers(server: Server, name: str, tmp: Path, members: int, epochs: int) -
     outs = [tmp / f"m{m}.jsonl" for m in range(members)]
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.fixtures.trainer",
-                name,
-                "--socket",
-                str(server.socket),
-                "--out",
-                str(out),
-                "--member",
-                str(m),
-                "--epochs",
-                str(epochs),
-            ],
+            command(server.socket, name, out, "--member", str(m), "--epochs", str(epochs)),
             cwd=REPO,
         )
         for m, out in enumerate(outs)
@@ -80,7 +65,7 @@ def test_broadcast_four_trainers_share_one_copy(
     # One ring for the group: the prefetch slots plus one per extra member, not 4 rings.
     assert loader["slots"]["total"] == 2 * 2 + 3
     outs = _trainers(server, name, tmp_path, 4, 2)
-    logs = [[json.loads(line) for line in out.read_text().splitlines()] for out in outs]
+    logs = [read_log(out) for out in outs]
     want = _reference(server.data_root, 2)
     for log in logs:
         assert [r["digest"] for r in log] == want
@@ -109,10 +94,10 @@ def test_split_round_robin(admin: Client, server: Server, tmp_path: Path) -> Non
     want = _reference(server.data_root, 2)  # 12 batches per epoch
     per_epoch = len(want) // 2
     for m, out in enumerate(outs):
-        got = [json.loads(line)["digest"] for line in out.read_text().splitlines()]
+        got = [r["digest"] for r in read_log(out)]
         expect = [want[e * per_epoch + i] for e in range(2) for i in range(m, per_epoch, 3)]
         assert got == expect
-    union = [json.loads(line)["digest"] for out in outs for line in out.read_text().splitlines()]
+    union = [r["digest"] for out in outs for r in read_log(out)]
     assert sorted(union) == sorted(want) and len(set(union)) == len(set(want))
     admin.delete_loader(name)
 

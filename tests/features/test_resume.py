@@ -5,10 +5,8 @@ skipped. In-process, across a SIGKILLed trainer, across a server restart, and wi
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +17,7 @@ from torch.utils.data import DataLoader
 from app.datasets import DatasetContext, build_dataset
 from client import Client, Loader, ServerUnavailable
 from tests.conftest import REPO, Server
-from tests.fixtures.trainer import digest
+from tests.fixtures.trainer import command, digest, read_log
 from tests.helpers import unique
 
 PARAMS: dict[str, Any] = {
@@ -70,22 +68,13 @@ def test_resume_in_process(admin: Client, server: Server, num_workers: int) -> N
 
 
 def _run_trainer(server: Server, name: str, out: Path, *extra: str) -> int:
-    cmd = [
-        sys.executable,
-        "-m",
-        "tests.fixtures.trainer",
-        name,
-        "--socket",
-        str(server.socket),
-        "--out",
-        str(out),
-        *extra,
-    ]
-    return subprocess.run(cmd, cwd=REPO, timeout=60).returncode
+    return subprocess.run(
+        command(server.socket, name, out, *extra), cwd=REPO, timeout=60
+    ).returncode
 
 
 def _lines(path: Path) -> list[str]:
-    return [json.loads(line)["digest"] for line in path.read_text().splitlines()]
+    return [r["digest"] for r in read_log(path)]
 
 
 def test_resume_after_trainer_sigkill(admin: Client, server: Server, tmp_path: Path) -> None:
