@@ -130,6 +130,7 @@ class Loader:
         self._want_epoch: int | None = None
         self._epoch_batches = 0  # batches received in the epoch being iterated
         self._ahead = False  # a NEXT is in flight (see _next)
+        self._wait_us = 0  # how long the last batch kept the trainer waiting
         self._buf = bytearray(p.MAX_MESSAGE)
         self._view = memoryview(self._buf)
         self._release: list[int] = []  # slots to hand back with the next message
@@ -325,7 +326,9 @@ class Loader:
             self._collect_copies()
         release_first = message is not None and bool(self._release)
         if message is None:
-            message = p.encode_release(kind, self._release)  # releases ride along
+            # Releases and the trainer's last wait ride along.
+            message = p.encode_release(kind, self._release, self._wait_us)
+            self._wait_us = 0
         try:
             if release_first:
                 self._sock.send(p.encode_release(p.RELEASE, self._release))
@@ -357,6 +360,7 @@ class Loader:
         is in this socket's buffer when the trainer asks (no server wake-up on the
         critical path). Still one send and one recv per batch.
         """
+        asked = time.perf_counter_ns()
         try:
             if not self._ahead:
                 self._send_next(p.NEXT)
@@ -368,6 +372,7 @@ class Loader:
                 if not self._readable.poll(0) and (self._release or self._pending):
                     self._send_next(p.RELEASE)
                 n = self._recv()
+            self._wait_us = (time.perf_counter_ns() - asked) // 1000
             self._ahead = False
             kind = self._buf[0]
             if kind == p.BATCH or (kind == p.ERROR and self._buf.find(b'"batch_index"', 0, n) > 0):

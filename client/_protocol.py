@@ -8,8 +8,10 @@ beyond the tensor views.
 
 client -> server
     ATTACH  b"A" + JSON {"loader": name, "version": 1}
-    NEXT    b"N" + u16 count + count x u32 slots released     (one per batch)
-    RELEASE b"R" + u16 count + count x u32 slots released     (no reply)
+    NEXT    b"N" + u16 count + count x u32 slots released + [u32 wait_us]  (one per batch)
+    RELEASE b"R" + u16 count + count x u32 slots released + [u32 wait_us]  (no reply)
+            wait_us: how long the trainer last waited for a batch; the server's
+            "is training input-bound?" figure comes from it
     SKIP    b"S" + u16 count + count x u32 slots released: drop the rest of the
                             current epoch; reply END
     SEEK    b"K" + POSITION_BODY (epoch, index): make that the next batch; reply POSITION
@@ -91,23 +93,32 @@ def decode_json(data: bytes | bytearray | memoryview) -> dict[str, Any]:
     return value
 
 
-_ONE_RELEASE = struct.Struct("<BxHI")
+_ONE_RELEASE = struct.Struct("<BxHII")  # kind, count=1, slot, wait_us
+_WAIT = struct.Struct("<I")
 
 
-def encode_release(kind: int, slots: list[int]) -> bytes:
+def encode_release(kind: int, slots: list[int], wait_us: int = 0) -> bytes:
+    wait_us = min(wait_us, 0xFFFFFFFF)
     if len(slots) == 1:  # the per-batch case: one pack, no joins
-        return _ONE_RELEASE.pack(kind, 1, slots[0])
-    return RELEASE_HEAD.pack(kind, len(slots)) + b"".join(SLOT.pack(s) for s in slots)
+        return _ONE_RELEASE.pack(kind, 1, slots[0], wait_us)
+    return (
+        RELEASE_HEAD.pack(kind, len(slots))
+        + b"".join(SLOT.pack(s) for s in slots)
+        + _WAIT.pack(wait_us)
+    )
 
 
-def decode_release(data: bytes | bytearray | memoryview) -> list[int]:
-    """Slots listed in a NEXT or RELEASE message; ValueError when malformed."""
+def decode_release(data: bytes | bytearray | memoryview) -> tuple[list[int], int | None]:
+    """(slots, wait_us or None) of a NEXT, RELEASE or SKIP message; ValueError if malformed."""
     if len(data) < RELEASE_HEAD.size:
         raise ValueError("short release message")
     _, count = RELEASE_HEAD.unpack_from(data)
-    if len(data) != RELEASE_HEAD.size + count * SLOT.size:
+    end = RELEASE_HEAD.size + count * SLOT.size
+    if len(data) not in (end, end + _WAIT.size):
         raise ValueError("release message length does not match its count")
-    return [SLOT.unpack_from(data, RELEASE_HEAD.size + i * SLOT.size)[0] for i in range(count)]
+    slots = [SLOT.unpack_from(data, RELEASE_HEAD.size + i * SLOT.size)[0] for i in range(count)]
+    wait = _WAIT.unpack_from(data, end)[0] if len(data) > end else None
+    return slots, wait
 
 
 def new_socket() -> socket.socket:

@@ -206,7 +206,9 @@ class DataPlaneServer:
             kind = buf[0]
             item: Item
             if kind in (p.NEXT, p.RELEASE, p.SKIP):
-                slots = p.decode_release(view[:n])
+                slots, wait_us = p.decode_release(view[:n])
+                if wait_us is not None and kind == p.NEXT:
+                    engine.stats.consumer_wait(wait_us / 1e6)
                 bad = [s for s in slots if s not in leased]
                 if bad:
                     self._send_error(

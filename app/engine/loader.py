@@ -368,7 +368,6 @@ class LoaderEngine:
 
     def next_item(self, member: int, stop: threading.Event) -> Item:
         """The member's next item in sampler order; waits in bounded polls."""
-        t0 = time.perf_counter()
         with self._cond:
             while (item := self.consumers.take(member)) is None:
                 if self.state == "failed" and self.failure is not None:
@@ -398,8 +397,14 @@ class LoaderEngine:
                     )
                 self._cond.wait(0.5)
         if isinstance(item, BatchItem):
-            self.stats.consumed(item.rows, time.perf_counter() - t0)
+            self.stats.consumed(item.rows)
         return item
+
+    def stats_snapshot(self) -> dict[str, Any]:
+        busy = self.pool.busy_seconds() if self.pool else 0.0
+        with self._cond:
+            members = max(1, self.consumers.attached)
+        return self.stats.snapshot(busy, self.config.num_workers, members)
 
     def public_status(self) -> dict[str, Any]:
         ring = self.ring

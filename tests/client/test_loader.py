@@ -158,3 +158,20 @@ def test_len_is_batches_per_epoch(admin: Client, server: Server) -> None:
         assert sum(1 for _ in loader) == 4
         assert sum(1 for _ in loader) == 4
     admin.delete_loader(name)
+
+
+def test_consumer_wait_is_measured_by_the_trainer(admin: Client, server: Server) -> None:
+    """A slow dataset makes the trainer wait: the stats say it is input-bound."""
+    ds = unique("slow")
+    admin.create_dataset(
+        ds, "python", {"factory": "tests.fixtures.datasets:Slow", "kwargs": {"seconds": 0.02}}
+    )
+    name = unique("slow")
+    admin.create_loader(name, dataset=ds, batch_size=2, num_workers=0)
+    with Loader(name, socket=server.socket) as loader:
+        for _ in loader:
+            pass
+    stats = admin.loader_stats(name)
+    assert stats["consumer_wait_p50_s"] is not None and stats["consumer_wait_p50_s"] > 0.02
+    assert stats["consumer_wait_share"] > 0.5
+    admin.delete_loader(name)
