@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import enum
+import logging
 import mmap
 import os
 import threading
@@ -17,6 +18,8 @@ import threading
 import torch
 
 from client._protocol import ALIGN, align
+
+log = logging.getLogger("pinfeed.ring")
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
@@ -61,7 +64,12 @@ class Ring:
         if self.page_locked:
             _libc.munlock(ctypes.c_void_p(self.base.data_ptr()), ctypes.c_size_t(self.size))
         del self.base
-        self._mm.close()
+        try:
+            self._mm.close()
+        except BufferError:
+            # A view is still alive somewhere in the server: the mapping goes when it
+            # does (the fd below is closed now; trainers keep their own mappings).
+            log.warning("ring %s: a view is still alive; unmapping when it goes", self.fd)
         os.close(self.fd)
 
     def __enter__(self) -> Ring:
