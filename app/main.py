@@ -6,14 +6,30 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import Depends, FastAPI
+from fastapi import FastAPI
 
 from app import __version__
-from app.api.deps import require_token
-from app.api.routes import datasets, health, loaders
+from app.api.guards import RequestGuard
+from app.api.openapi import install_openapi
+from app.api.routes import datasets, health, loaders, metrics
 from app.errors import install_handlers
 from app.service import Service
 from app.settings import Settings, get_settings
+
+TAGS = [
+    {"name": "health", "description": "Liveness and readiness probes."},
+    {
+        "name": "datasets",
+        "description": "Datasets: a kind (synthetic, tensors, npy, python) "
+        "and its params; files resolve inside PINFEED_DATA_ROOT.",
+    },
+    {
+        "name": "loaders",
+        "description": "Loaders: DataLoader's arguments over a dataset; each "
+        "keeps a prefetch ring of ready batches in page-locked shared memory.",
+    },
+    {"name": "metrics", "description": "Prometheus metrics, labelled per loader."},
+]
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -34,13 +50,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         title="pinfeed",
         version=__version__,
         description="Node-local batch server: DataLoader-identical batches in page-locked "
-        "shared memory. Control plane only; batches travel over the data-plane Unix socket.",
+        "shared memory. Control plane only; batches travel over the data-plane Unix socket. "
+        "Errors are application/problem+json (RFC 9457) with a stable `type`.",
         lifespan=lifespan,
-        dependencies=[Depends(require_token)],
+        openapi_tags=TAGS,
     )
+    app.state.settings = settings
+    app.state.metrics = metrics.build_registry(lambda: app.state.service)
     app.dependency_overrides[get_settings] = lambda: settings
+    app.add_middleware(RequestGuard, settings=settings)
     install_handlers(app)
+    install_openapi(app)
     app.include_router(health.router)
+    app.include_router(metrics.router)
     app.include_router(datasets.router)
     app.include_router(loaders.router)
     logging.getLogger("pinfeed").setLevel(settings.log_level.upper())

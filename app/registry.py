@@ -70,8 +70,9 @@ class Registry:
     # datasets
     def add_dataset(self, name: str, kind: str, params: dict[str, Any]) -> float:
         now = time.time()
-        self._write("INSERT INTO datasets VALUES (?, ?, ?, ?)",
-                    (name, kind, json.dumps(params), now))
+        self._write(
+            "INSERT INTO datasets VALUES (?, ?, ?, ?)", (name, kind, json.dumps(params), now)
+        )
         return now
 
     def datasets(self) -> list[dict[str, Any]]:
@@ -86,8 +87,9 @@ class Registry:
     # loaders
     def add_loader(self, name: str, dataset: str, config: dict[str, Any]) -> float:
         now = time.time()
-        self._write("INSERT INTO loaders VALUES (?, ?, ?, ?)",
-                    (name, dataset, json.dumps(config), now))
+        self._write(
+            "INSERT INTO loaders VALUES (?, ?, ?, ?)", (name, dataset, json.dumps(config), now)
+        )
         return now
 
     def update_loader(self, name: str, config: dict[str, Any]) -> None:

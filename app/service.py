@@ -15,11 +15,11 @@ from app import errors
 from app.datasets import DatasetContext, DatasetError, build_dataset
 from app.engine.collate import LayoutError, probe
 from app.engine.dataplane import DataPlaneServer
-from app.engine.loader import LoaderConfig, LoaderEngine, ring_slots
-from app.engine.sampler import EpochSampler
+from app.engine.loader import LoaderConfig, LoaderEngine, make_sampler, ring_slots
+from app.engine.stats import LoaderStats
 from app.engine.workers import configure_forkserver
 from app.registry import DuplicateName, Registry
-from app.schemas import DatasetCreate, LoaderCreate
+from app.schemas import DatasetCreate, LoaderCreate, LoaderPatch
 from app.settings import Settings
 
 log = logging.getLogger("pinfeed")
@@ -45,6 +45,9 @@ class Service:
         self.context = DatasetContext(settings.data_root, tuple(settings.allowed_plugins))
         self.registry = Registry(settings.registry_path)
         self.loaders: dict[str, LoaderEngine] = {}
+        # Registered loaders that could not start after a restart (dataset file gone,
+        # budget lowered): listed as failed so they can be seen and deleted.
+        self._unstarted: dict[str, dict[str, Any]] = {}
         self._datasets: dict[str, Any] = {}  # name -> built dataset, shared by its loaders
         self._lock = threading.RLock()
         self.dataplane = DataPlaneServer(
@@ -58,8 +61,14 @@ class Service:
         for row in self.registry.loaders():
             try:
                 self._start_loader(row["dataset"], row["config"])
-            except errors.AppError as exc:
-                log.error("loader %s from the registry cannot start: %s", row["name"], exc)
+            except Exception as exc:  # one bad row must not keep the others from starting
+                detail = (
+                    exc.detail
+                    if isinstance(exc, errors.AppError)
+                    else (f"{type(exc).__name__}: {exc}")
+                )
+                log.error("loader %s from the registry cannot start: %s", row["name"], detail)
+                self._unstarted[row["name"]] = row | {"detail": detail}
         if self.settings.demo:
             self._ensure_demo()
         log.info("data plane on %s", self.settings.socket_path)
@@ -77,8 +86,11 @@ class Service:
         names = {d["name"] for d in self.registry.datasets()}
         if DEMO_DATASET.name not in names:
             self.create_dataset(DEMO_DATASET)
-        if DEMO_LOADER.name not in self.loaders:
-            self.create_loader(DEMO_LOADER)
+        if DEMO_LOADER.name not in self.loaders and DEMO_LOADER.name not in self._unstarted:
+            try:
+                self.create_loader(DEMO_LOADER)
+            except errors.AppError as exc:  # e.g. a budget too small: serve anyway
+                log.error("the demo loader cannot start: %s", exc.detail)
 
     # -- datasets ----------------------------------------------------------------------
     def _open(self, name: str, kind: str, params: dict[str, Any]) -> Any:
@@ -88,6 +100,11 @@ class Service:
                     self._datasets[name] = build_dataset(kind, params, self.context)
                 except DatasetError as exc:
                     raise errors.InvalidRequest(str(exc)) from None
+                except Exception as exc:  # a corrupt file is the caller's problem, not a 500
+                    log.warning("dataset %s cannot open", name, exc_info=True)
+                    raise errors.InvalidRequest(
+                        f"dataset {name!r} cannot open: {type(exc).__name__}: {exc}"
+                    ) from None
             return self._datasets[name]
 
     def _dataset_row(self, name: str) -> dict[str, Any]:
@@ -155,8 +172,7 @@ class Service:
         row = self._dataset_row(dataset_name)
         ds = self._open(dataset_name, row["kind"], row["params"])
         cfg = LoaderConfig(dataset=dataset_name, **config)
-        sampler = EpochSampler(len(ds), cfg.batch_size, shuffle=cfg.shuffle, seed=cfg.seed,
-                               drop_last=cfg.drop_last)
+        sampler = make_sampler(cfg, len(ds))
         if len(sampler) == 0:
             raise errors.InvalidRequest(
                 f"dataset {dataset_name!r} has {len(ds)} samples: batch_size {cfg.batch_size} "
@@ -172,15 +188,15 @@ class Service:
                 f"reading sample {first} to size the ring raised {type(exc).__name__}: {exc}"
             ) from None
         need = ring_slots(cfg) * layout.slot_bytes
-        used = sum(e.nslots * e.layout.slot_bytes for e in self.loaders.values())
-        free = self.settings.max_shm_bytes - used
+        free = max(0, self.settings.max_shm_bytes - self.shm_used())
         if need > free:
             raise errors.InsufficientMemory(
                 f"loader {cfg.name!r} needs a ring of {need} bytes "
                 f"({ring_slots(cfg)} slots x {layout.slot_bytes}); {free} bytes of "
                 f"PINFEED_MAX_SHM_BYTES={self.settings.max_shm_bytes} are free. Lower "
                 "batch_size, num_workers or prefetch_factor, or raise the budget",
-                need_bytes=need, free_bytes=free,
+                need_bytes=need,
+                free_bytes=free,
             )
         engine = LoaderEngine(cfg, ds, row["kind"], row["params"], self.context, layout)
         self.loaders[cfg.name] = engine
@@ -193,11 +209,37 @@ class Service:
             raise errors.NotFound(f"no loader named {name!r}")
         return engine
 
+    def starting_loaders(self) -> list[str]:
+        return sorted(n for n, e in list(self.loaders.items()) if e.state == "starting")
+
+    def shm_used(self) -> int:
+        return sum(e.nslots * e.layout.slot_bytes for e in list(self.loaders.values()))
+
+    def _describe_unstarted(self, row: dict[str, Any]) -> dict[str, Any]:
+        return {
+            **row["config"],
+            "dataset": row["dataset"],
+            "created_at": row["created_at"],
+            "state": "failed",
+            "failure": {"type": "loader-failed", "detail": row["detail"]},
+            "batches_per_epoch": 0,
+            "ring_bytes": 0,
+            "slot_bytes": 0,
+            "slots": {"free": 0, "filling": 0, "ready": 0, "leased": 0, "total": 0},
+            "page_locked": False,
+            "consumer_attached": False,
+            "consumer_cuda_registered": False,
+            "epoch": 0,
+            "position": 0,
+            "worker_restarts": 0,
+            "batch": None,
+        }
+
     def describe_loader(self, name: str) -> dict[str, Any]:
+        if name in self._unstarted:
+            return self._describe_unstarted(self._unstarted[name])
         engine = self._engine(name)
-        created = next(
-            (r["created_at"] for r in self.registry.loaders() if r["name"] == name), 0.0
-        )
+        created = next((r["created_at"] for r in self.registry.loaders() if r["name"] == name), 0.0)
         cfg = engine.config
         return {
             **cfg.__dict__,
@@ -207,15 +249,71 @@ class Service:
         }
 
     def list_loaders(self) -> list[dict[str, Any]]:
-        return [self.describe_loader(n) for n in sorted(self.loaders)]
+        names = sorted({*self.loaders, *self._unstarted})
+        out = []
+        for name in names:
+            try:
+                out.append(self.describe_loader(name))
+            except errors.NotFound:
+                continue  # deleted while we listed
+        return out
 
     def loader_stats(self, name: str) -> dict[str, Any]:
-        engine = self._engine(name)
-        busy = engine.pool.busy_seconds() if engine.pool else 0.0
-        return {"name": name, **engine.stats.snapshot(busy, engine.config.num_workers)}
+        if name in self._unstarted:
+            return {"name": name, **LoaderStats().snapshot(0.0, 1)}
+        return {"name": name, **self._engine(name).stats_snapshot()}
+
+    def loader_metrics(self) -> list[dict[str, Any]]:
+        """Status and counters of every loader in one pass, for ``GET /metrics``."""
+        out = []
+        for name, engine in sorted(self.loaders.items()):
+            out.append(
+                {
+                    "name": name,
+                    "dataset": engine.config.dataset,
+                    "batch_size": engine.config.batch_size,
+                    **engine.public_status(),
+                    **engine.stats_snapshot(),
+                    "bytes_consumed": engine.stats.bytes_consumed,
+                    "consumer_wait_s": engine.stats.wait_s,
+                }
+            )
+        for name, row in sorted(self._unstarted.items()):
+            out.append(
+                {
+                    "name": name,
+                    **self._describe_unstarted(row),
+                    **LoaderStats().snapshot(0.0, 1),
+                    "bytes_consumed": 0,
+                    "consumer_wait_s": 0.0,
+                }
+            )
+        return out
+
+    def patch_loader(self, name: str, body: LoaderPatch) -> dict[str, Any]:
+        """Change num_workers/prefetch_factor live: position and batches are kept."""
+        with self._lock:
+            if name in self._unstarted:
+                raise errors.Conflict(f"loader {name!r} failed to start; delete and recreate it")
+            engine = self._engine(name)
+            cfg = engine.config
+            num_workers = cfg.num_workers if body.num_workers is None else body.num_workers
+            prefetch = cfg.prefetch_factor if body.prefetch_factor is None else body.prefetch_factor
+            try:
+                engine.reconfigure(num_workers, prefetch)
+            except ValueError as exc:
+                raise errors.Conflict(str(exc)) from None
+            row = next(r for r in self.registry.loaders() if r["name"] == name)
+            self.registry.update_loader(
+                name, row["config"] | {"num_workers": num_workers, "prefetch_factor": prefetch}
+            )
+        return self.describe_loader(name)
 
     def delete_loader(self, name: str) -> None:
         with self._lock:
+            if self._unstarted.pop(name, None) is not None:
+                self.registry.delete_loader(name)
+                return
             engine = self._engine(name)
             self.registry.delete_loader(name)
             del self.loaders[name]

@@ -1,12 +1,18 @@
-"""Service settings: one pydantic-settings class, environment prefix ``PINFEED_``."""
+"""Service settings: one pydantic-settings class, environment prefix ``PINFEED_``.
+
+Values that cannot work are refused when the settings are built (pydantic validation);
+combinations that are unsafe are refused by ``check_safe()`` before anything starts.
+"""
 
 from __future__ import annotations
 
 import ipaddress
 import logging
 import os
+import re
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -15,13 +21,18 @@ from client._protocol import DEFAULT_SOCKET_NAME, default_run_dir
 
 log = logging.getLogger("pinfeed")
 
+# sockaddr_un.sun_path is 108 bytes on Linux, NUL included.
+MAX_SOCKET_PATH = 107
+MIN_TOKEN_CHARS = 16
+MODULE_PREFIX = r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$"
+
 
 def _default_state_dir() -> Path:
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(base) / "pinfeed"
 
 
-def _physical_memory() -> int:
+def physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
@@ -30,35 +41,73 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="PINFEED_", extra="ignore")
 
-    host: str = Field("127.0.0.1", description="HTTP bind address")
+    host: str = Field(
+        "127.0.0.1", description="HTTP bind address; non-loopback without a token warns"
+    )
     port: int = Field(8321, ge=0, le=65535, description="HTTP port (0: any free port)")
-    run_dir: Path = Field(default_factory=default_run_dir, description="runtime directory")
-    socket: Path | None = Field(None, description="data-plane socket (default run_dir/pinfeed.sock)")
+    run_dir: Path = Field(
+        default_factory=default_run_dir,
+        description="runtime directory for the data-plane socket "
+        "(default $XDG_RUNTIME_DIR/pinfeed, else /tmp/pinfeed-<uid>)",
+    )
+    socket: Path | None = Field(
+        None, description="data-plane Unix socket (default <run_dir>/pinfeed.sock)"
+    )
     state_dir: Path = Field(
-        default_factory=_default_state_dir, description="registry and state directory"
+        default_factory=_default_state_dir,
+        description="registry directory (default $XDG_STATE_HOME/pinfeed, "
+        "else ~/.local/state/pinfeed)",
     )
     data_root: Path = Field(
-        default_factory=Path.cwd, description="dataset files are resolved inside this directory"
+        default_factory=Path.cwd,
+        description="dataset file paths resolve inside this directory (default: the cwd)",
     )
     max_shm_bytes: int = Field(
-        default_factory=lambda: _physical_memory() // 2,
+        default_factory=lambda: physical_memory() // 2,
         gt=0,
-        description="memory budget for all rings together (default: half the RAM)",
+        description="memory budget for all rings together (default: half the RAM); "
+        "more than the RAM is refused",
     )
-    token: str | None = Field(None, description="bearer token required on mutating requests")
+    max_body_bytes: int = Field(
+        1 << 20, ge=1024, le=1 << 30, description="largest request body accepted (413 above)"
+    )
+    token: str | None = Field(
+        None,
+        repr=False,  # a secret: never in logs or tracebacks
+        description=f"bearer token required on mutating requests; at least {MIN_TOKEN_CHARS} "
+        "printable characters",
+    )
     allowed_plugins: list[str] = Field(
         default_factory=list,
-        description="module prefixes that 'python' datasets may import (empty: none)",
+        description="module prefixes that 'python' datasets may import, as a JSON list "
+        "(default: none)",
     )
-    attach_timeout_s: float = Field(60.0, gt=0, description="how long an attach waits for a loader")
+    attach_timeout_s: float = Field(
+        60.0, gt=0, description="how long a trainer's attach waits for its loader to start"
+    )
     demo: bool = Field(False, description="register the demo dataset and loader at start")
-    log_level: str = Field("info", description="log level")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
+        "info", description="log level"
+    )
 
     @field_validator("token")
     @classmethod
     def _token_not_blank(cls, v: str | None) -> str | None:
         if v is not None and not v.strip():
             return None
+        return v
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower(cls, v: object) -> object:
+        return v.lower() if isinstance(v, str) else v
+
+    @field_validator("allowed_plugins")
+    @classmethod
+    def _module_prefixes(cls, v: list[str]) -> list[str]:
+        bad = [p for p in v if not re.match(MODULE_PREFIX, p)]
+        if bad:
+            raise ValueError(f"not module names: {bad}; give dotted prefixes like 'mylab.data'")
         return v
 
     @property
@@ -78,11 +127,31 @@ class Settings(BaseSettings):
             return False
 
     def check_safe(self) -> None:
-        """Refuse unsafe combinations at start-up; warn loudly on risky ones."""
+        """Refuse unsafe settings at start-up (ValueError); warn loudly on risky ones."""
+        root = self.data_root.resolve()
         if self.data_root.exists() and not self.data_root.is_dir():
             raise ValueError(f"PINFEED_DATA_ROOT {self.data_root} is not a directory")
-        if Path(self.data_root).resolve() == Path("/"):
+        if root == Path("/"):
             raise ValueError("PINFEED_DATA_ROOT=/ would expose the whole filesystem; name a folder")
+        if self.max_shm_bytes > physical_memory():
+            raise ValueError(
+                f"PINFEED_MAX_SHM_BYTES={self.max_shm_bytes} is more than this node's "
+                f"{physical_memory()} bytes of RAM; page-locked rings that large would "
+                "starve the node"
+            )
+        if len(os.fsencode(self.socket_path)) > MAX_SOCKET_PATH:
+            raise ValueError(
+                f"the data-plane socket path {self.socket_path} is longer than "
+                f"{MAX_SOCKET_PATH} bytes, the Unix socket limit; set a shorter PINFEED_SOCKET"
+            )
+        if self.token is not None:
+            if len(self.token) < MIN_TOKEN_CHARS:
+                raise ValueError(
+                    f"PINFEED_TOKEN is shorter than {MIN_TOKEN_CHARS} characters; use a random "
+                    "one, e.g. `python -c 'import secrets; print(secrets.token_urlsafe())'`"
+                )
+            if not self.token.isascii() or not self.token.isprintable() or " " in self.token:
+                raise ValueError("PINFEED_TOKEN must be printable ASCII without spaces")
         if not self.is_loopback() and self.token is None:
             log.warning(
                 "pinfeed is listening on %s without PINFEED_TOKEN: anyone who reaches this "

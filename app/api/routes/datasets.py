@@ -1,23 +1,30 @@
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Response, status
+from fastapi import APIRouter, Path, Response, status
 
 from app.api.deps import ServiceDep
+from app.api.openapi import problems
 from app.schemas import DatasetCreate, DatasetPublic
 
 router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
 
-PROBLEMS: dict[int | str, dict[str, Any]] = {
-    404: {"description": "no such dataset", "content": {"application/problem+json": {}}},
-    409: {"description": "exists, or in use", "content": {"application/problem+json": {}}},
-    422: {"description": "invalid body or params", "content": {"application/problem+json": {}}},
-}
+DatasetName = Annotated[str, Path(description="the dataset's name", examples=["demo"])]
 
 
-@router.post("", response_model=DatasetPublic, status_code=status.HTTP_201_CREATED,
-             responses=PROBLEMS)
+@router.post(
+    "",
+    response_model=DatasetPublic,
+    status_code=status.HTTP_201_CREATED,
+    responses=problems(
+        409,
+        422,
+        d409="a dataset with this name exists",
+        d422="invalid body, unknown kind, bad params, or a file "
+        "that is missing or outside the data root",
+    ),
+)
 def create_dataset(body: DatasetCreate, service: ServiceDep, response: Response) -> Any:
     """Register a dataset; its files are opened now, so a bad path fails here."""
     response.headers["Location"] = f"/v1/datasets/{body.name}"
@@ -26,15 +33,22 @@ def create_dataset(body: DatasetCreate, service: ServiceDep, response: Response)
 
 @router.get("", response_model=list[DatasetPublic])
 def list_datasets(service: ServiceDep) -> Any:
+    """Every dataset, by name, with its length and sample structure."""
     return service.list_datasets()
 
 
-@router.get("/{name}", response_model=DatasetPublic, responses=PROBLEMS)
-def get_dataset(name: str, service: ServiceDep) -> Any:
+@router.get("/{name}", response_model=DatasetPublic, responses=problems(404))
+def get_dataset(name: DatasetName, service: ServiceDep) -> Any:
+    """A dataset's kind, params, length and one sample's structure (shapes, dtypes)."""
     return service.describe_dataset(name)
 
 
-@router.delete("/{name}", status_code=status.HTTP_204_NO_CONTENT, responses=PROBLEMS)
-def delete_dataset(name: str, service: ServiceDep) -> Response:
+@router.delete(
+    "/{name}",
+    status_code=status.HTTP_204_NO_CONTENT,
+    responses=problems(404, 409, d409="a loader uses this dataset"),
+)
+def delete_dataset(name: DatasetName, service: ServiceDep) -> Response:
+    """Forget a dataset; refused (409) while a loader uses it."""
     service.delete_dataset(name)
     return Response(status_code=status.HTTP_204_NO_CONTENT)

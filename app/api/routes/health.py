@@ -1,9 +1,10 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse
 
 from app.api.deps import ServiceDep
+from app.api.openapi import problems
+from app.errors import NotReady
 from app.schemas import Health
 
 router = APIRouter(tags=["health"])
@@ -11,14 +12,14 @@ router = APIRouter(tags=["health"])
 
 @router.get("/healthz", response_model=Health)
 def healthz() -> Health:
-    """The process is up and serving HTTP."""
+    """The process is up and serving HTTP (liveness). Never needs the token."""
     return Health(status="ok")
 
 
-@router.get("/readyz", response_model=Health, responses={503: {"description": "not ready"}})
-def readyz(service: ServiceDep) -> Health | JSONResponse:
-    """The data-plane socket is listening and every loader has left ``starting``."""
-    starting = [n for n, e in service.loaders.items() if e.state == "starting"]
+@router.get("/readyz", response_model=Health, responses=problems(503))
+def readyz(service: ServiceDep) -> Health:
+    """Every loader has left ``starting`` (readiness); 503 names those that have not."""
+    starting = service.starting_loaders()
     if starting:
-        return JSONResponse({"status": "starting", "loaders": starting}, status_code=503)
+        raise NotReady(f"loaders still starting: {', '.join(starting)}", loaders=starting)
     return Health(status="ok")

@@ -1,23 +1,32 @@
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Response, status
+from fastapi import APIRouter, Path, Response, status
 
 from app.api.deps import ServiceDep
-from app.api.routes.datasets import PROBLEMS
-from app.schemas import LoaderCreate, LoaderPublic, LoaderStatsPublic
+from app.api.openapi import problems
+from app.schemas import LoaderCreate, LoaderPatch, LoaderPublic, LoaderStatsPublic
 
 router = APIRouter(prefix="/v1/loaders", tags=["loaders"])
 
-LOADER_PROBLEMS = PROBLEMS | {
-    507: {"description": "ring exceeds the memory budget",
-          "content": {"application/problem+json": {}}},
-}
+LoaderName = Annotated[str, Path(description="the loader's name", examples=["demo"])]
 
 
-@router.post("", response_model=LoaderPublic, status_code=status.HTTP_201_CREATED,
-             responses=LOADER_PROBLEMS)
+@router.post(
+    "",
+    response_model=LoaderPublic,
+    status_code=status.HTTP_201_CREATED,
+    responses=problems(
+        404,
+        409,
+        422,
+        507,
+        d404="no such dataset",
+        d409="a loader with this name exists",
+        d422="invalid body, or the dataset's samples cannot be batched",
+    ),
+)
 def create_loader(body: LoaderCreate, service: ServiceDep, response: Response) -> Any:
     """Create a loader; its ring is allocated and prefetch starts at once."""
     response.headers["Location"] = f"/v1/loaders/{body.name}"
@@ -26,21 +35,37 @@ def create_loader(body: LoaderCreate, service: ServiceDep, response: Response) -
 
 @router.get("", response_model=list[LoaderPublic])
 def list_loaders(service: ServiceDep) -> Any:
+    """Every loader, by name, with its config and live status."""
     return service.list_loaders()
 
 
-@router.get("/{name}", response_model=LoaderPublic, responses=PROBLEMS)
-def get_loader(name: str, service: ServiceDep) -> Any:
+@router.get("/{name}", response_model=LoaderPublic, responses=problems(404))
+def get_loader(name: LoaderName, service: ServiceDep) -> Any:
+    """Config and live status: state, ring and slot counts, consumer, epoch and position."""
     return service.describe_loader(name)
 
 
-@router.get("/{name}/stats", response_model=LoaderStatsPublic, responses=PROBLEMS)
-def get_loader_stats(name: str, service: ServiceDep) -> Any:
+@router.get("/{name}/stats", response_model=LoaderStatsPublic, responses=problems(404))
+def get_loader_stats(name: LoaderName, service: ServiceDep) -> Any:
+    """Throughput, consumer wait (p50, p99, share: is training input-bound?), errors."""
     return service.loader_stats(name)
 
 
-@router.delete("/{name}", status_code=status.HTTP_204_NO_CONTENT, responses=PROBLEMS)
-def delete_loader(name: str, service: ServiceDep) -> Response:
+@router.patch(
+    "/{name}",
+    response_model=LoaderPublic,
+    responses=problems(404, 409, 422, d409="the change needs a new ring (recreate the loader)"),
+)
+def patch_loader(name: LoaderName, body: LoaderPatch, service: ServiceDep) -> Any:
+    """Change ``num_workers`` or ``prefetch_factor`` live: position and batches are kept.
+
+    More prefetch than the ring has slots needs a new ring: 409 says so.
+    """
+    return service.patch_loader(name, body)
+
+
+@router.delete("/{name}", status_code=status.HTTP_204_NO_CONTENT, responses=problems(404))
+def delete_loader(name: LoaderName, service: ServiceDep) -> Response:
     """Stop the loader and free its ring; an attached trainer gets a clear error."""
     service.delete_loader(name)
     return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -1,0 +1,243 @@
+"""The admin commands of ``pinfeed``: datasets, loaders and status, over HTTP.
+
+Each command is one ``client.Client`` call; a problem from the server is printed as
+one line and exits 1. ``--json`` prints what the API returned, for scripts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from client import Client
+
+console = Console()
+datasets_app = typer.Typer(help="Register and inspect datasets.", no_args_is_help=True)
+loaders_app = typer.Typer(help="Create, inspect, tune and delete loaders.", no_args_is_help=True)
+
+UrlOpt = Annotated[
+    str | None,
+    typer.Option("--url", envvar="PINFEED_URL", help="server URL [default: http://127.0.0.1:8321]"),
+]
+TokenOpt = Annotated[
+    str | None,
+    typer.Option("--token", envvar="PINFEED_TOKEN", help="bearer token", show_default=False),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print the API's JSON")]
+
+
+@contextmanager
+def _client(url: str | None, token: str | None) -> Iterator[Client]:
+    from client import Client, PinfeedError
+
+    try:
+        with Client(url, token=token) as c:
+            yield c
+    except PinfeedError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from None
+
+
+def _json(data: Any) -> None:
+    # print_json would re-indent and colour; scripts want the plain document.
+    typer.echo(json.dumps(data, indent=2))
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f}"
+
+
+@datasets_app.command("ls")
+def datasets_ls(url: UrlOpt = None, token: TokenOpt = None, as_json: JsonOpt = False) -> None:
+    """List datasets: kind, length, one sample's structure."""
+    with _client(url, token) as c:
+        rows = c.datasets()
+    if as_json:
+        return _json(rows)
+    table = Table("name", "kind", "length", "sample", "error")
+    for r in rows:
+        table.add_row(
+            r["name"], r["kind"], str(r["length"]), json.dumps(r["sample"]), r["error"] or ""
+        )
+    console.print(table)
+
+
+@datasets_app.command("add")
+def datasets_add(
+    name: str,
+    kind: Annotated[str, typer.Argument(help="synthetic, tensors, npy, python, ...")],
+    params: Annotated[str, typer.Option(help="the kind's params as JSON")] = "{}",
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Register a dataset: pinfeed datasets add NAME KIND --params '{...}'."""
+    try:
+        parsed = json.loads(params)
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] --params is not JSON: {exc}")
+        raise typer.Exit(2) from None
+    with _client(url, token) as c:
+        ds = c.create_dataset(name, kind, parsed)
+    console.print(f"dataset {name} added: {ds['length']} samples")
+
+
+@datasets_app.command("rm")
+def datasets_rm(name: str, url: UrlOpt = None, token: TokenOpt = None) -> None:
+    """Delete a dataset (refused while a loader uses it)."""
+    with _client(url, token) as c:
+        c.delete_dataset(name)
+    console.print(f"dataset {name} deleted")
+
+
+@loaders_app.command("ls")
+def loaders_ls(url: UrlOpt = None, token: TokenOpt = None, as_json: JsonOpt = False) -> None:
+    """List loaders: config, state, ring size."""
+    with _client(url, token) as c:
+        rows = c.loaders()
+    if as_json:
+        return _json(rows)
+    table = Table(
+        "name",
+        "dataset",
+        "state",
+        "batch",
+        "shuffle",
+        "seed",
+        "workers",
+        "prefetch",
+        "ring MB",
+        "page-locked",
+    )
+    for lo in rows:
+        table.add_row(
+            lo["name"],
+            lo["dataset"],
+            lo["state"],
+            str(lo["batch_size"]),
+            str(lo["shuffle"]),
+            str(lo["seed"]),
+            str(lo["num_workers"]),
+            str(lo["prefetch_factor"]),
+            _mb(lo["ring_bytes"]),
+            str(lo["page_locked"]),
+        )
+    console.print(table)
+
+
+def _option(pair: str) -> tuple[str, Any]:
+    key, sep, value = pair.partition("=")
+    if not sep:
+        raise typer.BadParameter(f"{pair!r} is not KEY=VALUE")
+    try:
+        return key.replace("-", "_"), json.loads(value)
+    except ValueError:
+        return key.replace("-", "_"), value  # a bare string
+
+
+@loaders_app.command("add")
+def loaders_add(
+    name: str,
+    dataset: str,
+    batch_size: int = 1,
+    shuffle: bool = False,
+    seed: int | None = None,
+    drop_last: bool = False,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    prefetch_factor: int = 2,
+    option: Annotated[
+        list[str] | None,
+        typer.Option("--option", "-o", help="any other LoaderCreate field, KEY=VALUE (JSON)"),
+    ] = None,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Create a loader over DATASET (DataLoader's arguments and defaults)."""
+    config: dict[str, Any] = {
+        "batch_size": batch_size,
+        "shuffle": shuffle,
+        "seed": seed,
+        "drop_last": drop_last,
+        "num_workers": num_workers,
+        "pin_memory": pin_memory,
+        "prefetch_factor": prefetch_factor,
+    }
+    config.update(_option(o) for o in option or [])  # -o wins over the flags
+    with _client(url, token) as c:
+        lo = c.create_loader(name, dataset=dataset, **config)
+    console.print(f"loader {name} created: {lo['state']}, ring {_mb(lo['ring_bytes'])} MB")
+
+
+@loaders_app.command("set")
+def loaders_set(
+    name: str,
+    num_workers: Annotated[int | None, typer.Option()] = None,
+    prefetch_factor: Annotated[int | None, typer.Option()] = None,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Change num_workers or prefetch_factor live (position and batches are kept)."""
+    changes = {
+        k: v
+        for k, v in {"num_workers": num_workers, "prefetch_factor": prefetch_factor}.items()
+        if v is not None
+    }
+    with _client(url, token) as c:
+        lo = c.patch_loader(name, **changes)
+    console.print(
+        f"loader {name}: num_workers={lo['num_workers']} prefetch_factor={lo['prefetch_factor']}"
+    )
+
+
+@loaders_app.command("rm")
+def loaders_rm(name: str, url: UrlOpt = None, token: TokenOpt = None) -> None:
+    """Delete a loader and free its ring."""
+    with _client(url, token) as c:
+        c.delete_loader(name)
+    console.print(f"loader {name} deleted")
+
+
+@loaders_app.command("show")
+def loaders_show(name: str, url: UrlOpt = None, token: TokenOpt = None) -> None:
+    """A loader's config, live status and stats as JSON."""
+    with _client(url, token) as c:
+        _json({"loader": c.loader(name), "stats": c.loader_stats(name)})
+
+
+def status(url: UrlOpt = None, token: TokenOpt = None, as_json: JsonOpt = False) -> None:
+    """A table of loaders: state, queue fill, throughput, consumer wait share."""
+    with _client(url, token) as c:
+        rows = [(lo, c.loader_stats(lo["name"])) for lo in c.loaders()]
+    if as_json:
+        return _json([{"loader": lo, "stats": st} for lo, st in rows])
+    table = Table(
+        "loader",
+        "dataset",
+        "state",
+        "ready/slots",
+        "epoch.pos",
+        "samples/s",
+        "MB/s",
+        "wait share",
+        "consumer",
+    )
+    for lo, st in rows:
+        table.add_row(
+            lo["name"],
+            lo["dataset"],
+            lo["state"],
+            f"{lo['slots']['ready']}/{lo['slots']['total']}",
+            f"{lo['epoch']}.{lo['position']}/{lo['batches_per_epoch']}",
+            f"{st['samples_per_s']:.0f}",
+            _mb(int(st["bytes_per_s"])),
+            f"{st['consumer_wait_share']:.0%}",
+            "attached" if lo["consumer_attached"] else "-",
+        )
+    console.print(table)

@@ -1,0 +1,45 @@
+"""A loader whose ring would exceed PINFEED_MAX_SHM_BYTES is refused with 507."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from client import InsufficientMemory
+from tests.api.conftest import MakeServer, synthetic
+from tests.api.test_datasets import _problem
+
+BUDGET = 4 << 20
+SAMPLE = 3 * 64 * 64 * 4 + 8  # float32 image + int64 label
+
+
+def test_rings_over_the_budget_get_507_with_free_and_needed_bytes(
+    make_server: MakeServer,
+) -> None:
+    server = make_server(PINFEED_MAX_SHM_BYTES=str(BUDGET))
+    with server.client() as c:
+        c.create_dataset("img", "synthetic", synthetic(64, (3, 64, 64)))
+        small = c.create_loader("small", dataset="img", batch_size=16)  # 2 slots of ~0.8 MB
+        used = small["ring_bytes"]
+        assert used >= 2 * 16 * SAMPLE
+
+        r = httpx.post(
+            f"{server.url}/v1/loaders", json={"name": "big", "dataset": "img", "batch_size": 32}
+        )
+        problem = _problem(r, 507, "insufficient-memory")
+        assert problem["free_bytes"] == BUDGET - used
+        need = int(str(problem["need_bytes"]))
+        assert BUDGET > need >= 2 * 32 * SAMPLE > BUDGET - used
+        assert "PINFEED_MAX_SHM_BYTES" in str(problem["detail"])
+
+        with pytest.raises(InsufficientMemory) as info:
+            c.create_loader("wide", dataset="img", batch_size=16, num_workers=4)
+        assert info.value.free_bytes == BUDGET - used
+        assert info.value.need_bytes is not None and info.value.need_bytes > BUDGET - used
+        assert "wide" not in [lo["name"] for lo in c.loaders()]
+
+        c.delete_loader("small")  # its ring goes back to the budget
+        assert c.create_loader("big", dataset="img", batch_size=32)["state"] in (
+            "starting",
+            "ready",
+        )

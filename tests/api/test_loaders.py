@@ -1,0 +1,125 @@
+"""``/v1/loaders`` against a real server: config, live status, stats, refusals."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from client import Client, Conflict, InvalidRequest, Loader, NotFound
+from tests.api.conftest import synthetic
+from tests.api.test_datasets import _problem
+from tests.conftest import Server
+from tests.helpers import unique
+
+DATALOADER_DEFAULTS = {
+    "batch_size": 1,
+    "shuffle": False,
+    "drop_last": False,
+    "num_workers": 0,
+    "pin_memory": False,
+    "prefetch_factor": 2,
+}
+
+
+@pytest.fixture(scope="module")
+def dataset(server: Server) -> str:
+    name = unique("lds")
+    with server.client() as c:
+        c.create_dataset(name, "synthetic", synthetic(20))
+    return name
+
+
+def test_defaults_are_dataloaders(server: Server, dataset: str) -> None:
+    name = unique("defaults")
+    r = httpx.post(f"{server.url}/v1/loaders", json={"name": name, "dataset": dataset})
+    assert r.status_code == 201, r.text
+    assert r.headers["location"] == f"/v1/loaders/{name}"
+    body = r.json()
+    assert {k: body[k] for k in DATALOADER_DEFAULTS} == DATALOADER_DEFAULTS
+    assert isinstance(body["seed"], int)  # the server picked one and persisted it
+    assert httpx.get(f"{server.url}/v1/loaders/{name}").json()["seed"] == body["seed"]
+
+
+def test_live_status_follows_the_consumer(admin: Client, server: Server, dataset: str) -> None:
+    name = unique("live")
+    admin.create_loader(
+        name, dataset=dataset, batch_size=4, shuffle=True, seed=7, num_workers=1, prefetch_factor=3
+    )
+    with Loader(name, socket=server.socket, timeout=60) as loader:
+        it = iter(loader)
+        x, _ = next(it)
+        assert x.shape == (4, 3, 8, 8) and x.dtype == torch.float32
+        status = admin.loader(name)
+        assert status["state"] == "ready"
+        assert status["consumer_attached"] is True
+        assert status["consumer_cuda_registered"] is False
+        # The client keeps one NEXT in flight: the server may have handed out batch 1 too.
+        assert status["epoch"] == 0 and status["position"] in (1, 2)
+        assert (
+            status["slots"]["total"]
+            == 3
+            == sum(status["slots"][s] for s in ("free", "filling", "ready", "leased"))
+        )
+        assert status["ring_bytes"] == 3 * status["slot_bytes"] >= 4 * (3 * 8 * 8 * 4 + 8)
+        assert isinstance(status["page_locked"], bool)
+        assert status["batches_per_epoch"] == 5
+        assert status["batch"] == [
+            {"dtype": "float32", "shape": [3, 8, 8]},
+            {"dtype": "int64", "shape": []},
+        ]
+        assert status["worker_restarts"] == 0 and status["failure"] is None
+        next(it)
+        stats = admin.loader_stats(name)
+    assert stats["name"] == name
+    assert stats["batches_consumed"] in (2, 3)
+    assert stats["samples_consumed"] == 4 * stats["batches_consumed"]
+    assert stats["batches_produced"] >= 2 and stats["errors"] == 0
+    assert stats["consumer_wait_p50_s"] is not None
+    assert 0 <= stats["consumer_wait_share"] <= 1 and stats["worker_busy_share"] >= 0
+    assert stats["samples_per_s"] > 0 and stats["bytes_per_s"] > 0
+    assert admin.loader(name)["consumer_attached"] is False
+    assert name in [lo["name"] for lo in admin.loaders()]
+    admin.delete_loader(name)
+    with pytest.raises(NotFound):
+        admin.loader(name)
+    with pytest.raises(NotFound):
+        admin.loader_stats(name)
+
+
+def test_unknown_dataset_is_404(admin: Client) -> None:
+    with pytest.raises(NotFound, match="no dataset"):
+        admin.create_loader(unique("orphan"), dataset=unique("nope"))
+
+
+def test_duplicate_name_is_409(admin: Client, dataset: str) -> None:
+    name = unique("dupl")
+    admin.create_loader(name, dataset=dataset)
+    with pytest.raises(Conflict, match="exists"):
+        admin.create_loader(name, dataset=dataset)
+    admin.delete_loader(name)
+
+
+@pytest.mark.parametrize(
+    ("config", "needle"),
+    [
+        ({"batch_size": 0}, "batch_size"),
+        ({"num_workers": -1}, "num_workers"),
+        ({"prefetch_factor": 0}, "prefetch_factor"),
+        ({"seed": -1}, "seed"),
+        ({"shuffle": "sometimes"}, "shuffle"),
+        ({"sampler": "mine"}, "sampler"),
+        ({"batch_size": 64, "drop_last": True}, "no batch"),
+    ],
+)
+def test_invalid_config_is_422(
+    admin: Client, dataset: str, config: dict[str, object], needle: str
+) -> None:
+    with pytest.raises(InvalidRequest, match=needle):
+        admin.create_loader(unique("bad"), dataset=dataset, **config)
+
+
+@pytest.mark.parametrize("path", ["/v1/loaders/{}", "/v1/loaders/{}/stats"])
+def test_unknown_loader_is_404(server: Server, path: str) -> None:
+    _problem(httpx.get(server.url + path.format(unique("ghost"))), 404, "not-found")
+    _problem(httpx.delete(f"{server.url}/v1/loaders/{unique('ghost')}"), 404, "not-found")

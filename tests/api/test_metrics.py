@@ -1,0 +1,67 @@
+"""``GET /metrics``: Prometheus text, per-loader series read from the live engine."""
+
+from __future__ import annotations
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from client import Client, Loader
+from tests.api.conftest import synthetic
+from tests.conftest import Server
+from tests.helpers import unique
+
+
+def _samples(server: Server) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    r = httpx.get(f"{server.url}/metrics")
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain")
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(r.text)
+        for s in family.samples
+    }
+
+
+def test_metrics_follow_a_loader(admin: Client, server: Server) -> None:
+    name = unique("metric")
+    admin.create_dataset(name, "synthetic", synthetic(40))
+    admin.create_loader(name, dataset=name, batch_size=4, num_workers=1, prefetch_factor=2)
+    lo = (("loader", name),)
+    with Loader(name, socket=server.socket, timeout=60) as loader:
+        it = iter(loader)
+        next(it)
+        next(it)
+        m = _samples(server)
+        assert m[("pinfeed_loader_consumer_attached", lo)] == 1
+    status = admin.loader(name)
+    consumed = m[("pinfeed_loader_batches_consumed_total", lo)]
+    assert consumed in (2, 3)  # the client keeps one NEXT in flight
+    assert m[("pinfeed_loader_samples_consumed_total", lo)] == 4 * consumed
+    assert m[("pinfeed_loader_bytes_consumed_total", lo)] == consumed * status["slot_bytes"]
+    assert m[("pinfeed_loader_batches_produced_total", lo)] >= 2
+    assert m[("pinfeed_loader_errors_total", lo)] == 0
+    assert m[("pinfeed_loader_worker_restarts_total", lo)] == 0
+    assert m[("pinfeed_loader_consumer_wait_seconds_total", lo)] >= 0
+    assert m[("pinfeed_loader_ring_bytes", lo)] == status["ring_bytes"]
+    assert m[("pinfeed_loader_page_locked", lo)] == float(status["page_locked"])
+    assert 0 <= m[("pinfeed_loader_consumer_wait_share", lo)] <= 1
+    assert 0 <= m[("pinfeed_loader_consumer_wait_share_total", lo)] <= 1
+    assert m[("pinfeed_loader_skipped_total", lo)] == 0
+    assert m[("pinfeed_loader_position", lo)] == consumed
+    assert m[("pinfeed_loader_batches_per_epoch", lo)] == 10
+    slots = {
+        s: m[("pinfeed_loader_slots", (("loader", name), ("state", s)))]
+        for s in ("free", "filling", "ready", "leased")
+    }
+    assert sum(slots.values()) == 2
+    assert m[("pinfeed_loader_state", (("loader", name), ("state", "ready")))] == 1
+    assert m[("pinfeed_loader_state", (("loader", name), ("state", "failed")))] == 0
+    assert m[("pinfeed_loader_info", (("batch_size", "4"), ("dataset", name), ("loader", name)))]
+    assert m[("pinfeed_shm_used_bytes", ())] >= status["ring_bytes"]
+    assert m[("pinfeed_shm_budget_bytes", ())] > 0
+    assert ("process_resident_memory_bytes", ()) in m
+
+    m = _samples(server)
+    assert m[("pinfeed_loader_consumer_attached", lo)] == 0
+    admin.delete_loader(name)
+    assert ("pinfeed_loader_ring_bytes", lo) not in _samples(server)

@@ -1,0 +1,104 @@
+"""``pinfeed datasets|loaders|status`` against a real server (typer's CliRunner)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner, Result
+
+from app.cli import app
+from tests.conftest import Server, free_port
+from tests.helpers import unique
+
+SYNTHETIC = json.dumps({"length": 24, "fields": [{"shape": [4]}, {"shape": [], "dtype": "int64"}]})
+
+
+def run(server: Server | str, *args: str) -> Result:
+    url = server if isinstance(server, str) else server.url
+    # Wide columns so rich does not truncate names in tables.
+    env: dict[str, str | None] = {"COLUMNS": "250", "PINFEED_TOKEN": None, "PINFEED_URL": None}
+    return CliRunner().invoke(app, [*args, "--url", url], env=env)
+
+
+def ok(server: Server, *args: str) -> str:
+    result = run(server, *args)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_datasets_add_ls_rm(server: Server) -> None:
+    name = unique("cli-ds")
+    assert "24 samples" in ok(server, "datasets", "add", name, "synthetic", "--params", SYNTHETIC)
+    table = ok(server, "datasets", "ls")
+    assert name in table and "synthetic" in table and "float32" in table
+    [row] = [d for d in json.loads(ok(server, "datasets", "ls", "--json")) if d["name"] == name]
+    assert row["length"] == 24
+    assert "deleted" in ok(server, "datasets", "rm", name)
+    assert name not in ok(server, "datasets", "ls")
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "needle"),
+    [
+        (("datasets", "add", "x", "synthetic", "--params", "{nope"), 2, "not JSON"),
+        (("datasets", "add", "x", "parquet"), 1, "kind"),
+        (("datasets", "rm", "no-such-dataset"), 1, "no dataset"),
+        (("loaders", "rm", "no-such-loader"), 1, "no loader"),
+        (("loaders", "show", "no-such-loader"), 1, "no loader"),
+        (("loaders", "add", "x", "no-such-dataset"), 1, "no dataset"),
+        (("loaders", "add", "x", "y", "-o", "novalue"), 2, "KEY=VALUE"),
+    ],
+)
+def test_errors_are_one_line_and_exit_nonzero(
+    server: Server, args: tuple[str, ...], code: int, needle: str
+) -> None:
+    result = run(server, *args)
+    assert result.exit_code == code, result.output
+    assert needle in result.output and "Traceback" not in result.output
+
+
+def test_loaders_add_ls_show_set_rm_and_status(server: Server) -> None:
+    ds, name = unique("cli-lds"), unique("cli-lo")
+    ok(server, "datasets", "add", ds, "synthetic", "--params", SYNTHETIC)
+    out = ok(
+        server,
+        "loaders",
+        "add",
+        name,
+        ds,
+        "--batch-size",
+        "4",
+        "--shuffle",
+        "--seed",
+        "5",
+        "--num-workers",
+        "2",
+        "-o",
+        "drop_last=true",
+    )
+    assert f"loader {name} created" in out
+    table = ok(server, "loaders", "ls")
+    assert name in table and ds in table
+    [lo] = [x for x in json.loads(ok(server, "loaders", "ls", "--json")) if x["name"] == name]
+    assert (lo["batch_size"], lo["shuffle"], lo["seed"], lo["drop_last"]) == (4, True, 5, True)
+    shown = json.loads(ok(server, "loaders", "show", name))
+    assert shown["loader"]["name"] == name and shown["stats"]["batches_consumed"] == 0
+
+    assert "num_workers=1" in ok(server, "loaders", "set", name, "--num-workers", "1")
+    assert json.loads(ok(server, "loaders", "show", name))["loader"]["num_workers"] == 1
+
+    status = ok(server, "status")
+    assert name in status and "wait share" in status
+    [row] = [r for r in json.loads(ok(server, "status", "--json")) if r["loader"]["name"] == name]
+    assert "consumer_wait_share" in row["stats"]
+
+    assert "deleted" in ok(server, "loaders", "rm", name)
+    assert name not in ok(server, "loaders", "ls")
+    ok(server, "datasets", "rm", ds)
+
+
+def test_unreachable_server_exits_1() -> None:
+    result = run(f"http://127.0.0.1:{free_port()}", "status")
+    assert result.exit_code == 1
+    assert "cannot reach the pinfeed server" in result.output
