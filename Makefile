@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint typecheck pytest bench clean
+.PHONY: run test lint typecheck pytest deploy-check bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,8 +19,8 @@ run: $(STAMP)
 	$(BIN)/pinfeed serve --demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check app client tests bench
-	$(BIN)/ruff format --check app client tests bench
+	$(BIN)/ruff check app client tests bench examples
+	$(BIN)/ruff format --check app client tests bench examples
 
 typecheck: $(STAMP)
 	$(BIN)/mypy app client
@@ -28,7 +28,16 @@ typecheck: $(STAMP)
 pytest: $(STAMP)
 	$(BIN)/pytest
 
-test: lint typecheck pytest
+test: lint typecheck deploy-check pytest
+
+# Deployment files, checked offline: hadolint, the Compose Specification's JSON schema
+# (vendored in check-jsonschema), Kubernetes schemas (vendored in kubernetes-validate).
+# The compose smoke test and the 64 MB /dev/shm test are in tests/deploy (pytest).
+COMPOSE_FILES := docker-compose.yml deploy/two-node/node0.compose.yml deploy/two-node/node1.compose.yml
+deploy-check: $(STAMP)
+	$(BIN)/hadolint Dockerfile
+	$(BIN)/check-jsonschema --builtin-schema vendor.compose-spec $(COMPOSE_FILES)
+	$(BIN)/kubernetes-validate --strict --quiet deploy/k8s/pinfeed.yaml
 
 bench: $(STAMP)
 	$(BIN)/python -m bench

@@ -1,0 +1,96 @@
+"""deploy/two-node: one compose file per node, run here as two "nodes" of local processes.
+
+Each node gets its own server, volumes and HTTP port; the trainers rendezvous through
+torchrun on 127.0.0.1 (``network_mode: host`` in the files) and train with DDP over
+gloo on the CPU (``PINFEED_TRAIN_DEVICE=cpu``). Each rank reads its own shard from its
+own node's server, from one permutation given by the shared seed.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from client import Client
+from tests.conftest import REPO, free_port
+from tests.deploy.compose_local import Project
+
+NODES = [REPO / "deploy" / "two-node" / f"node{i}.compose.yml" for i in (0, 1)]
+SEED = 7
+
+
+def _normalized(path: Path) -> dict:
+    text = re.sub(r"node-rank=\d", "node-rank=N", path.read_text())
+    model = yaml.safe_load(text)
+    model["name"] = re.sub(r"\d+$", "N", model["name"])
+    return model
+
+
+def test_node_files_differ_only_in_node_rank() -> None:
+    assert _normalized(NODES[0]) == _normalized(NODES[1])
+    for rank, path in enumerate(NODES):
+        command = yaml.safe_load(path.read_text())["services"]["trainer"]["command"]
+        assert "--nnodes=2" in command and f"--node-rank={rank}" in command
+        assert any(c.startswith("--seed=${PINFEED_SEED") for c in command), "one shared seed"
+
+
+@pytest.fixture()
+def nodes(tmp_path: Path) -> Iterator[list[Project]]:
+    common = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "PINFEED_TOKEN": secrets.token_hex(16),
+        "PINFEED_TRAIN_DEVICE": "cpu",
+        "PINFEED_SEED": str(SEED),
+        "NPROC_PER_NODE": "1",
+    }
+    projects: list[Project] = []
+    try:
+        for i, path in enumerate(NODES):
+            env = {**common, "PINFEED_HTTP_PORT": str(free_port())}
+            projects.append(Project(path, tmp_path / f"node{i}", env))
+        yield projects
+    finally:
+        for p in projects:
+            p.terminate()
+        for p in projects:
+            p.close()
+
+
+def test_two_nodes_train_one_model(nodes: list[Project]) -> None:
+    for node in nodes:
+        node.start("pinfeed")
+    for node in nodes:
+        node.wait_healthy("pinfeed")
+    procs = [node.start("trainer").proc for node in nodes]
+    deadline = time.monotonic() + 100
+    for node, proc in zip(nodes, procs, strict=True):
+        assert proc is not None
+        try:
+            rc = proc.wait(max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pytest.fail(
+                f"{node.file.name} trainer did not finish:\n{node.output('trainer')[-3000:]}"
+            )
+        assert rc == 0, f"{node.file.name}:\n{node.output('trainer')[-4000:]}"
+
+    out0 = nodes[0].output("trainer")
+    assert "rank 0/2" in out0 and "rank 1/2" in nodes[1].output("trainer")
+    assert len(re.findall(r"^epoch \d/3 loss", out0, re.M)) == 3, out0[-3000:]
+    assert (nodes[0].tmp / "volumes" / "trainer-state" / "toy-model.pt").is_file()
+
+    # Each node's server holds its own rank's loader: same seed, world size 2.
+    for rank, node in enumerate(nodes):
+        port = node.ports[("pinfeed", 8321)]
+        with Client(f"http://127.0.0.1:{port}") as admin:
+            loaders = {lo["name"]: lo for lo in admin.loaders()}
+        assert list(loaders) == [f"toy-rank{rank}"]
+        lo = loaders[f"toy-rank{rank}"]
+        assert (lo["rank"], lo["world_size"], lo["seed"]) == (rank, 2, SEED)
