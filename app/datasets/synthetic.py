@@ -5,6 +5,7 @@ For demos, tests and benchmarks. Sample ``i`` is a tuple with one tensor per fie
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,10 +55,24 @@ class FieldSpec(Params):
         return self
 
 
+MAX_SAMPLE_BYTES = 256 << 20
+
+
 class SyntheticParams(Params):
     length: int = Field(gt=0, le=2**40)
     seed: int = Field(0, ge=0, lt=2**31)
     fields: list[FieldSpec] = Field(min_length=1, max_length=64)
+
+    @model_validator(mode="after")
+    def _sample_fits(self) -> SyntheticParams:
+        # The server builds a sample to size the ring: a huge one must not take it down.
+        total = sum(math.prod(f.shape) * torch_dtype(f.dtype).itemsize for f in self.fields)
+        if total > MAX_SAMPLE_BYTES:
+            raise ValueError(
+                f"one sample would take {total} bytes; synthetic samples are capped at "
+                f"{MAX_SAMPLE_BYTES} bytes"
+            )
+        return self
 
 
 class SyntheticDataset:

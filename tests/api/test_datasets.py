@@ -164,3 +164,13 @@ def test_body_over_the_limit_is_413(server: Server) -> None:
         headers={"content-type": "application/json"},
     )
     _problem(r, 413, "payload-too-large")
+
+
+def test_synthetic_sample_size_is_capped(admin: Client) -> None:
+    """A huge synthetic sample is refused before the server builds one."""
+    with pytest.raises(InvalidRequest, match="capped"):
+        admin.create_dataset(
+            "huge",
+            "synthetic",
+            {"length": 1, "fields": [{"shape": [100000, 100000], "dtype": "float32"}]},
+        )
