@@ -1,4 +1,4 @@
-"""docs/api.md names every route, setting, problem type and metric the code has."""
+"""README.md names every route, setting, problem type and metric the code has."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from app.errors import PROBLEM_TYPES
 from app.settings import Settings
 from tests.conftest import REPO, Server
 
-DOC = (REPO / "docs" / "api.md").read_text()
+DOC = (REPO / "README.md").read_text()
 
 
 def test_every_setting_is_documented() -> None:
