@@ -60,10 +60,16 @@ class LoaderBusyError(RuntimeError):
     pass
 
 
+def prefetch_depth(config: LoaderConfig) -> int:
+    """Batches being made or ready ahead of the trainers, as DataLoader keeps
+    ``num_workers * prefetch_factor`` in flight (one with ``num_workers=0``)."""
+    return max(1, config.num_workers * config.prefetch_factor)
+
+
 def ring_slots(config: LoaderConfig) -> int:
-    # A broadcast group holds up to one slot per member while they consume.
-    extra = config.group_size - 1 if config.group_mode == "broadcast" else 0
-    return max(2, config.num_workers * config.prefetch_factor) + extra
+    """The prefetch depth, plus two slots per trainer: the batch it is using and the
+    one announced ahead (the client keeps one NEXT in flight)."""
+    return prefetch_depth(config) + 2 * config.group_size
 
 
 def make_sampler(config: LoaderConfig, length: int) -> EpochSampler:
@@ -102,6 +108,7 @@ class LoaderEngine:
         self.nslots = ring_slots(config)
         self.ring: Ring | None = None
         self.slots = SlotTable(self.nslots)
+        self.slots.set_limit(prefetch_depth(config))
         self.consumers = Consumers(config.group_size, config.group_mode, self.slots)
         self.pool: WorkerPool | None = None
         self._stop = threading.Event()
@@ -304,14 +311,14 @@ class LoaderEngine:
             )
         if self.pool is not None:
             self.pool.resize(num_workers)
-        self.slots.set_limit(need)
+        self.slots.set_limit(prefetch_depth(new))
         self.config = new
         log.info(
             "loader %s: num_workers=%d prefetch_factor=%d (%d of %d slots ahead)",
             new.name,
             num_workers,
             prefetch_factor,
-            need,
+            prefetch_depth(new),
             self.nslots,
         )
 
