@@ -104,7 +104,10 @@ class LoaderCreate(BaseModel):
     num_workers: int = Field(0, ge=0, le=256, description="0: batches are built in the server")
     pin_memory: bool = False
     prefetch_factor: int = Field(
-        2, ge=1, le=1024, description="batches made ahead: num_workers * prefetch_factor (1 with no workers)"
+        2,
+        ge=1,
+        le=1024,
+        description="batches made ahead: num_workers * prefetch_factor (1 with no workers)",
     )
     rank: int = Field(0, ge=0, description="this loader's rank (DistributedSampler semantics)")
     world_size: int | None = Field(
