@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from app.datasets import npy, python, synthetic, tensors
+from app.datasets import images, npy, python, synthetic, tensors
 from app.datasets.base import BatchFetcher, DatasetContext, DatasetError, MapDataset
 
 KINDS: dict[str, Callable[[dict[str, Any], DatasetContext], Any]] = {
@@ -13,6 +13,7 @@ KINDS: dict[str, Callable[[dict[str, Any], DatasetContext], Any]] = {
     "tensors": tensors.build,
     "npy": npy.build,
     "python": python.build,
+    "images": images.build,
 }
 
 

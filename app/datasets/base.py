@@ -22,8 +22,8 @@ class DatasetContext:
     data_root: Path
     allowed_plugins: tuple[str, ...] = field(default_factory=tuple)
 
-    def resolve(self, relative: str) -> Path:
-        """Resolve ``relative`` inside the data root, following symlinks; refuse escapes."""
+    def _inside(self, relative: str) -> tuple[Path, Path]:
+        """(root, path): ``relative`` resolved inside the data root, symlinks followed."""
         root = self.data_root.resolve()
         path = (root / relative).resolve()
         if not path.is_relative_to(root):
@@ -31,8 +31,22 @@ class DatasetContext:
                 f"path {relative!r} resolves outside the data root {str(root)!r}; "
                 "give a path relative to PINFEED_DATA_ROOT"
             )
+        return root, path
+
+    def resolve(self, relative: str) -> Path:
+        """Resolve ``relative`` inside the data root, following symlinks; refuse escapes."""
+        root, path = self._inside(relative)
         if not path.is_file():
             raise DatasetError(f"file {relative!r} not found under the data root {str(root)!r}")
+        return path
+
+    def resolve_dir(self, relative: str) -> Path:
+        """Like ``resolve``, for a directory (the data root itself is ``"."``)."""
+        root, path = self._inside(relative)
+        if not path.is_dir():
+            raise DatasetError(
+                f"directory {relative!r} not found under the data root {str(root)!r}"
+            )
         return path
 
 

@@ -1,0 +1,183 @@
+"""The three workloads: their files (generated once, cached) and their dataset specs.
+
+W1  in-memory tensors: a ``.pt`` of uint8 [N, 3, 64, 64] images + int64 labels
+    (``tensors`` kind; the file is memory-mapped, so it lives in the page cache).
+W2  memory-mapped ``.npy``: float32 [N, 3, 224, 224] + int64 labels (``npy`` kind),
+    read from the page cache (the files are read once before the runs).
+W3  decode-bound: JPEG files in class folders (``images`` kind, ``size`` 224),
+    decoded with Pillow, shorter side resized to 224 and center-cropped.
+
+``--scale`` multiplies every sample count.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Full-size sample counts (scale 1.0): sized for a few minutes on 2 cores.
+W1_SAMPLES = 50_000
+W2_SAMPLES = 1_024
+W3_SAMPLES = 384
+W3_CLASSES = 8
+W3_SOURCE = (400, 300)  # width, height of the generated JPEGs (landscape, like ImageNet)
+
+
+@dataclass
+class Workload:
+    key: str
+    title: str
+    kind: str
+    params: dict[str, Any]
+    samples: int
+    batch_size: int
+    shuffle: bool
+    epochs: int  # epochs iterated per run; the timed window is all but the first batch
+    sample_shape: list[int]
+    dtype: str
+    files: list[str] = field(default_factory=list)
+    notes: str = ""
+
+    @property
+    def sample_bytes(self) -> int:
+        itemsize = {"uint8": 1, "float32": 4}[self.dtype]
+        return int(np.prod(self.sample_shape)) * itemsize
+
+    def describe(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["sample_bytes"] = self.sample_bytes
+        d["batches_per_epoch"] = -(-self.samples // self.batch_size)
+        return d
+
+
+def _count(n: int, scale: float, minimum: int) -> int:
+    return max(minimum, round(n * scale))
+
+
+def _stamp_ok(path: Path, spec: dict[str, Any]) -> bool:
+    stamp = path.with_suffix(path.suffix + ".json")
+    return path.exists() and stamp.exists() and json.loads(stamp.read_text()) == spec
+
+
+def _stamp(path: Path, spec: dict[str, Any]) -> None:
+    path.with_suffix(path.suffix + ".json").write_text(json.dumps(spec))
+
+
+def make_w1(root: Path, scale: float) -> Workload:
+    import torch
+
+    n = _count(W1_SAMPLES, scale, 1024)
+    path = root / f"w1-{n}.pt"
+    spec = {"n": n, "shape": [3, 64, 64], "seed": 1}
+    if not _stamp_ok(path, spec):
+        g = torch.Generator().manual_seed(1)
+        x = torch.randint(0, 256, (n, 3, 64, 64), dtype=torch.uint8, generator=g)
+        y = torch.randint(0, 1000, (n,), dtype=torch.int64, generator=g)
+        torch.save((x, y), path)
+        _stamp(path, spec)
+    return Workload(
+        "W1",
+        "in-memory tensors, uint8 3x64x64, batch 256",
+        "tensors",
+        {"path": path.name},
+        n,
+        256,
+        True,
+        2,
+        [3, 64, 64],
+        "uint8",
+        [path.name],
+        "tensors kind: .pt loaded with mmap=True (page cache), TensorDataset semantics",
+    )
+
+
+def make_w2(root: Path, scale: float) -> Workload:
+    n = _count(W2_SAMPLES, scale, 256)
+    x_path, y_path = root / f"w2-{n}-x.npy", root / f"w2-{n}-y.npy"
+    spec = {"n": n, "shape": [3, 224, 224], "seed": 2}
+    if not (_stamp_ok(x_path, spec) and y_path.exists()):
+        rng = np.random.default_rng(2)
+        x = np.lib.format.open_memmap(x_path, mode="w+", dtype=np.float32, shape=(n, 3, 224, 224))
+        for start in range(0, n, 256):
+            stop = min(n, start + 256)
+            x[start:stop] = rng.random((stop - start, 3, 224, 224), dtype=np.float32)
+        x.flush()
+        del x
+        np.save(y_path, rng.integers(0, 1000, n, dtype=np.int64))
+        _stamp(x_path, spec)
+    return Workload(
+        "W2",
+        "memory-mapped npy, float32 3x224x224, batch 64",
+        "npy",
+        {"paths": [x_path.name, y_path.name]},
+        n,
+        64,
+        True,
+        2,
+        [3, 224, 224],
+        "float32",
+        [x_path.name, y_path.name],
+        "npy kind: np.load(mmap_mode='r'), files pre-read into the page cache",
+    )
+
+
+def _jpeg(rng: np.random.Generator, w: int, h: int) -> Any:
+    """A photo-like image: smooth colour fields, edges and mild noise (not pure noise,
+    which no camera produces and which decodes unusually slowly)."""
+    from PIL import Image
+
+    small = rng.integers(0, 256, (h // 25 + 2, w // 25 + 2, 3), dtype=np.uint8)
+    img = Image.fromarray(small).resize((w, h), Image.Resampling.BICUBIC)
+    arr = np.asarray(img, dtype=np.int16) + rng.integers(-12, 13, (h, w, 3), dtype=np.int16)
+    return Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8))
+
+
+def make_w3(root: Path, scale: float) -> Workload:
+    n = _count(W3_SAMPLES, scale, 128)
+    folder = root / f"w3-{n}"
+    spec = {"n": n, "classes": W3_CLASSES, "source": list(W3_SOURCE), "seed": 3}
+    stamp = folder / "spec.json"
+    w, h = W3_SOURCE
+    if not (stamp.exists() and json.loads(stamp.read_text()) == spec):
+        rng = np.random.default_rng(3)
+        for i in range(n):
+            cls = folder / f"class{i % W3_CLASSES:02d}"
+            cls.mkdir(parents=True, exist_ok=True)
+            # Some portrait images, as in real data sets.
+            size = (w, h) if i % 4 else (h, w)
+            _jpeg(rng, *size).save(cls / f"img{i:06d}.jpg", format="JPEG", quality=90)
+        stamp.write_text(json.dumps(spec))
+    jpeg_bytes = sum(p.stat().st_size for p in folder.rglob("*.jpg"))
+    return Workload(
+        "W3",
+        "decode-bound JPEG (Pillow) to 3x224x224, batch 64",
+        "images",
+        {"path": folder.name, "size": 224},
+        n,
+        64,
+        True,
+        2,
+        [3, 224, 224],
+        "uint8",
+        [folder.name],
+        f"images kind: {n} JPEGs of {w}x{h} (q90, mean "
+        f"{jpeg_bytes // max(1, n) // 1024} KiB) in {W3_CLASSES} class folders",
+    )
+
+
+MAKERS = {"W1": make_w1, "W2": make_w2, "W3": make_w3}
+
+
+def warm_page_cache(root: Path, workload: Workload) -> None:
+    """Read the workload's files once so the runs read from the page cache."""
+    for name in workload.files:
+        path = root / name
+        paths = [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
+        for p in paths:
+            with p.open("rb") as f:
+                while f.read(1 << 24):
+                    pass

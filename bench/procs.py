@@ -1,0 +1,146 @@
+"""Trainer subprocesses (``bench.trainer``) driven over stdin/stdout, with memory sampling."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+from bench.memory import PeakSampler
+from bench.server import REPO
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+class TrainerProc:
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        # stderr to a file, not a pipe nobody drains; closed in finish() or kill().
+        self._err = tempfile.TemporaryFile()  # noqa: SIM115
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        }
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.trainer", json.dumps(spec)],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+            text=True,
+        )
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def stderr_tail(self, chars: int = 4000) -> str:
+        self._err.seek(0)
+        return self._err.read().decode(errors="replace")[-chars:]
+
+    def expect(self, event: str, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise BenchError(
+                    f"trainer {self.spec.get('system')}: no {event!r} within "
+                    f"{timeout:.0f} s\n{self.stderr_tail()}"
+                )
+            try:
+                line = self._lines.get(timeout=left)
+            except queue.Empty:
+                continue
+            if line is None:
+                self.proc.wait(10)
+                raise BenchError(
+                    f"trainer {self.spec.get('system')} exited "
+                    f"({self.proc.returncode}) before {event!r}\n"
+                    f"{self.stderr_tail()}"
+                )
+            if not line.startswith("{"):
+                continue  # something else printed to stdout
+            msg: dict[str, Any] = json.loads(line)
+            if msg.get("event") == "error":
+                raise BenchError(
+                    f"trainer {self.spec.get('system')} failed: {msg['error']}\n"
+                    f"{msg.get('where', '')}\n{self.stderr_tail()}"
+                )
+            if msg.get("event") == event:
+                return msg
+
+    def send(self, text: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(text)
+        self.proc.stdin.flush()
+
+    def finish(self, timeout: float = 60.0) -> None:
+        assert self.proc.stdin is not None
+        with contextlib.suppress(BrokenPipeError):
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._err.close()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._err.close()
+
+
+def run_trainers(
+    specs: list[dict[str, Any]], *, server_pid: int | None, timeout: float = 600.0
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Start one process per spec, release them together, return (results, memory).
+
+    Memory is the peak of (server tree, if any) + (all trainer trees) while they run.
+    """
+    procs: list[TrainerProc] = []
+
+    def groups() -> dict[str, list[int]]:
+        g = {"trainer": [p.pid for p in procs]}
+        if server_pid is not None:
+            g["server"] = [server_pid]
+        return g
+
+    sampler = PeakSampler(groups).start()
+    try:
+        for spec in specs:
+            procs.append(TrainerProc(spec))
+        ready = [p.expect("ready", timeout) for p in procs]
+        for p in procs:
+            p.send("go\n")
+        results = [p.expect("result", timeout) for p in procs]
+        memory = sampler.stop()
+        for p in procs:
+            p.finish()
+    except BaseException:
+        sampler.stop()
+        for p in procs:
+            p.kill()
+        raise
+    for r, rd in zip(results, ready, strict=True):
+        r["ready_ttfb_s"] = rd["ttfb_s"]
+    return results, memory

@@ -1,0 +1,240 @@
+"""One trainer process of a measurement: ``python -m bench.trainer '<json spec>'``.
+
+Each run is a fresh process, so its memory and start-up are its own. The parent
+(``bench.suite``) talks to it over stdin/stdout, one JSON line per message:
+
+    trainer -> {"event": "ready", "ttfb_s": ...}    set up, first batch received
+    parent  -> "go"                                 (all trainers of a run start together)
+    trainer -> {"event": "result", ...}             timed window done
+    parent  -> EOF                                  memory sampled: clean up and exit
+
+Systems: ``pinfeed`` (``client.Loader`` over a loader created here through
+``client.Client``), ``dataloader`` (``torch.utils.data.DataLoader`` over the same Dataset
+class, built by ``app.datasets.build_dataset`` from the same kind and params) and
+``roofline`` (the same gather into a preallocated buffer, in this one process).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+
+def _emit(event: str, **data: Any) -> None:
+    sys.stdout.write(json.dumps({"event": event, **data}) + "\n")
+    sys.stdout.flush()
+
+
+def _wait_go() -> None:
+    line = sys.stdin.readline()
+    if line.strip() != "go":
+        raise SystemExit(f"expected 'go' from the parent, got {line!r}")
+
+
+def _rows(batch: Any) -> int:
+    while not isinstance(batch, torch.Tensor):
+        batch = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
+    return int(batch.shape[0])
+
+
+class Run:
+    """An iterable of epochs plus its first iterator (already past the first batch)."""
+
+    def __init__(self, epochs: Callable[[], Iterator[Any]], cleanup: Callable[[], None]) -> None:
+        self.new_epoch = epochs
+        self.cleanup = cleanup
+        self.it: Iterator[Any] = iter(())
+        self.first_rows = 0
+
+    def start(self) -> None:
+        self.it = self.new_epoch()
+        self.first_rows = _rows(next(self.it))
+
+
+def _dataset(spec: dict[str, Any]) -> Any:
+    from pathlib import Path
+
+    from app.datasets import DatasetContext, build_dataset
+
+    return build_dataset(spec["kind"], spec["params"], DatasetContext(Path(spec["data_root"])))
+
+
+def _pinfeed(spec: dict[str, Any], warm: bool = False) -> tuple[Run, float]:
+    from client import Client, Loader
+
+    admin = Client(spec["url"])
+    name = spec["loader"]
+    t0 = time.perf_counter()
+    admin.create_loader(
+        name,
+        dataset=spec["dataset"],
+        batch_size=spec["batch_size"],
+        shuffle=spec["shuffle"],
+        seed=0,
+        num_workers=spec["num_workers"],
+        pin_memory=torch.cuda.is_available(),
+        prefetch_factor=2,
+    )
+    if warm:
+        # A loader created ahead of the trainer: wait (bounded) until its ring is full,
+        # then time attach + first batch alone.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            slots = admin.loader(name).get("slots", {})
+            if slots and slots.get("ready", 0) >= max(1, slots.get("total", 1) - 1):
+                break
+            time.sleep(0.05)
+        t0 = time.perf_counter()
+    loader = Loader(name, socket=spec["socket"])
+
+    def cleanup() -> None:
+        loader.close()
+        try:
+            admin.delete_loader(name)
+        finally:
+            admin.close()
+
+    run = Run(lambda: iter(loader), cleanup)
+    run.start()
+    return run, time.perf_counter() - t0
+
+
+def _dataloader(spec: dict[str, Any]) -> tuple[Run, float]:
+    from torch.utils.data import DataLoader
+
+    ds = _dataset(spec)
+    nw = spec["num_workers"]
+    t0 = time.perf_counter()
+    dl = DataLoader(
+        ds,
+        batch_size=spec["batch_size"],
+        shuffle=spec["shuffle"],
+        num_workers=nw,
+        pin_memory=torch.cuda.is_available(),
+        persistent_workers=nw > 0,
+        prefetch_factor=2 if nw > 0 else None,
+        generator=torch.Generator().manual_seed(0),
+    )
+    run = Run(lambda: iter(dl), lambda: None)
+    run.start()
+    return run, time.perf_counter() - t0
+
+
+def _roofline(spec: dict[str, Any]) -> tuple[Run, float]:
+    """The same gather (``fetch_into``, else per-sample reads stacked into the buffer)
+    into one preallocated buffer, one process, one thread: no IPC, no handoff."""
+    torch.set_num_threads(1)
+    ds = _dataset(spec)
+    bs = spec["batch_size"]
+    sample = ds[0]
+    leaves = list(sample) if isinstance(sample, (tuple, list)) else [sample]
+    outs = [
+        torch.empty((bs, *torch.as_tensor(v).shape), dtype=torch.as_tensor(v).dtype) for v in leaves
+    ]
+    gen = torch.Generator().manual_seed(0)
+    n = len(ds)
+    fetch = getattr(ds, "fetch_into", None)
+
+    def epoch() -> Iterator[Any]:
+        perm = torch.randperm(n, generator=gen).tolist() if spec["shuffle"] else range(n)
+        for start in range(0, n, bs):
+            idx = perm[start : start + bs]
+            views = [o[: len(idx)] for o in outs]
+            if fetch is not None:
+                fetch(idx, views)
+            else:
+                samples = [ds[i] for i in idx]
+                for j, v in enumerate(views):
+                    torch.stack([torch.as_tensor(s[j]) for s in samples], out=v)
+            yield views
+
+    t0 = time.perf_counter()
+    run = Run(epoch, lambda: None)
+    run.start()
+    return run, time.perf_counter() - t0
+
+
+def throughput(run: Run, epochs: int) -> dict[str, Any]:
+    """The rest of the first epoch and ``epochs - 1`` more, timed."""
+    rows = 0
+    t0 = time.perf_counter()
+    for batch in run.it:
+        rows += _rows(batch)
+    for _ in range(epochs - 1):
+        for batch in run.new_epoch():
+            rows += _rows(batch)
+    seconds = time.perf_counter() - t0
+    return {"samples": rows, "seconds": seconds, "samples_per_s": rows / seconds}
+
+
+def handoff(run: Run, batches: int, sleep_s: float) -> dict[str, Any]:
+    """Latency of ``next()`` when the batch is already prepared: the trainer sleeps
+    ``sleep_s`` (well above the time to produce a batch) before every ``next()``."""
+    lat: list[float] = []
+    while len(lat) < batches:
+        time.sleep(sleep_s)
+        t = time.perf_counter()
+        try:
+            batch = next(run.it)
+        except StopIteration:
+            # An epoch boundary: DataLoader restarts its prefetch here; not a ready batch.
+            run.it = run.new_epoch()
+            next(run.it)
+            continue
+        lat.append(time.perf_counter() - t)
+        del batch
+    lat.sort()
+    us = [x * 1e6 for x in lat]
+
+    def pct(p: float) -> float:
+        return us[min(len(us) - 1, int(p * len(us)))]
+
+    return {
+        "n": len(us),
+        "p50_us": pct(0.5),
+        "p90_us": pct(0.9),
+        "p99_us": pct(0.99),
+        "mean_us": sum(us) / len(us),
+        "min_us": us[0],
+    }
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(argv[0])
+    try:
+        system, mode = spec["system"], spec.get("mode", "throughput")
+        if system == "pinfeed":
+            run, ttfb = _pinfeed(spec, warm=mode == "handoff")
+        elif system == "dataloader":
+            run, ttfb = _dataloader(spec)
+        elif system == "roofline":
+            run, ttfb = _roofline(spec)
+        else:
+            raise ValueError(f"unknown system {system!r}")
+        _emit("ready", ttfb_s=ttfb, pid=os.getpid())
+        _wait_go()
+        if mode == "throughput":
+            result = throughput(run, spec["epochs"])
+        else:
+            result = handoff(run, spec["handoff_batches"], spec["handoff_sleep_s"])
+        _emit("result", ttfb_s=ttfb, cuda=torch.cuda.is_available(), **result)
+        sys.stdin.read()  # the parent closes stdin once it has sampled memory
+        run.it = iter(())
+        run.cleanup()
+    except BaseException as exc:
+        if isinstance(exc, SystemExit):
+            raise
+        _emit("error", error=f"{type(exc).__name__}: {exc}", where=traceback.format_exc())
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
