@@ -6,10 +6,17 @@ memory budget) and raises ``app.errors`` exceptions that become problem+json.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import secrets
+import sys
+import tempfile
 import threading
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from app import errors
 from app.datasets import DatasetContext, DatasetError, build_dataset
@@ -56,7 +63,16 @@ class Service:
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
-        configure_forkserver()
+        # Batches are built by worker processes (one torch thread each, as DataLoader's
+        # workers) or, with num_workers=0, by one producer thread per loader: more
+        # intra-op threads only fight the trainers for the node's cores.
+        torch.set_num_threads(self.settings.torch_threads)
+        # Short GIL slices: a data-plane thread waking for a NEXT should not wait 5 ms
+        # behind a thread running Python.
+        sys.setswitchinterval(0.001)
+        # One short directory per socket path (AF_UNIX paths are capped at 107 bytes).
+        key = hashlib.sha1(str(self.settings.socket_path.resolve()).encode()).hexdigest()[:10]
+        configure_forkserver(Path(tempfile.gettempdir()) / f"pinfeed-{os.getuid()}-{key}")
         self.dataplane.start()
         for row in self.registry.loaders():
             try:
@@ -77,6 +93,10 @@ class Service:
         with self._lock:
             engines = list(self.loaders.values())
             self.loaders.clear()
+        # Stop producing first: once the data plane closes, trainers' leases come back,
+        # and a running producer could refill a slot a trainer still reads.
+        for engine in engines:
+            engine.stop()
         self.dataplane.close()
         for engine in engines:
             engine.close()

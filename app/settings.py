@@ -85,6 +85,13 @@ class Settings(BaseSettings):
     attach_timeout_s: float = Field(
         60.0, gt=0, description="how long a trainer's attach waits for its loader to start"
     )
+    torch_threads: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="torch intra-op threads in the server (in-server production with "
+        "num_workers=0); workers always use one, as DataLoader's do",
+    )
     demo: bool = Field(False, description="register the demo dataset and loader at start")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="log level"

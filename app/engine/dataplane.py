@@ -9,9 +9,12 @@ returned when it closes, however it closes.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
+import select
 import socket
+import stat
 import struct
 import threading
 from collections.abc import Callable
@@ -45,11 +48,15 @@ class DataPlaneServer:
         self._lock = threading.Lock()
 
     def start(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._secure_dir(self.path.parent)
         if self.path.exists() or self.path.is_symlink():
             self.path.unlink()  # a stale socket from a previous run
         sock = p.new_socket()
-        sock.bind(str(self.path))
+        old = os.umask(0o177)  # the socket is never, even briefly, wider than 0600
+        try:
+            sock.bind(str(self.path))
+        finally:
+            os.umask(old)
         os.chmod(self.path, 0o660)
         sock.listen(64)
         sock.settimeout(0.2)
@@ -57,6 +64,24 @@ class DataPlaneServer:
         t = threading.Thread(target=self._accept_loop, name="pinfeed-dataplane", daemon=True)
         t.start()
         self._accept_thread = t
+
+    @staticmethod
+    def _secure_dir(run_dir: Path) -> None:
+        """The socket's directory must be ours; a private one is made 0700. A shared
+        sticky directory (like /tmp) is left alone: the socket's own mode guards it."""
+        run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        st = os.lstat(run_dir)
+        if stat.S_ISLNK(st.st_mode):
+            raise RuntimeError(f"socket directory {run_dir} is a symlink; refusing to use it")
+        if st.st_mode & stat.S_ISVTX:
+            return
+        if st.st_uid != os.getuid():
+            raise RuntimeError(
+                f"socket directory {run_dir} belongs to uid {st.st_uid}, not {os.getuid()}; "
+                "give pinfeed a directory of its own (PINFEED_RUN_DIR or PINFEED_SOCKET)"
+            )
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            os.chmod(run_dir, 0o700)
 
     def close(self) -> None:
         self._stop.set()
@@ -81,9 +106,14 @@ class DataPlaneServer:
                 conn, _ = self._sock.accept()
             except TimeoutError:
                 continue
-            except OSError:
+            except OSError as exc:
                 if self._stop.is_set():
                     return
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # Out of fds or memory (a connection flood): back off, keep serving.
+                    log.warning("data plane: accept failed (%s); retrying", exc.strerror)
+                    self._stop.wait(0.1)
+                    continue
                 raise
             uid = _peer_uid(conn)
             if uid not in (0, os.getuid()):
@@ -112,7 +142,7 @@ class DataPlaneServer:
         finally:
             if attached is not None:
                 attached[0].detach(attached[1], leased)
-            conn.close()
+            _close_gently(conn)
             with self._lock:
                 self._conns.discard(conn)
                 self._threads.discard(threading.current_thread())
@@ -199,30 +229,36 @@ class DataPlaneServer:
         buf = bytearray(p.MAX_MESSAGE)
         view = memoryview(buf)
         dims_cache: dict[int, bytes] = {}
+        poller = select.poll()
+        poller.register(conn, select.POLLIN | select.POLLRDHUP)
         while not self._stop.is_set():
             n = conn.recv_into(buf)
             if n == 0:
                 return  # the trainer closed (or died): leases are returned in _serve
             kind = buf[0]
-            item: Item
+            item: Item | None
             if kind in (p.NEXT, p.RELEASE, p.SKIP):
                 slots, wait_us = p.decode_release(view[:n])
                 if wait_us is not None and kind == p.NEXT:
                     engine.stats.consumer_wait(wait_us / 1e6)
-                bad = [s for s in slots if s not in leased]
-                if bad:
-                    self._send_error(
-                        conn, {"type": "data-plane", "detail": f"release of slots {bad} not leased"}
-                    )
+                if not self._check_release(conn, slots, leased):
                     return
-                leased.difference_update(slots)
-                engine.release(member, slots)
-                if kind == p.RELEASE:
-                    continue
-                if kind == p.SKIP:
-                    item = self._skip_epoch(engine, member)
+                if kind == p.NEXT:
+                    # A ready batch goes out before the releases are applied: handing
+                    # slots back wakes the producer, which should not delay this send.
+                    item = engine.next_item(member, self._stop, timeout=0)
+                    leased.difference_update(slots)
+                    engine.release(member, slots)
+                    if item is None:
+                        item = self._wait(conn, poller, buf, engine, member, leased)
                 else:
-                    item = engine.next_item(member, self._stop)
+                    leased.difference_update(slots)
+                    engine.release(member, slots)
+                    if kind == p.RELEASE:
+                        continue
+                    item = self._skip_epoch(conn, poller, buf, engine, member, leased)
+                if item is None:
+                    return  # hung up, or broke the protocol, while waiting
             elif kind == p.SEEK and n == p.POSITION_BODY.size:
                 _, epoch, index = p.POSITION_BODY.unpack_from(buf)
                 try:
@@ -261,13 +297,75 @@ class DataPlaneServer:
                 if item.seq == -1:
                     return  # the loader itself failed or closed
 
-    def _skip_epoch(self, engine: LoaderEngine, member: int) -> Item:
+    def _check_release(self, conn: socket.socket, slots: list[int], leased: set[int]) -> bool:
+        bad = [s for s in slots if s not in leased]
+        if bad:
+            self._send_error(
+                conn, {"type": "data-plane", "detail": f"release of slots {bad} not leased"}
+            )
+        return not bad
+
+    def _wait(
+        self,
+        conn: socket.socket,
+        poller: select.poll,
+        buf: bytearray,
+        engine: LoaderEngine,
+        member: int,
+        leased: set[int],
+    ) -> Item | None:
+        """Wait for the member's next item while watching its socket: a trainer hands
+        slots back (RELEASE) while its NEXT waits, and one that hangs up is let go at
+        once instead of wedging the loader. None: the connection is over."""
+        while True:
+            item = engine.next_item(member, self._stop, timeout=0.02)
+            if item is not None:
+                return item
+            if not poller.poll(0):
+                continue
+            n = conn.recv_into(buf)
+            if n == 0:
+                return None
+            if buf[0] != p.RELEASE:
+                self._send_error(
+                    conn, {"type": "data-plane", "detail": "only RELEASE while a NEXT waits"}
+                )
+                return None
+            slots, _ = p.decode_release(memoryview(buf)[:n])
+            if not self._check_release(conn, slots, leased):
+                return None
+            leased.difference_update(slots)
+            engine.release(member, slots)
+
+    def _skip_epoch(
+        self,
+        conn: socket.socket,
+        poller: select.poll,
+        buf: bytearray,
+        engine: LoaderEngine,
+        member: int,
+        leased: set[int],
+    ) -> Item | None:
         """Drop the rest of the member's current epoch (a trainer broke out of its loop)."""
         while True:
-            item = engine.next_item(member, self._stop)
+            item = self._wait(conn, poller, buf, engine, member, leased)
             if isinstance(item, BatchItem):
                 engine.release(member, [item.slot])
                 continue
             if isinstance(item, ErrorItem) and item.seq >= 0:
                 continue
             return item
+
+
+def _close_gently(conn: socket.socket) -> None:
+    """Close without a reset: read what the peer already sent (its pipelined NEXT), so
+    the kernel delivers our last message (an ERROR) instead of ECONNRESET."""
+    try:
+        conn.shutdown(socket.SHUT_WR)
+        conn.setblocking(False)
+        for _ in range(64):
+            if not conn.recv(p.MAX_MESSAGE):
+                break
+    except OSError:
+        pass
+    conn.close()

@@ -178,15 +178,21 @@ class LoaderEngine:
                     raise TimeoutError(f"loader {self.config.name} still starting after {timeout}s")
                 self._cond.wait(min(left, 0.5))
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """Stop producing (idempotent); consumers get 'stopping' once the queue is empty."""
         with self._cond:
-            if self.state in ("draining", "closed"):
-                return
-            self.state = "draining"
+            if self.state not in ("draining", "closed"):
+                self.state = "draining"
             self._cond.notify_all()
         self._stop.set()
         with self.slots.cond:
             self.slots.cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            if self.state == "closed":
+                return
+        self.stop()
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(10)
@@ -373,8 +379,10 @@ class LoaderEngine:
         with self._cond:
             return self.consumers.position(member, self.head)
 
-    def next_item(self, member: int, stop: threading.Event) -> Item:
-        """The member's next item in sampler order; waits in bounded polls."""
+    def next_item(self, member: int, stop: threading.Event, timeout: float = 0.5) -> Item | None:
+        """The member's next item in sampler order, or None if none came within
+        ``timeout`` (the data plane then looks at its socket and asks again)."""
+        deadline = time.monotonic() + timeout
         with self._cond:
             while (item := self.consumers.take(member)) is None:
                 if self.state == "failed" and self.failure is not None:
@@ -402,7 +410,10 @@ class LoaderEngine:
                             "group waits for them: restart them, or recreate the loader",
                         },
                     )
-                self._cond.wait(0.5)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
         if isinstance(item, BatchItem):
             self.stats.consumed(item.rows)
         return item

@@ -16,13 +16,16 @@ import logging
 import multiprocessing as mp
 import os
 import random
+import shutil
+import tempfile
 import threading
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing import reduction
+from multiprocessing import forkserver, reduction
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -133,8 +136,7 @@ class WorkerPool:
         self._stop = threading.Event()
         self._next_id = 0
         self.restarts = 0
-        for _ in range(num_workers):
-            self._workers.append(self._spawn())
+        self._workers.extend(self._spawn(num_workers))
         self._collector = threading.Thread(
             target=self._collect, name=f"pinfeed-collect-{spec.loader}", daemon=True
         )
@@ -144,38 +146,49 @@ class WorkerPool:
     def size(self) -> int:
         return len(self._workers)
 
-    def _spawn(self) -> _Worker:
-        parent, child = self._ctx.Pipe(duplex=True)
-        wid = self._next_id
-        self._next_id += 1
-        proc = self._ctx.Process(
-            target=worker_main,
-            args=(wid, child, self.spec),
-            name=f"pinfeed-worker-{self.spec.loader}-{wid}",
-            daemon=True,
-        )
-        proc.start()
-        child.close()
-        reduction.send_handle(parent, self._ring_fd, proc.pid)
-        # Wait (bounded) for the worker to map the ring and build its dataset.
-        if not parent.poll(120):
-            proc.kill()
-            raise RuntimeError(f"worker {wid} did not start within 120 s")
-        _, _, error = parent.recv()
-        if error is not None:
-            proc.join(5)
-            raise RuntimeError(f"worker {wid} failed to start: {error['detail']}")
-        return _Worker(wid, proc, parent)
+    def _spawn(self, count: int = 1) -> list[_Worker]:
+        """Start ``count`` workers together and wait (bounded) until each has mapped the
+        ring and built its dataset; all or none."""
+        started = []
+        for _ in range(count):
+            parent, child = self._ctx.Pipe(duplex=True)
+            wid = self._next_id
+            self._next_id += 1
+            proc = self._ctx.Process(
+                target=worker_main,
+                args=(wid, child, self.spec),
+                name=f"pinfeed-worker-{self.spec.loader}-{wid}",
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            reduction.send_handle(parent, self._ring_fd, proc.pid)
+            started.append(_Worker(wid, proc, parent))
+        deadline = time.monotonic() + 120
+        try:
+            for w in started:
+                if not w.conn.poll(max(0.0, deadline - time.monotonic())):
+                    raise RuntimeError(f"worker {w.wid} did not start within 120 s")
+                _, _, error = w.conn.recv()
+                if error is not None:
+                    raise RuntimeError(f"worker {w.wid} failed to start: {error['detail']}")
+        except BaseException:
+            for w in started:
+                w.process.kill()
+                w.process.join(5)
+                w.conn.close()
+            raise
+        return started
 
     def resize(self, num_workers: int) -> None:
         """Grow or shrink live: new workers take new tasks at once; removed ones first
         finish what they hold, so no batch is lost or produced twice."""
         if num_workers < 1:
             raise ValueError("a worker pool needs at least one worker")
-        while len(self._workers) < num_workers:
-            worker = self._spawn()
+        if len(self._workers) < num_workers:
+            new = self._spawn(num_workers - len(self._workers))
             with self._lock:
-                self._workers.append(worker)
+                self._workers.extend(new)
         with self._lock:
             while len(self._workers) > num_workers:
                 worker = min(self._workers, key=lambda w: len(w.outstanding))
@@ -245,53 +258,61 @@ class WorkerPool:
     def _replace(self, dead: _Worker) -> None:
         dead.process.join(1)
         code = dead.process.exitcode
+        self._receive(dead)  # results it sent before dying
+        self.restarts += 1
+        with self._lock:
+            retiring = dead in self._retiring
         log.warning(
-            "loader %s: worker %d died (exit code %s); replacing it",
+            "loader %s: worker %d died (exit code %s)%s",
             self.spec.loader,
             dead.wid,
             code,
+            "" if retiring else "; replacing it",
         )
-        self._receive(dead)  # results it sent before dying
-        with self._lock:
-            retiring = dead in self._retiring
-            (self._retiring if retiring else self._workers).remove(dead)
-        dead.conn.close()
-        self.restarts += 1
-        if retiring and self._workers:
-            # A worker on its way out needs no replacement: its tasks go to the others.
-            worker = min(self._workers, key=lambda w: len(w.outstanding))
-        else:
+        new: list[_Worker] = []
+        if not retiring:
+            # Start the replacement before the dead worker leaves the pool, so the pool
+            # is never empty for the producer's submit().
             try:
-                worker = self._spawn()
+                new = self._spawn()
             except Exception as exc:
                 self._on_fatal(
                     f"worker {dead.wid} died (exit code {code}) and no replacement could "
                     f"start: {exc}"
                 )
                 return
-            with self._lock:
-                self._workers.append(worker)
-        for seq, (slot, indices) in sorted(dead.outstanding.items()):
-            tries = self._retries.get(seq, 0) + 1
-            self._retries[seq] = tries
-            if tries > MAX_TASK_RETRIES:
-                self._on_result(
-                    (
-                        seq,
-                        b"",
-                        {
-                            "type": "sample-error",
-                            "detail": f"worker died (exit code {code}) {tries} times producing the "
-                            f"batch of indices {indices[:8]}...",
-                            "index": None,
-                            "error_type": "WorkerDied",
-                        },
+        with self._lock:
+            (self._retiring if retiring else self._workers).remove(dead)
+            self._workers.extend(new)
+            target = new[0] if new else min(self._workers, key=lambda w: len(w.outstanding))
+            tasks = sorted(dead.outstanding.items())
+        dead.conn.close()
+        for i, (seq, (slot, indices)) in enumerate(tasks):
+            if i == 0:
+                # Workers take tasks in order: only the oldest was being made when it
+                # died. A task that keeps killing workers is a poison batch: it alone
+                # comes back as an error; those queued behind it are simply re-sent.
+                tries = self._retries.get(seq, 0) + 1
+                self._retries[seq] = tries
+                if tries > MAX_TASK_RETRIES:
+                    self._on_result(
+                        (
+                            seq,
+                            b"",
+                            {
+                                "type": "sample-error",
+                                "detail": f"worker died (exit code {code}) {tries} times producing "
+                                f"the batch of indices {indices[:8]}...",
+                                "index": None,
+                                "error_type": "WorkerDied",
+                            },
+                        )
                     )
-                )
-                continue
+                    continue
             with self._lock:
-                worker.outstanding[seq] = (slot, indices)
-            self._send(worker, (seq, slot, indices))
+                target.outstanding[seq] = (slot, indices)
+                target.started.setdefault(seq, time.perf_counter())
+            self._send(target, (seq, slot, indices))
 
     def close(self, timeout: float = 5.0) -> None:
         self._stop.set()
@@ -310,9 +331,21 @@ class WorkerPool:
         self._retiring.clear()
 
 
-def configure_forkserver() -> None:
-    """Preload torch and the dataset kinds in the forkserver (once per process)."""
+def configure_forkserver(tmp_dir: Path) -> None:
+    """Preload torch and the dataset kinds in the forkserver, and start it now in the
+    background, so the first loader with workers does not wait for it.
+
+    multiprocessing keeps its listener in a ``pymp-*`` directory under the temp dir and
+    removes it only at a clean exit; pointing the temp dir at ``tmp_dir`` (emptied at
+    every start) keeps a SIGKILLed server from leaving those behind in /tmp.
+    """
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    tmp_dir.mkdir(parents=True, mode=0o700)
+    tempfile.tempdir = str(tmp_dir)
     try:
         mp.set_forkserver_preload(["app.engine.workers"])
     except Exception:  # pragma: no cover - older Pythons raise if already started
         log.debug("forkserver preload not set", exc_info=True)
+    threading.Thread(
+        target=forkserver.ensure_running, name="pinfeed-forkserver", daemon=True
+    ).start()

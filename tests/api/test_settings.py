@@ -38,6 +38,7 @@ def test_every_setting_reads_its_env_var(monkeypatch: pytest.MonkeyPatch, tmp_pa
         "TOKEN": TOKEN,
         "ALLOWED_PLUGINS": '["mylab.data"]',
         "ATTACH_TIMEOUT_S": "5",
+        "TORCH_THREADS": "2",
         "DEMO": "true",
         "LOG_LEVEL": "DEBUG",
     }
@@ -53,6 +54,7 @@ def test_every_setting_reads_its_env_var(monkeypatch: pytest.MonkeyPatch, tmp_pa
         True,
         "debug",
     )
+    assert s.torch_threads == 2
     assert TOKEN not in repr(s)
     s.check_safe()
 

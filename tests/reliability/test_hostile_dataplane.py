@@ -362,12 +362,6 @@ def test_many_stalled_connections(rserver: Server, rogue_loader: str, admin_r: C
     _healthy(admin_r, rserver, rogue_loader)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="app/engine/loader.py next_item waits for an item without watching the "
-    "connection: a consumer that hangs up while its NEXT waits on a full ring (every slot "
-    "leased to it) is never detached, and the loader stays wedged",
-)
 def test_consumer_hanging_up_inside_next_is_detached(
     rserver: Server, rogue_loader: str, admin_r: Client
 ) -> None:
@@ -375,8 +369,9 @@ def test_consumer_hanging_up_inside_next_is_detached(
     try:
         assert rogue.attach(rogue_loader)[:1] == bytes([p.ATTACHED])
         total = admin_r.loader(rogue_loader)["slots"]["total"]
-        for _ in range(total + 1):  # NEXT without releasing: the last one cannot be served
-            rogue.send(p.encode_release(p.NEXT, []))
+        for _ in range(total):  # take every slot, releasing none
+            _next(rogue, [])
+        rogue.send(p.encode_release(p.NEXT, []))  # cannot be served: it waits, then we hang up
         wait_for(
             lambda: admin_r.loader(rogue_loader)["slots"]["leased"] == total,
             "every slot leased to the rogue",
@@ -386,12 +381,6 @@ def test_consumer_hanging_up_inside_next_is_detached(
     _healthy(admin_r, rserver, rogue_loader, within=3)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="app/engine/dataplane.py _serve closes a connection with the client's messages "
-    "unread; the kernel then resets it and the ERROR sent just before is lost (the soak's "
-    "trainers saw 'Connection reset by peer' instead of LoaderFailed)",
-)
 def test_the_last_error_reaches_the_client(
     rserver: Server, admin_r: Client, synthetic: str
 ) -> None:

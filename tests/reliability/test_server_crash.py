@@ -146,11 +146,6 @@ def test_nothing_left_behind(crash: Crash) -> None:
     assert not [n for n in new if "pinfeed" in n], new
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="multiprocessing's forkserver keeps its listener in a pymp-* directory under "
-    "TMPDIR that only an orderly exit removes; each SIGKILL of the server leaves one",
-)
 def test_no_temp_dirs_left_behind(crash: Crash) -> None:
     assert crash.temp_dirs, "found no forkserver listener of the killed server"
     stale = [str(d) for d in crash.temp_dirs if d.exists()]

@@ -83,11 +83,6 @@ def test_peer_with_another_uid_is_refused(rserver: Server, admin_r: Client) -> N
         admin_r.delete_loader(name)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="app/engine/dataplane.py start(): mkdir(exist_ok=True, mode=0o700) leaves an "
-    "existing run directory's permissions (and owner) as they are",
-)
 def test_existing_loose_run_dir_is_tightened_or_refused(
     make_server: Callable[..., Server],
 ) -> None:
@@ -102,11 +97,6 @@ def test_existing_loose_run_dir_is_tightened_or_refused(
     assert stat.S_IMODE(os.stat(run).st_mode) & 0o077 == 0, oct(os.stat(run).st_mode)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="app/engine/dataplane.py _accept_loop re-raises OSError from accept(): EMFILE "
-    "under a connection flood kills the accept thread for good while /healthz stays 200",
-)
 def test_accept_loop_survives_running_out_of_fds(make_server: Callable[..., Server]) -> None:
     srv = make_server()
     srv.start()

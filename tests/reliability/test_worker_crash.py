@@ -81,12 +81,6 @@ def test_worker_segfault_in_native_code_is_replaced(rserver: Server, tmp_path: P
         admin.delete_loader(name)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="app/engine/workers.py WorkerPool._replace charges a retry to every task the dead "
-    "worker held, so batches queued behind a poison sample exhaust MAX_TASK_RETRIES and are "
-    "reported as WorkerDied too (batches 4-6 here)",
-)
 def test_poison_sample_fails_only_its_own_batch(rserver: Server) -> None:
     with rserver.client() as admin:
         ds = _python_dataset(admin, "Poison", at=13, length=40, delay_s=0.002)
@@ -111,12 +105,6 @@ def test_poison_sample_fails_only_its_own_batch(rserver: Server) -> None:
         admin.delete_loader(name)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="app/engine/workers.py WorkerPool._replace takes the dead worker out of _workers "
-    "before its replacement has started; a submit() in that window runs min() over no "
-    "workers, ValueError kills the producer and the loader fails for good",
-)
 def test_only_worker_killed_while_batches_are_submitted(rserver: Server) -> None:
     pid = rserver.proc.pid  # type: ignore[union-attr]
     with rserver.client() as admin:
