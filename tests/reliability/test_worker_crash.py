@@ -7,8 +7,6 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-import pytest
-
 from client import Client, Loader, SampleError
 from tests.conftest import Server
 from tests.helpers import assert_same, unique
