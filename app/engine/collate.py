@@ -286,8 +286,54 @@ def fill_slot(dataset: Any, layout: Layout, slot: torch.Tensor, indices: Sequenc
         raise SampleFailure(
             "batch-too-large", f"{rows} samples exceed batch_size {layout.batch_size}", None, ""
         )
-    views = leaf_views(layout, slot, rows)
-    if isinstance(dataset, BatchFetcher) and not layout.has_strings:
+    batched = isinstance(dataset, BatchFetcher) and not layout.has_strings
+    return write_batch(dataset, layout, leaf_views(layout, slot, rows), indices, batched)
+
+
+class SlotWriter:
+    """Writes one loader's batches into its ring. What is the same for every batch is
+    worked out once: whether the dataset fetches whole batches, and each slot's leaf
+    views (a slot holds a full batch or the epoch's last, shorter one)."""
+
+    def __init__(self, dataset: Any, layout: Layout, ring: torch.Tensor, slot_bytes: int) -> None:
+        self.dataset = dataset
+        self.layout = layout
+        self._ring = ring
+        self._slot_bytes = slot_bytes
+        self._batched = isinstance(dataset, BatchFetcher) and not layout.has_strings
+        self._views: dict[tuple[int, int], list[torch.Tensor | None]] = {}
+
+    def write(self, slot: int, indices: Sequence[int]) -> bytes:
+        rows = len(indices)
+        views = self._views.get((slot, rows))
+        if views is None:
+            if rows > self.layout.batch_size:
+                raise SampleFailure(
+                    "batch-too-large",
+                    f"{rows} samples exceed batch_size {self.layout.batch_size}",
+                    None,
+                    "",
+                )
+            start = slot * self._slot_bytes
+            views = leaf_views(self.layout, self._ring[start : start + self._slot_bytes], rows)
+            self._views[(slot, rows)] = views
+        return write_batch(self.dataset, self.layout, views, indices, self._batched)
+
+    def close(self) -> None:
+        """Drop the cached views (they keep the ring's mapping alive)."""
+        self._views.clear()
+        del self._ring
+
+
+def write_batch(
+    dataset: Any,
+    layout: Layout,
+    views: list[torch.Tensor | None],
+    indices: Sequence[int],
+    batched: bool,
+) -> bytes:
+    """Write a batch into its leaf views; return the strings JSON (or b"")."""
+    if batched:
         try:
             dataset.fetch_into(indices, [v for v in views if v is not None])
             return b""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from app.datasets import DatasetContext
-from app.engine.collate import Layout, fill_slot
+from app.engine.collate import Layout, SlotWriter
 from app.engine.consumers import BatchItem, Consumers, EndItem, ErrorItem, Item
 from app.engine.ring import Ring, SlotState, SlotTable
 from app.engine.sampler import EpochSampler
@@ -107,6 +107,7 @@ class LoaderEngine:
         self._kind, self._params, self._context = kind, params, context
         self.nslots = ring_slots(config)
         self.ring: Ring | None = None
+        self._writer: SlotWriter | None = None
         self.slots = SlotTable(self.nslots)
         self.slots.set_limit(prefetch_depth(config))
         self.consumers = Consumers(config.group_size, config.group_mode, self.slots)
@@ -134,6 +135,9 @@ class LoaderEngine:
     def _boot(self) -> None:
         try:
             self.ring = Ring(self.config.name, self.nslots, self.layout.slot_bytes)
+            self._writer = SlotWriter(
+                self.dataset, self.layout, self.ring.base, self.ring.slot_bytes
+            )
             if self.config.num_workers > 0:
                 spec = WorkerSpec(
                     self.config.name,
@@ -199,6 +203,8 @@ class LoaderEngine:
         if self.pool is not None:
             self.pool.close()
         if self.ring is not None:
+            if self._writer is not None:
+                self._writer.close()
             self.ring.close()
         with self._cond:
             self.state = "closed"
@@ -241,11 +247,10 @@ class LoaderEngine:
                 self._cursor = (epoch, 0)
 
     def _run_inline(self, seq: int, slot: int, indices: list[int]) -> Result:
-        assert self.ring is not None
+        assert self._writer is not None
         t0 = time.perf_counter()
         try:
-            strings = fill_slot(self.dataset, self.layout, self.ring.slot(slot), indices)
-            result: Result = (seq, strings, None)
+            result: Result = (seq, self._writer.write(slot, indices), None)
         except Exception as exc:
             result = (seq, b"", error_info(exc))
         self.stats.add_busy(time.perf_counter() - t0)

@@ -119,8 +119,9 @@ class SlotTable:
             if self.states[slot] is not expect:
                 return False
             self.states[slot] = to
-            if to is SlotState.FREE:
-                self.cond.notify_all()
+            # The producer waits for a free slot *and* for room under the prefetch limit
+            # (filling + ready): every change can be the one it waits for.
+            self.cond.notify_all()
             return True
 
     def counts(self) -> dict[str, int]:

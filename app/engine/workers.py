@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from app.datasets import DatasetContext, build_dataset
-from app.engine.collate import Layout, SampleFailure, fill_slot
+from app.engine.collate import Layout, SampleFailure, SlotWriter
 from app.engine.ring import map_ring
 
 log = logging.getLogger("pinfeed.workers")
@@ -79,7 +79,7 @@ def worker_main(worker_id: int, conn: Connection, spec: WorkerSpec) -> None:
         mm, base = map_ring(fd, spec.ring_size)
         os.close(fd)
         dataset = build_dataset(spec.kind, spec.params, spec.context)
-        layout = Layout.from_json(spec.layout)
+        writer = SlotWriter(dataset, Layout.from_json(spec.layout), base, spec.slot_bytes)
     except BaseException as exc:
         conn.send((-1, b"", error_info(exc)))
         return
@@ -92,12 +92,11 @@ def worker_main(worker_id: int, conn: Connection, spec: WorkerSpec) -> None:
         if task is None:
             break
         seq, slot, indices = task
-        start = slot * spec.slot_bytes
         try:
-            strings = fill_slot(dataset, layout, base[start : start + spec.slot_bytes], indices)
-            conn.send((seq, strings, None))
+            conn.send((seq, writer.write(slot, indices), None))
         except Exception as exc:
             conn.send((seq, b"", error_info(exc)))
+    writer.close()
     del base
     mm.close()
 
