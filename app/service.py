@@ -58,7 +58,10 @@ class Service:
         self._datasets: dict[str, Any] = {}  # name -> built dataset, shared by its loaders
         self._lock = threading.RLock()
         self.dataplane = DataPlaneServer(
-            settings.socket_path, self.loaders.get, settings.attach_timeout_s
+            settings.socket_path,
+            self.loaders.get,
+            settings.attach_timeout_s,
+            group=settings.socket_gid,
         )
 
     # -- lifecycle -------------------------------------------------------------------

@@ -6,6 +6,7 @@ combinations that are unsafe are refused by ``check_safe()`` before anything sta
 
 from __future__ import annotations
 
+import grp
 import ipaddress
 import logging
 import os
@@ -20,6 +21,17 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from client._protocol import DEFAULT_SOCKET_NAME, default_run_dir
 
 log = logging.getLogger("pinfeed")
+
+
+def group_id(group: str) -> int:
+    """A group's gid, from its name or number; ValueError if there is no such group."""
+    if group.isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ValueError(f"no group named {group!r}") from None
+
 
 # sockaddr_un.sun_path is 108 bytes on Linux, NUL included.
 MAX_SOCKET_PATH = 107
@@ -82,6 +94,11 @@ class Settings(BaseSettings):
         description="module prefixes that 'python' datasets may import, as a JSON list "
         "(default: none)",
     )
+    socket_group: str | None = Field(
+        None,
+        description="a group (name or gid) whose processes may attach besides the server's "
+        "own uid: the socket becomes 0660 and its directory 0750 in that group",
+    )
     attach_timeout_s: float = Field(
         60.0, gt=0, description="how long a trainer's attach waits for its loader to start"
     )
@@ -96,6 +113,17 @@ class Settings(BaseSettings):
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="log level"
     )
+
+    @field_validator("socket_group")
+    @classmethod
+    def _group_exists(cls, v: str | None) -> str | None:
+        if v is not None:
+            group_id(v)  # refuse an unknown group at start-up
+        return v
+
+    @property
+    def socket_gid(self) -> int | None:
+        return None if self.socket_group is None else group_id(self.socket_group)
 
     @field_validator("token")
     @classmethod

@@ -30,15 +30,19 @@ log = logging.getLogger("pinfeed.dataplane")
 Lookup = Callable[[str], LoaderEngine | None]
 
 
-def _peer_uid(conn: socket.socket) -> int:
+def _peer_ids(conn: socket.socket) -> tuple[int, int]:
+    """(uid, gid) of the process at the other end, from the kernel (SO_PEERCRED)."""
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return int(uid)
+    _pid, uid, gid = struct.unpack("3i", creds)
+    return int(uid), int(gid)
 
 
 class DataPlaneServer:
-    def __init__(self, path: Path, lookup: Lookup, attach_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self, path: Path, lookup: Lookup, attach_timeout_s: float = 60.0, group: int | None = None
+    ) -> None:
         self.path = path
+        self.group = group  # besides our own uid (and root), peers in this gid may attach
         self._lookup = lookup
         self._attach_timeout = attach_timeout_s
         self._stop = threading.Event()
@@ -48,7 +52,7 @@ class DataPlaneServer:
         self._lock = threading.Lock()
 
     def start(self) -> None:
-        self._secure_dir(self.path.parent)
+        self._secure_dir(self.path.parent, self.group)
         if self.path.exists() or self.path.is_symlink():
             self.path.unlink()  # a stale socket from a previous run
         sock = p.new_socket()
@@ -57,6 +61,8 @@ class DataPlaneServer:
             sock.bind(str(self.path))
         finally:
             os.umask(old)
+        if self.group is not None:
+            os.chown(self.path, -1, self.group)
         os.chmod(self.path, 0o660)
         sock.listen(64)
         sock.settimeout(0.2)
@@ -66,9 +72,10 @@ class DataPlaneServer:
         self._accept_thread = t
 
     @staticmethod
-    def _secure_dir(run_dir: Path) -> None:
-        """The socket's directory must be ours; a private one is made 0700. A shared
-        sticky directory (like /tmp) is left alone: the socket's own mode guards it."""
+    def _secure_dir(run_dir: Path, group: int | None) -> None:
+        """The socket's directory must be ours; a private one is made 0700 (0750 in the
+        socket group). A shared sticky directory (like /tmp) is left alone: the socket's
+        own mode guards it."""
         run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         st = os.lstat(run_dir)
         if stat.S_ISLNK(st.st_mode):
@@ -80,7 +87,11 @@ class DataPlaneServer:
                 f"socket directory {run_dir} belongs to uid {st.st_uid}, not {os.getuid()}; "
                 "give pinfeed a directory of its own (PINFEED_RUN_DIR or PINFEED_SOCKET)"
             )
-        if stat.S_IMODE(st.st_mode) & 0o077:
+        if group is not None:
+            os.chown(run_dir, -1, group)
+            if stat.S_IMODE(st.st_mode) != 0o750:
+                os.chmod(run_dir, 0o750)
+        elif stat.S_IMODE(st.st_mode) & 0o077:
             os.chmod(run_dir, 0o700)
 
     def close(self) -> None:
@@ -115,9 +126,9 @@ class DataPlaneServer:
                     self._stop.wait(0.1)
                     continue
                 raise
-            uid = _peer_uid(conn)
-            if uid not in (0, os.getuid()):
-                log.warning("refusing data-plane peer with uid %d", uid)
+            uid, gid = _peer_ids(conn)
+            if uid not in (0, os.getuid()) and (self.group is None or gid != self.group):
+                log.warning("refusing data-plane peer with uid %d gid %d", uid, gid)
                 conn.close()
                 continue
             t = threading.Thread(

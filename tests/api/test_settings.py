@@ -39,6 +39,7 @@ def test_every_setting_reads_its_env_var(monkeypatch: pytest.MonkeyPatch, tmp_pa
         "ALLOWED_PLUGINS": '["mylab.data"]',
         "ATTACH_TIMEOUT_S": "5",
         "TORCH_THREADS": "2",
+        "SOCKET_GROUP": "0",
         "DEMO": "true",
         "LOG_LEVEL": "DEBUG",
     }
@@ -54,7 +55,7 @@ def test_every_setting_reads_its_env_var(monkeypatch: pytest.MonkeyPatch, tmp_pa
         True,
         "debug",
     )
-    assert s.torch_threads == 2
+    assert s.torch_threads == 2 and s.socket_gid == 0
     assert TOKEN not in repr(s)
     s.check_safe()
 

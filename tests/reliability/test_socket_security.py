@@ -30,7 +30,7 @@ def test_socket_and_run_dir_permissions(rserver: Server) -> None:
     assert sock.st_uid == run.st_uid == os.getuid()
 
 
-def _attach_as(uid: int, path: str, loader: str) -> int:
+def _attach_as(uid: int, path: str, loader: str, gid: int | None = None) -> int:
     """Fork; as ``uid``, try to attach to ``loader``. Exit code: 0 the server hung up
     without a word, 1 got a ring, 2 the filesystem said no (EACCES), 3 anything else,
     4 the server answered (so it served a peer it should have refused)."""
@@ -39,7 +39,7 @@ def _attach_as(uid: int, path: str, loader: str) -> int:
         code = 3
         try:
             os.setgroups([])
-            os.setgid(uid)
+            os.setgid(uid if gid is None else gid)
             os.setuid(uid)
             s = p.new_socket()
             s.settimeout(5)
@@ -120,3 +120,29 @@ def test_accept_loop_survives_running_out_of_fds(make_server: Callable[..., Serv
             s.close()
     with Loader(name, socket=srv.socket, timeout=3) as loader:
         assert len(next(iter(loader))[0]) == 4
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
+def test_socket_group_lets_its_members_attach(make_server: Callable[..., Server]) -> None:
+    """PINFEED_SOCKET_GROUP: a trainer running as another uid but in that group attaches;
+    one outside it is still refused."""
+    group = 4242
+    srv = make_server(PINFEED_SOCKET_GROUP=str(group))
+    srv.start()
+    sock, run = os.stat(srv.socket), os.stat(srv.socket.parent)
+    assert (sock.st_gid, run.st_gid) == (group, group)
+    assert stat.S_IMODE(sock.st_mode) == 0o660 and stat.S_IMODE(run.st_mode) == 0o750
+    with Client(srv.url) as admin:
+        ds, name = unique("rel-syn"), unique("grp")
+        admin.create_dataset(ds, "synthetic", {"length": 8, "fields": [{"shape": [2]}]})
+        admin.create_loader(name, dataset=ds, batch_size=4)
+    reach = Path(tempfile.mkdtemp(prefix="pinfeed-grp-"))
+    try:
+        os.chmod(reach, 0o711)
+        link = reach / "s.sock"
+        os.link(srv.socket, link)  # same socket, reachable past pytest's private tmp dirs
+        assert _attach_as(NOBODY, str(link), name, gid=group) == 1, "a group member attaches"
+        os.chmod(link, 0o666)
+        assert _attach_as(NOBODY, str(link), name) == 0, "outside the group: refused"
+    finally:
+        shutil.rmtree(reach)
