@@ -77,9 +77,13 @@ class DataPlaneServer:
         socket group). A shared sticky directory (like /tmp) is left alone: the socket's
         own mode guards it."""
         run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        st = os.lstat(run_dir)
-        if stat.S_ISLNK(st.st_mode):
-            raise RuntimeError(f"socket directory {run_dir} is a symlink; refusing to use it")
+        link = os.lstat(run_dir)
+        if stat.S_ISLNK(link.st_mode) and link.st_uid not in (0, os.getuid()):
+            raise RuntimeError(
+                f"socket directory {run_dir} is a symlink made by uid {link.st_uid}; "
+                "refusing to use it"
+            )
+        st = os.stat(run_dir)  # the directory itself, through our own (or root's) link
         if st.st_mode & stat.S_ISVTX:
             return
         if st.st_uid != os.getuid():

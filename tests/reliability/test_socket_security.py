@@ -146,3 +146,20 @@ def test_socket_group_lets_its_members_attach(make_server: Callable[..., Server]
         assert _attach_as(NOBODY, str(link), name) == 0, "outside the group: refused"
     finally:
         shutil.rmtree(reach)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to plant another uid's symlink")
+def test_run_dir_symlinked_by_another_uid_is_refused(
+    make_server: Callable[..., Server], tmp_path: Path
+) -> None:
+    """Another user pre-creates the socket directory as a link to a directory of theirs:
+    the server refuses to start rather than put its socket there. A link of our own (a
+    volume layout, say) is fine, as the compose tests show."""
+    srv = make_server()
+    target = tmp_path / "theirs"
+    target.mkdir()
+    srv.socket.parent.parent.mkdir(parents=True, exist_ok=True)
+    srv.socket.parent.symlink_to(target)
+    os.lchown(srv.socket.parent, NOBODY, NOBODY)
+    with pytest.raises(RuntimeError, match="symlink made by uid"):
+        srv.start(timeout=20)
