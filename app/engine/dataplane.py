@@ -144,19 +144,19 @@ class DataPlaneServer:
             t.start()
 
     def _serve(self, conn: socket.socket) -> None:
-        attached: tuple[LoaderEngine, int] | None = None
-        leased: set[int] = set()
+        session: _Session | None = None
         try:
             attached = self._attach(conn)
             if attached is not None:
-                self._loop(conn, *attached, leased)
+                session = _Session(conn, *attached, self._stop)
+                session.run()
         except (OSError, ValueError) as exc:
             log.debug("consumer connection ended: %s", exc)
         except Exception:
             log.exception("data-plane connection failed")
         finally:
-            if attached is not None:
-                attached[0].detach(attached[1], leased)
+            if session is not None:
+                session.engine.detach(session.member, session.leased)
             _close_gently(conn)
             with self._lock:
                 self._conns.discard(conn)
@@ -237,135 +237,137 @@ class DataPlaneServer:
             raise
         return engine, member
 
-    def _loop(
-        self, conn: socket.socket, engine: LoaderEngine, member: int, leased: set[int]
+
+class _Session:
+    """One attached consumer: its socket, its loader and member index, and the slots it
+    holds. ``run`` serves its messages until it leaves; the leases are returned by the
+    caller whatever ends the session."""
+
+    def __init__(
+        self, conn: socket.socket, engine: LoaderEngine, member: int, stop: threading.Event
     ) -> None:
-        conn.settimeout(None)
-        buf = bytearray(p.MAX_MESSAGE)
-        view = memoryview(buf)
-        dims_cache: dict[int, bytes] = {}
-        poller = select.poll()
-        poller.register(conn, select.POLLIN | select.POLLRDHUP)
-        while not self._stop.is_set():
-            n = conn.recv_into(buf)
+        self.conn = conn
+        self.engine = engine
+        self.member = member
+        self.stop = stop
+        self.leased: set[int] = set()
+        self.buf = bytearray(p.MAX_MESSAGE)
+        self.view = memoryview(self.buf)
+        self.dims: dict[int, bytes] = {}  # packed leaf dims by batch length
+        self.poller = select.poll()
+        self.poller.register(conn, select.POLLIN | select.POLLRDHUP)
+
+    def error(self, info: dict[str, Any]) -> None:
+        self.conn.send(p.encode_json(p.ERROR, info))
+
+    def run(self) -> None:
+        self.conn.settimeout(None)
+        while not self.stop.is_set():
+            n = self.conn.recv_into(self.buf)
             if n == 0:
-                return  # the trainer closed (or died): leases are returned in _serve
-            kind = buf[0]
+                return  # the trainer closed (or died)
+            kind = self.buf[0]
             item: Item | None
             if kind in (p.NEXT, p.RELEASE, p.SKIP):
-                slots, wait_us = p.decode_release(view[:n])
+                slots, wait_us = p.decode_release(self.view[:n])
                 if wait_us is not None and kind == p.NEXT:
-                    engine.stats.consumer_wait(wait_us / 1e6)
-                if not self._check_release(conn, slots, leased):
+                    self.engine.stats.consumer_wait(wait_us / 1e6)
+                if not self.release_ok(slots):
                     return
                 if kind == p.NEXT:
                     # A ready batch goes out before the releases are applied: handing
                     # slots back wakes the producer, which should not delay this send.
-                    item = engine.next_item(member, self._stop, timeout=0)
-                    leased.difference_update(slots)
-                    engine.release(member, slots)
+                    item = self.engine.next_item(self.member, self.stop, timeout=0)
+                    self.release(slots)
                     if item is None:
-                        item = self._wait(conn, poller, buf, engine, member, leased)
+                        item = self.wait()
                 else:
-                    leased.difference_update(slots)
-                    engine.release(member, slots)
+                    self.release(slots)
                     if kind == p.RELEASE:
                         continue
-                    item = self._skip_epoch(conn, poller, buf, engine, member, leased)
+                    item = self.skip_epoch()
                 if item is None:
                     return  # hung up, or broke the protocol, while waiting
             elif kind == p.SEEK and n == p.POSITION_BODY.size:
-                _, epoch, index = p.POSITION_BODY.unpack_from(buf)
+                _, epoch, index = p.POSITION_BODY.unpack_from(self.buf)
                 try:
-                    engine.seek(member, epoch, index)
+                    self.engine.seek(self.member, epoch, index)
                 except ValueError as exc:
-                    self._send_error(conn, {"type": "invalid-request", "detail": str(exc)})
+                    self.error({"type": "invalid-request", "detail": str(exc)})
                     continue
-                epoch, index = engine.position(member)
-                conn.send(p.POSITION_BODY.pack(p.POSITION, epoch, index))
+                epoch, index = self.engine.position(self.member)
+                self.conn.send(p.POSITION_BODY.pack(p.POSITION, epoch, index))
                 continue
             elif kind == p.CUDA and n == 1:
-                engine.cuda_registered.add(member)
+                self.engine.cuda_registered.add(self.member)
                 continue
             else:
-                self._send_error(
-                    conn,
-                    {"type": "data-plane", "detail": f"unexpected message kind {kind} ({n} bytes)"},
+                self.error(
+                    {"type": "data-plane", "detail": f"unexpected message kind {kind} ({n} bytes)"}
                 )
                 return
-            if isinstance(item, BatchItem):
-                leased.add(item.slot)
-                dims = dims_cache.get(item.rows)
-                if dims is None:
-                    dims = dims_cache[item.rows] = dims_message(engine.layout, item.rows)
-                head = p.BATCH_HEAD.pack(
-                    p.BATCH, item.slot, item.seq, item.epoch, item.index, len(item.strings)
-                )
-                conn.sendmsg([head, dims, item.strings])
-            elif isinstance(item, EndItem):
-                conn.send(p.END_BODY.pack(p.END, item.epoch, item.seq))
-            else:
-                info = dict(item.info)
-                if item.epoch >= 0:
-                    info.update(epoch=item.epoch, batch_index=item.index)
-                self._send_error(conn, info)
-                if item.seq == -1:
-                    return  # the loader itself failed or closed
+            if not self.send(item):
+                return
 
-    def _check_release(self, conn: socket.socket, slots: list[int], leased: set[int]) -> bool:
-        bad = [s for s in slots if s not in leased]
-        if bad:
-            self._send_error(
-                conn, {"type": "data-plane", "detail": f"release of slots {bad} not leased"}
+    def send(self, item: Item) -> bool:
+        """Send one item; False once the loader itself failed or closed."""
+        if isinstance(item, BatchItem):
+            self.leased.add(item.slot)
+            dims = self.dims.get(item.rows)
+            if dims is None:
+                dims = self.dims[item.rows] = dims_message(self.engine.layout, item.rows)
+            head = p.BATCH_HEAD.pack(
+                p.BATCH, item.slot, item.seq, item.epoch, item.index, len(item.strings)
             )
+            self.conn.sendmsg([head, dims, item.strings])
+        elif isinstance(item, EndItem):
+            self.conn.send(p.END_BODY.pack(p.END, item.epoch, item.seq))
+        else:
+            info = dict(item.info)
+            if item.epoch >= 0:
+                info.update(epoch=item.epoch, batch_index=item.index)
+            self.error(info)
+            if item.seq == -1:
+                return False
+        return True
+
+    def release_ok(self, slots: list[int]) -> bool:
+        bad = [s for s in slots if s not in self.leased]
+        if bad:
+            self.error({"type": "data-plane", "detail": f"release of slots {bad} not leased"})
         return not bad
 
-    def _wait(
-        self,
-        conn: socket.socket,
-        poller: select.poll,
-        buf: bytearray,
-        engine: LoaderEngine,
-        member: int,
-        leased: set[int],
-    ) -> Item | None:
+    def release(self, slots: list[int]) -> None:
+        self.leased.difference_update(slots)
+        self.engine.release(self.member, slots)
+
+    def wait(self) -> Item | None:
         """Wait for the member's next item while watching its socket: a trainer hands
         slots back (RELEASE) while its NEXT waits, and one that hangs up is let go at
         once instead of wedging the loader. None: the connection is over."""
         while True:
-            item = engine.next_item(member, self._stop, timeout=0.02)
+            item = self.engine.next_item(self.member, self.stop, timeout=0.02)
             if item is not None:
                 return item
-            if not poller.poll(0):
+            if not self.poller.poll(0):
                 continue
-            n = conn.recv_into(buf)
+            n = self.conn.recv_into(self.buf)
             if n == 0:
                 return None
-            if buf[0] != p.RELEASE:
-                self._send_error(
-                    conn, {"type": "data-plane", "detail": "only RELEASE while a NEXT waits"}
-                )
+            if self.buf[0] != p.RELEASE:
+                self.error({"type": "data-plane", "detail": "only RELEASE while a NEXT waits"})
                 return None
-            slots, _ = p.decode_release(memoryview(buf)[:n])
-            if not self._check_release(conn, slots, leased):
+            slots, _ = p.decode_release(self.view[:n])
+            if not self.release_ok(slots):
                 return None
-            leased.difference_update(slots)
-            engine.release(member, slots)
+            self.release(slots)
 
-    def _skip_epoch(
-        self,
-        conn: socket.socket,
-        poller: select.poll,
-        buf: bytearray,
-        engine: LoaderEngine,
-        member: int,
-        leased: set[int],
-    ) -> Item | None:
+    def skip_epoch(self) -> Item | None:
         """Drop the rest of the member's current epoch (a trainer broke out of its loop)."""
         while True:
-            item = self._wait(conn, poller, buf, engine, member, leased)
+            item = self.wait()
             if isinstance(item, BatchItem):
-                engine.release(member, [item.slot])
+                self.engine.release(self.member, [item.slot])
                 continue
             if isinstance(item, ErrorItem) and item.seq >= 0:
                 continue
