@@ -264,6 +264,7 @@ class LoaderStatsPublic(BaseModel):
     batches_consumed: int
     samples_consumed: int
     errors: int = Field(description="batches that failed (a sample raised)")
+    skipped: int = Field(0, description="of those, batches skipped (on_error: skip)")
     samples_per_s: float = Field(description="consumed, over the last 10 s")
     bytes_per_s: float = Field(description="consumed, over the last 10 s")
     samples_per_s_total: float = Field(description="consumed, since the loader started")
