@@ -135,9 +135,6 @@ class Consumers:
         self._log.append(_Entry(self._next_pos, item, recipients))
         self._next_pos += 1
 
-    def has_item(self, member: int) -> bool:
-        return self._find(member) is not None
-
     def _find(self, member: int) -> _Entry | None:
         cursor = self.members[member].cursor
         for entry in self._log:
@@ -197,6 +194,3 @@ class Consumers:
         self._log.clear()
         for m in self.members:
             m.cursor = self._next_pos
-
-    def queued(self) -> int:
-        return len(self._log)
