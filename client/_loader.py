@@ -136,6 +136,7 @@ class Loader:
         self._release: list[int] = []  # slots to hand back with the next message
         self._pending: list[tuple[int, torch.cuda.Event]] = []  # (slot, copy done)
         self._in_epoch = False
+        self._epoch_id = 0  # which Epoch iterator is current; older ones are exhausted
         self._closed = False
         self._ring: RingMapping | None = None
         self._fds: list[int] = []
@@ -240,9 +241,11 @@ class Loader:
         """Batches per epoch."""
         return int(self.meta["batches_per_epoch"])
 
-    def __iter__(self) -> Loader:
-        """Start an epoch. If the last one was left unfinished, its rest is skipped,
-        so every ``for`` loop is a fresh epoch, as with DataLoader."""
+    def __iter__(self) -> Epoch:
+        """Start an epoch and return its iterator. If the last one was left unfinished,
+        its rest is skipped (and its iterator ends), so every ``for`` loop is a fresh
+        epoch, as with DataLoader. The iterator is an iterator: ``it = iter(loader);
+        next(it); for batch in it:`` continues the same epoch."""
         if self._closed:
             raise RuntimeError("this Loader is closed")
         try:
@@ -255,7 +258,8 @@ class Loader:
         self._resume = False
         self._in_epoch = True
         self._epoch_batches = 0
-        return self
+        self._epoch_id += 1
+        return Epoch(self, self._epoch_id)
 
     def _start_epoch(self) -> None:
         if self._want_epoch is not None:
@@ -312,8 +316,8 @@ class Loader:
         self._pos = (e, i)
         self._in_epoch = False
 
-    def __next__(self) -> Any:
-        if not self._in_epoch:
+    def _next_in_epoch(self, epoch_id: int) -> Any:
+        if not self._in_epoch or epoch_id != self._epoch_id:
             raise StopIteration
         batch = self._next()
         if batch is None:
@@ -538,3 +542,24 @@ class Loader:
         if not getattr(self, "_closed", True):
             with contextlib.suppress(Exception):
                 self.close()
+
+
+class Epoch:
+    """One epoch of a ``Loader``: what ``iter(loader)`` returns. Its ``__iter__`` is
+    itself (the iterator protocol); it ends at the epoch's end, or when a newer
+    ``iter(loader)`` has started the next epoch."""
+
+    __slots__ = ("_id", "_loader")
+
+    def __init__(self, loader: Loader, epoch_id: int) -> None:
+        self._loader = loader
+        self._id = epoch_id
+
+    def __iter__(self) -> Epoch:
+        return self
+
+    def __next__(self) -> Any:
+        return self._loader._next_in_epoch(self._id)
+
+    def __len__(self) -> int:
+        return len(self._loader)

@@ -364,6 +364,9 @@ class _Session:
 
     def skip_epoch(self) -> Item | None:
         """Drop the rest of the member's current epoch (a trainer broke out of its loop)."""
+        end = self.engine.skip_epoch(self.member)
+        if end is not None:
+            return end
         while True:
             item = self.wait()
             if isinstance(item, BatchItem):

@@ -343,17 +343,36 @@ class LoaderEngine:
         with self._cond:
             if self.consumers.position(member, self.head) == (epoch, index):
                 return
-            self._gen += 1
-            self._cursor = (epoch, index)
-            self.head = (epoch, index)
-            self._next_publish = self._seq
-            for seq in [s for s in self._done if s < self._seq]:
-                self._done.pop(seq)
-                task = self._tasks.pop(seq)
-                self.slots.move(task.slot, SlotState.FILLING, SlotState.FREE)
-            self.consumers.reset()
-            self._cond.notify_all()
+            self._seek_locked(epoch, index)
         log.info("loader %s: seek to epoch %d batch %d", self.config.name, epoch, index)
+
+    def _seek_locked(self, epoch: int, index: int) -> None:
+        """The body of ``seek``, under ``self._cond``."""
+        self._gen += 1
+        self._cursor = (epoch, index)
+        self.head = (epoch, index)
+        self._next_publish = self._seq
+        for seq in [s for s in self._done if s < self._seq]:
+            self._done.pop(seq)
+            task = self._tasks.pop(seq)
+            self.slots.move(task.slot, SlotState.FILLING, SlotState.FREE)
+        self.consumers.reset()
+        self._cond.notify_all()
+
+    def skip_epoch(self, member: int) -> EndItem | None:
+        """Abandon the rest of the member's epoch (its trainer broke out of the loop):
+        the next item is the next epoch's first batch, and what was produced or is in
+        flight for this one is dropped, not waited for. Returns the epoch's END, or None
+        where the rest must be drained instead: a group (the other members still want
+        those batches), or a member already at the epoch's end."""
+        with self._cond:
+            if self.consumers.size != 1:
+                return None
+            epoch, index = self.consumers.position(member, self.head)
+            if index == 0:
+                return None
+            self._seek_locked(epoch + 1, 0)
+        return EndItem(epoch, max(0, self._next_publish - 1))
 
     # -- consumer side (called from the data-plane threads) ------------------------------
     def attach(self, member: int | None, wait_s: float = 2.0) -> int:

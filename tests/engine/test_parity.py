@@ -189,3 +189,65 @@ def test_break_starts_next_epoch(datasets: dict[str, Any], admin: Client, server
     for g, w in zip(got, want[1], strict=True):
         assert_same(g, w)
     admin.delete_loader(loader_name)
+
+
+def test_epoch_iterator_is_an_iterator(
+    datasets: dict[str, Any], admin: Client, server: Server
+) -> None:
+    """``it = iter(loader); next(it); for b in it:`` continues the same epoch, as with
+    DataLoader (the iterator's ``__iter__`` is itself); an older epoch's iterator ends
+    once a newer ``iter(loader)`` has started."""
+    name, ds = datasets["synthetic"]
+    loader_name = unique("iterator")
+    admin.create_loader(loader_name, dataset=name, batch_size=16, shuffle=True, seed=7)
+    want = _reference(ds, 3, batch_size=16, shuffle=True, seed=7)
+    try:
+        with Loader(loader_name, socket=server.socket) as loader:
+            it = iter(loader)
+            assert iter(it) is it and len(it) == len(want[0])
+            got = [_own(next(it))]
+            got += [_own(b) for b in it]  # for-loop over the iterator: the same epoch
+            assert len(got) == len(want[0])
+            for g, w in zip(got, want[0], strict=True):
+                assert_same(g, w)
+            old = iter(loader)
+            assert_same(_own(next(old)), want[1][0])
+            new = iter(loader)  # skips the rest of epoch 1
+            assert list(old) == []
+            got = [_own(b) for b in new]
+            for g, w in zip(got, want[2], strict=True):
+                assert_same(g, w)
+            assert len(got) == len(want[2])
+    finally:
+        admin.delete_loader(loader_name)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_break_abandons_the_rest_of_the_epoch(
+    datasets: dict[str, Any], admin: Client, server: Server, num_workers: int
+) -> None:
+    """After a trainer breaks out of an epoch, the server drops what it prefetched for
+    that epoch's rest and starts the next one, rather than producing the rest first."""
+    name, ds = datasets["synthetic"]
+    loader_name = unique("abandon")
+    admin.create_loader(
+        loader_name, dataset=name, batch_size=1, shuffle=True, seed=9, num_workers=num_workers
+    )
+    want = _reference(ds, 2, batch_size=1, shuffle=True, seed=9)
+    try:
+        with Loader(loader_name, socket=server.socket) as loader:
+            slots = loader.nslots
+            for i, batch in enumerate(loader):
+                assert_same(_own(batch), want[0][i])
+                if i == 1:
+                    break
+            got = [_own(b) for b in loader]
+            assert len(got) == LENGTH
+            for g, w in zip(got, want[1], strict=True):
+                assert_same(g, w)
+            produced = admin.loader_stats(loader_name)["batches_produced"]
+        # Epoch 0: the 2 taken plus at most a ring's worth; epoch 1: all of it; epoch 2:
+        # at most a ring's worth prefetched. Producing epoch 0's rest would be 2 * LENGTH.
+        assert produced <= LENGTH + 2 * slots + 2, produced
+    finally:
+        admin.delete_loader(loader_name)
