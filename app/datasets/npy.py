@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +34,13 @@ class NpyDataset:
             except TypeError:
                 raise DatasetError(f"array dtype {a.dtype} has no torch equivalent") from None
         self.arrays = arrays
+        # Tensors over the same read-only mappings, for index_select: it gathers rows
+        # 1.2-5x faster than np.take(axis=0) (5x on 600 KB rows, where np.take copies
+        # element-chunk by chunk). Never written through: torch has no read-only tensors,
+        # hence its warning, silenced here.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            self._tensors = [torch.from_numpy(a) for a in arrays]
         self._keys = keys
         self._length = lengths.pop()
 
@@ -48,9 +56,9 @@ class NpyDataset:
         return tuple(items)
 
     def fetch_into(self, indices: Sequence[int], out: Sequence[torch.Tensor]) -> None:
-        idx = np.asarray(indices, dtype=np.int64)
-        for a, o in zip(self.arrays, out, strict=True):
-            np.take(a, idx, axis=0, out=o.numpy())
+        idx = torch.as_tensor(indices, dtype=torch.int64)
+        for t, o in zip(self._tensors, out, strict=True):
+            torch.index_select(t, 0, idx, out=o)
 
 
 def build(params: dict[str, Any], ctx: DatasetContext) -> NpyDataset:
