@@ -143,7 +143,8 @@ def _meta(args: argparse.Namespace) -> dict[str, Any]:
             "process it reads, so it is read rarely). Roofline: the same gather "
             "(fetch_into) into one preallocated buffer, one process, torch threads 1. "
             "Handoff: latency of next() when the batch is already prepared (the trainer "
-            "sleeps before each next()), num_workers 2. Each section has a fresh server; "
+            "keeps its CPU busy for 5 ms, a stand-in for a training step, before each "
+            "next()), num_workers 2. Each section has a fresh server; "
             "its one-time costs (server start, the first loader with workers, which starts "
             "the forkserver) are paid and reported once (cold_start) before the runs. A "
             "pinfeed run registers the dataset for itself and deletes it afterwards, so the "
@@ -378,7 +379,7 @@ def _section(
                 num_workers=2,
                 mode="handoff",
                 handoff_batches=min(args.handoff_batches, max(10, w.samples // w.batch_size - 2)),
-                handoff_sleep_s=0.01,
+                handoff_step_s=0.005,
                 loader=_loader_name("handoff"),
             )
             (res,), mem = _run(srv, w, system, [spec])

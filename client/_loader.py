@@ -19,6 +19,7 @@ import json
 import math
 import os
 import select
+import socket
 import struct
 import time
 import warnings
@@ -125,6 +126,7 @@ class Loader:
         self.reconnect = reconnect
         self.reconnect_timeout = reconnect_timeout
         self._timeout = timeout
+        self._timeout_ms = -1 if timeout is None else max(0, math.ceil(timeout * 1000))
         self._pos = (0, 0)  # (epoch, index) of the next batch this loader will yield
         self._resume = False  # load_state_dict/set_epoch placed us: no skip at __iter__
         self._want_epoch: int | None = None
@@ -142,13 +144,13 @@ class Loader:
         self._fds: list[int] = []
         self._sock = p.new_socket()
         try:
-            self._attach(timeout)
+            self._attach()
         except BaseException:
             self._sock.close()
             raise
 
     # -- attach ----------------------------------------------------------------------
-    def _attach(self, timeout: float | None) -> None:
+    def _attach(self) -> None:
         try:
             self._sock.connect(str(self.socket_path))
         except (FileNotFoundError, ConnectionRefusedError) as exc:
@@ -156,7 +158,7 @@ class Loader:
                 f"no pinfeed server at {self.socket_path} ({exc.strerror}); start one with "
                 "`pinfeed serve` or set PINFEED_SOCKET"
             ) from None
-        self._sock.settimeout(timeout)
+        self._sock.settimeout(None)  # see _recv
         self._readable = select.poll()
         self._readable.register(self._sock, select.POLLIN)
         self._sock.send(
@@ -205,19 +207,43 @@ class Loader:
 
     def _recv(self, *, with_fds: bool = False) -> int:
         """Receive one reply into the buffer; its length. Only ATTACHED carries fds
-        (kept in ``self._fds``); every other reply takes a plain ``recv_into``."""
+        (kept in ``self._fds``); every other reply takes a plain ``recv_into``.
+
+        The socket is blocking without a Python timeout (which would add a poll before
+        every recv and send): a reply already here takes one non-blocking recv; else
+        poll with the loader's timeout, then recv."""
         try:
+            if not with_fds:
+                n = self._try_recv()
+                if n is not None:
+                    return n
+            if not self._readable.poll(self._timeout_ms):
+                raise TimeoutError(
+                    f"no batch from loader {self.name!r} within {self._timeout} s; check "
+                    "its stats (GET /v1/loaders/{name}/stats) or raise Loader(timeout=...)"
+                )
             if with_fds:
                 n, self._fds = p.recv_message(self._sock, self._buf)
             else:
                 n = self._sock.recv_into(self._buf)
-        except TimeoutError:
-            raise TimeoutError(
-                f"no batch from loader {self.name!r} within {self._sock.gettimeout()} s; "
-                "check its stats (GET /v1/loaders/{name}/stats) or raise Loader(timeout=...)"
-            ) from None
+        except OSError as exc:
+            if isinstance(exc, TimeoutError):
+                raise
+            raise ServerUnavailable(f"lost the pinfeed server: {exc}") from None
+        return self._check_eof(n)
+
+    def _try_recv(self) -> int | None:
+        """A reply if one is already here (one syscall), else None."""
+        try:
+            n = self._sock.recv_into(self._buf, 0, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return None
         except OSError as exc:
             raise ServerUnavailable(f"lost the pinfeed server: {exc}") from None
+        return self._check_eof(n)
+
+    @staticmethod
+    def _check_eof(n: int) -> int:
         if n == 0:
             raise ServerUnavailable(
                 "the pinfeed server closed the connection (restarted or stopped); "
@@ -373,9 +399,13 @@ class Loader:
                 # Fast path: the batch asked for last time is already here. Otherwise we
                 # are about to wait: hand back the last view's slot first, so the server
                 # can produce into it (a group member must never hold and wait).
-                if not self._readable.poll(0) and (self._release or self._pending):
-                    self._send_next(p.RELEASE)
-                n = self._recv()
+                n_ready = self._try_recv()
+                if n_ready is not None:
+                    n = n_ready
+                else:
+                    if self._release or self._pending:
+                        self._send_next(p.RELEASE)
+                    n = self._recv()
             self._wait_us = (time.perf_counter_ns() - asked) // 1000
             self._ahead = False
             kind = self._buf[0]
@@ -490,7 +520,7 @@ class Loader:
         while True:
             self._sock = p.new_socket()
             try:
-                self._attach(self._timeout)
+                self._attach()
                 break
             except (ServerUnavailable, NotFound, LoaderFailed, LoaderBusy) as exc:
                 self._sock.close()
