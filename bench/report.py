@@ -181,6 +181,7 @@ def print_tables(result: dict[str, Any]) -> None:
             "p99 us",
             "mean us",
             "n",
+            "floor p50 (same ops, no IPC)",
             title="handoff of a ready batch (W1, num_workers 2)",
         )
         for system, v in h.items():
@@ -191,6 +192,7 @@ def print_tables(result: dict[str, Any]) -> None:
                 f"{v['p99_us']:.1f}",
                 f"{v['mean_us']:.1f}",
                 str(v["n"]),
+                f"{v['floor_after_step_p50_us']:.1f}",
             )
         console.print(t)
     if summary.get("scaling"):

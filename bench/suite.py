@@ -142,9 +142,12 @@ def _meta(args: argparse.Namespace) -> dict[str, Any]:
             "RSS sampled every 0.1 s, PSS every 1 s and at the end (reading PSS stalls the "
             "process it reads, so it is read rarely). Roofline: the same gather "
             "(fetch_into) into one preallocated buffer, one process, torch threads 1. "
-            "Handoff: latency of next() when the batch is already prepared (the trainer "
-            "keeps its CPU busy for 5 ms, a stand-in for a training step, before each "
-            "next()), num_workers 2. Each section has a fresh server; "
+            "Handoff: latency of next() when the batch is already prepared, num_workers "
+            "2: the trainer keeps its CPU busy for 20 ms (a stand-in for a training step, "
+            "long enough for both systems to refill) before each next(); "
+            "floor_after_step: what this machine charges after the same step for one "
+            "socket send/recv and two tensor views in one process. Each section has a "
+            "fresh server; "
             "its one-time costs (server start, the first loader with workers, which starts "
             "the forkserver) are paid and reported once (cold_start) before the runs. A "
             "pinfeed run registers the dataset for itself and deletes it afterwards, so the "
@@ -379,7 +382,7 @@ def _section(
                 num_workers=2,
                 mode="handoff",
                 handoff_batches=min(args.handoff_batches, max(10, w.samples // w.batch_size - 2)),
-                handoff_step_s=0.005,
+                handoff_step_s=0.02,
                 loader=_loader_name("handoff"),
             )
             (res,), mem = _run(srv, w, system, [spec])
@@ -494,7 +497,10 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         "roofline_samples_per_s": roof,
         "scaling": scaling,
         "handoff": {
-            k: {m: v[m] for m in ("p50_us", "p90_us", "p99_us", "mean_us", "min_us", "n")}
+            k: {
+                **{m: v[m] for m in ("p50_us", "p90_us", "p99_us", "mean_us", "min_us", "n")},
+                "floor_after_step_p50_us": v["floor_after_step"]["p50_us"],
+            }
             for k, v in result["handoff"].items()
         },
         # pinfeed: attach + first batch of a loader created ahead (its ring full).

@@ -182,9 +182,48 @@ def _step(seconds: float) -> None:
         pass
 
 
+def _percentiles(lat: list[float]) -> dict[str, Any]:
+    us = sorted(x * 1e6 for x in lat)
+
+    def pct(p: float) -> float:
+        return us[min(len(us) - 1, int(p * len(us)))]
+
+    return {
+        "n": len(us),
+        "p50_us": pct(0.5),
+        "p90_us": pct(0.9),
+        "p99_us": pct(0.99),
+        "mean_us": sum(us) / len(us),
+        "min_us": us[0],
+    }
+
+
+def _floor_after_step(step_s: float, n: int) -> dict[str, Any]:
+    """What the same machine charges, after the same step, for the least a handoff from
+    another process can do: one send and one recv on a SEQPACKET socket pair and two
+    tensor views over a buffer (no other process, no wake-up)."""
+    import socket
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    base = torch.empty(16 << 20, dtype=torch.uint8)
+    buf = bytearray(4096)
+    lat: list[float] = []
+    with a, b:
+        for _ in range(n):
+            _step(step_s)
+            t = time.perf_counter()
+            b.send(b"N" * 16)
+            a.recv_into(buf)
+            torch.as_strided(base, (256, 3, 64, 64), (12288, 4096, 64, 1), 64)
+            torch.as_strided(base, (256,), (1,), 64)
+            lat.append(time.perf_counter() - t)
+    return _percentiles(lat)
+
+
 def handoff(run: Run, batches: int, step_s: float) -> dict[str, Any]:
     """Latency of ``next()`` when the batch is already prepared: the trainer works
-    ``step_s`` (well above the time to produce a batch) before every ``next()``."""
+    ``step_s`` (long enough for both systems to refill their queues) before every
+    ``next()``. ``floor_after_step``: this machine's charge for the bare operations."""
     lat: list[float] = []
     while len(lat) < batches:
         _step(step_s)
@@ -198,19 +237,10 @@ def handoff(run: Run, batches: int, step_s: float) -> dict[str, Any]:
             continue
         lat.append(time.perf_counter() - t)
         del batch
-    lat.sort()
-    us = [x * 1e6 for x in lat]
-
-    def pct(p: float) -> float:
-        return us[min(len(us) - 1, int(p * len(us)))]
-
     return {
-        "n": len(us),
-        "p50_us": pct(0.5),
-        "p90_us": pct(0.9),
-        "p99_us": pct(0.99),
-        "mean_us": sum(us) / len(us),
-        "min_us": us[0],
+        **_percentiles(lat),
+        "floor_after_step": _floor_after_step(step_s, min(batches, 100)),
+        "step_s": step_s,
     }
 
 

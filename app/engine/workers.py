@@ -4,7 +4,8 @@ Workers are forked from a forkserver that has already imported torch and the dat
 kinds, so starting one costs milliseconds and never forks the server's threads. Each
 worker builds the dataset from its spec (memory-mapped kinds share pages; nothing is
 pickled per worker), maps the ring once, then serves tasks ``(seq, slot, indices)``
-from its pipe and answers ``(seq, strings_json, error)``.
+from its pipe and answers ``(seq, strings_json, error)``, both as fixed ``struct``
+layouts (nothing is pickled per batch).
 
 A worker that dies is replaced and its outstanding tasks are sent to the new one;
 a task that kills workers repeatedly comes back as an error for that batch.
@@ -12,15 +13,18 @@ a task that kills workers repeatedly comes back as an error for that batch.
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing as mp
 import os
 import random
 import shutil
+import struct
 import tempfile
 import threading
 import time
 import traceback
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing import forkserver, reduction
@@ -41,6 +45,36 @@ MAX_TASK_RETRIES = 2
 
 # (seq, strings_json, error_info or None)
 Result = tuple[int, bytes, dict[str, Any] | None]
+
+# The pipe's wire format (send_bytes/recv_bytes). A task: seq, slot, then the indices
+# as int64; an empty message tells the worker to exit. A result: seq and a flag, then
+# the batch's strings JSON, or (flag 1) the error as JSON. seq -1 is the start-up report.
+_TASK = struct.Struct("<qI")
+_RESULT = struct.Struct("<qB")
+_STOP = b""
+
+
+def encode_task(seq: int, slot: int, indices: list[int]) -> bytes:
+    return _TASK.pack(seq, slot) + array("q", indices).tobytes()
+
+
+def decode_task(buf: bytes) -> tuple[int, int, list[int]]:
+    seq, slot = _TASK.unpack_from(buf)
+    return seq, slot, memoryview(buf)[_TASK.size :].cast("q").tolist()
+
+
+def encode_result(seq: int, strings: bytes, error: dict[str, Any] | None) -> bytes:
+    if error is None:
+        return _RESULT.pack(seq, 0) + strings
+    return _RESULT.pack(seq, 1) + json.dumps(error, default=str).encode()
+
+
+def decode_result(buf: bytes) -> Result:
+    seq, is_error = _RESULT.unpack_from(buf)
+    payload = buf[_RESULT.size :]
+    if is_error:
+        return seq, b"", json.loads(payload)
+    return seq, payload, None
 
 
 @dataclass(frozen=True)
@@ -81,21 +115,22 @@ def worker_main(worker_id: int, conn: Connection, spec: WorkerSpec) -> None:
         dataset = build_dataset(spec.kind, spec.params, spec.context)
         writer = SlotWriter(dataset, Layout.from_json(spec.layout), base, spec.slot_bytes)
     except BaseException as exc:
-        conn.send((-1, b"", error_info(exc)))
+        conn.send_bytes(encode_result(-1, b"", error_info(exc)))
         return
-    conn.send((-1, b"", None))  # ready
+    conn.send_bytes(encode_result(-1, b"", None))  # ready
     while True:
         try:
-            task = conn.recv()
+            task = conn.recv_bytes()
         except (EOFError, OSError):
             break  # the server went away
-        if task is None:
+        if task == _STOP:
             break
-        seq, slot, indices = task
+        seq, slot, indices = decode_task(task)
         try:
-            conn.send((seq, writer.write(slot, indices), None))
+            result = encode_result(seq, writer.write(slot, indices), None)
         except Exception as exc:
-            conn.send((seq, b"", error_info(exc)))
+            result = encode_result(seq, b"", error_info(exc))
+        conn.send_bytes(result)
     writer.close()
     del base
     mm.close()
@@ -168,7 +203,7 @@ class WorkerPool:
             for w in started:
                 if not w.conn.poll(max(0.0, deadline - time.monotonic())):
                     raise RuntimeError(f"worker {w.wid} did not start within 120 s")
-                _, _, error = w.conn.recv()
+                _, _, error = decode_result(w.conn.recv_bytes())
                 if error is not None:
                     raise RuntimeError(f"worker {w.wid} failed to start: {error['detail']}")
         except BaseException:
@@ -200,7 +235,7 @@ class WorkerPool:
             for w in idle:
                 self._retiring.remove(w)
         for w in idle:
-            self._send(w, None)
+            self._send(w, _STOP)
             w.process.join(5)
             if w.process.is_alive():
                 w.process.kill()
@@ -212,12 +247,12 @@ class WorkerPool:
             worker = min(self._workers, key=lambda w: len(w.outstanding))
             worker.outstanding[seq] = (slot, indices)
             worker.started.setdefault(seq, time.perf_counter())
-        self._send(worker, (seq, slot, indices))
+        self._send(worker, encode_task(seq, slot, indices))
 
-    def _send(self, worker: _Worker, message: Any) -> None:
+    def _send(self, worker: _Worker, message: bytes) -> None:
         try:
             with worker.send_lock:
-                worker.conn.send(message)
+                worker.conn.send_bytes(message)
         except (BrokenPipeError, ConnectionResetError, OSError):
             pass  # the collector sees the death and re-sends the worker's tasks
 
@@ -243,7 +278,7 @@ class WorkerPool:
     def _receive(self, worker: _Worker) -> None:
         try:
             while worker.conn.poll():
-                seq, strings, error = worker.conn.recv()
+                seq, strings, error = decode_result(worker.conn.recv_bytes())
                 with self._lock:
                     worker.outstanding.pop(seq, None)
                     t0 = worker.started.pop(seq, None)
@@ -311,14 +346,14 @@ class WorkerPool:
             with self._lock:
                 target.outstanding[seq] = (slot, indices)
                 target.started.setdefault(seq, time.perf_counter())
-            self._send(target, (seq, slot, indices))
+            self._send(target, encode_task(seq, slot, indices))
 
     def close(self, timeout: float = 5.0) -> None:
         self._stop.set()
         self._collector.join(timeout)
         everyone = self._workers + self._retiring
         for w in everyone:
-            self._send(w, None)
+            self._send(w, _STOP)
         deadline = time.monotonic() + timeout
         for w in everyone:
             w.process.join(max(0.0, deadline - time.monotonic()))
