@@ -8,7 +8,9 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
+from app.datasets import DatasetContext, build_dataset
 from client import (
     BatchTooLarge,
     Client,
@@ -192,4 +194,32 @@ def test_on_error_skip_drops_the_failing_batch_and_counts_it(
     stats = admin.loader_stats(name)
     # Prefetch runs on into epoch 1 and may meet sample 13 again before we look.
     assert stats["errors"] >= 1 and stats["skipped"] == stats["errors"]
+    admin.delete_loader(name)
+
+
+def test_yielded_tensors_are_new_objects_each_batch(admin: Client, server: Server) -> None:
+    """Views of a slot are cached, but every batch gets its own tensor objects: a trainer
+    that reshapes a batch in place does not change the next batch from that slot."""
+    params = {
+        "length": 30,  # 7 full batches of 4 and one of 2
+        "fields": [
+            {"shape": [4], "dtype": "float32"},
+            {"shape": [], "dtype": "int64", "high": 5},
+        ],
+    }
+    ds = unique("fresh")
+    admin.create_dataset(ds, "synthetic", params)
+    name = unique("fresh")
+    admin.create_loader(name, dataset=ds, batch_size=4)
+    local = build_dataset("synthetic", params, DatasetContext(server.data_root))
+    want = [b for _ in range(2) for b in DataLoader(local, batch_size=4)]
+    got = 0
+    with Loader(name, socket=server.socket) as loader:
+        for _ in range(2):
+            for x, y in loader:
+                assert torch.equal(x, want[got][0]) and torch.equal(y, want[got][1])
+                x.unsqueeze_(0)  # the trainer's own reshaping stays with its tensors
+                y.resize_(0)
+                got += 1
+    assert got == len(want) == 16
     admin.delete_loader(name)
