@@ -48,6 +48,14 @@ PIN_WARNING = (
 Builder = Callable[[list[Any]], Any]
 
 
+def _lost(reason: str | None) -> ServerUnavailable:
+    """The one error for a data-plane connection that broke, however it broke."""
+    return ServerUnavailable(
+        f"lost the pinfeed server ({reason or 'connection lost'}): it restarted or "
+        "stopped; create a new Loader, or use Loader(reconnect=True)"
+    )
+
+
 def _builder(node: list[Any]) -> Builder:
     """Turn a treedef into a function from flat leaves to the nested batch."""
     tag, body = node
@@ -234,7 +242,7 @@ class Loader:
         except OSError as exc:
             if isinstance(exc, TimeoutError):
                 raise
-            raise ServerUnavailable(f"lost the pinfeed server: {exc}") from None
+            raise _lost(exc.strerror) from None
         return self._check_eof(n)
 
     def _try_recv(self) -> int | None:
@@ -244,16 +252,13 @@ class Loader:
         except BlockingIOError:
             return None
         except OSError as exc:
-            raise ServerUnavailable(f"lost the pinfeed server: {exc}") from None
+            raise _lost(exc.strerror) from None
         return self._check_eof(n)
 
     @staticmethod
     def _check_eof(n: int) -> int:
         if n == 0:
-            raise ServerUnavailable(
-                "the pinfeed server closed the connection (restarted or stopped); "
-                "create a new Loader, or use Loader(reconnect=True)"
-            )
+            raise _lost("it closed the connection")
         return n
 
     def _raise(self, n: int) -> None:
@@ -369,10 +374,7 @@ class Loader:
                 self._sock.send(p.encode_release(p.RELEASE, self._release))
             self._sock.send(message)
         except OSError as exc:
-            raise ServerUnavailable(
-                f"lost the pinfeed server ({exc.strerror}): it restarted or stopped; "
-                "create a new Loader, or use Loader(reconnect=True)"
-            ) from None
+            raise _lost(exc.strerror) from None
         self._release.clear()
 
     def _collect_copies(self) -> None:
