@@ -224,25 +224,27 @@ class Loader:
 
         The socket is blocking without a Python timeout (which would add a poll before
         every recv and send): a reply already here takes one non-blocking recv; else
-        poll with the loader's timeout, then recv."""
+        ``_wait_recv`` polls with the loader's timeout, then receives."""
+        if not with_fds:
+            n = self._try_recv()
+            if n is not None:
+                return n
+        return self._wait_recv(with_fds=with_fds)
+
+    def _wait_recv(self, *, with_fds: bool = False) -> int:
         try:
-            if not with_fds:
-                n = self._try_recv()
-                if n is not None:
-                    return n
-            if not self._readable.poll(self._timeout_ms):
-                raise TimeoutError(
-                    f"no batch from loader {self.name!r} within {self._timeout} s; check "
-                    "its stats (GET /v1/loaders/{name}/stats) or raise Loader(timeout=...)"
-                )
-            if with_fds:
+            ready = self._readable.poll(self._timeout_ms)
+            if ready and with_fds:
                 n, self._fds = p.recv_message(self._sock, self._buf)
-            else:
+            elif ready:
                 n = self._sock.recv_into(self._buf)
         except OSError as exc:
-            if isinstance(exc, TimeoutError):
-                raise
             raise _lost(exc.strerror) from None
+        if not ready:
+            raise TimeoutError(
+                f"no batch from loader {self.name!r} within {self._timeout} s; check "
+                "its stats (GET /v1/loaders/{name}/stats) or raise Loader(timeout=...)"
+            )
         return self._check_eof(n)
 
     def _try_recv(self) -> int | None:
@@ -407,12 +409,11 @@ class Loader:
                 # are about to wait: hand back the last view's slot first, so the server
                 # can produce into it (a group member must never hold and wait).
                 n_ready = self._try_recv()
-                if n_ready is not None:
-                    n = n_ready
-                else:
+                if n_ready is None:
                     if self._release or self._pending:
                         self._send_next(p.RELEASE)
-                    n = self._recv()
+                    n_ready = self._wait_recv()
+                n = n_ready
             self._wait_us = (time.perf_counter_ns() - asked) // 1000
             self._ahead = False
             kind = self._buf[0]

@@ -248,8 +248,13 @@ class WorkerPool:
             w.conn.close()
 
     def submit(self, seq: int, slot: int, indices: list[int]) -> None:
+        self._give(None, seq, slot, indices)
+
+    def _give(self, worker: _Worker | None, seq: int, slot: int, indices: list[int]) -> None:
+        """Make the task ``worker``'s (the least loaded one's if None) and send it."""
         with self._lock:
-            worker = min(self._workers, key=lambda w: len(w.outstanding))
+            if worker is None:
+                worker = min(self._workers, key=lambda w: len(w.outstanding))
             worker.outstanding[seq] = (slot, indices)
             worker.started.setdefault(seq, time.perf_counter())
         self._send(worker, encode_task(seq, slot, indices))
@@ -348,10 +353,7 @@ class WorkerPool:
                         )
                     )
                     continue
-            with self._lock:
-                target.outstanding[seq] = (slot, indices)
-                target.started.setdefault(seq, time.perf_counter())
-            self._send(target, encode_task(seq, slot, indices))
+            self._give(target, seq, slot, indices)
 
     def close(self, timeout: float = 5.0) -> None:
         self._stop.set()
