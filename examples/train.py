@@ -182,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.save(module.state_dict(), args.save)
         print(f"saved {args.save}", flush=True)
     if world > 1:
+        # Every rank gets here before any tears the group down: a rank that destroys
+        # its group while a peer is still saving or talking to it can hang or fail.
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     print("done", flush=True)
     return 0

@@ -29,6 +29,7 @@ import os
 import re
 import resource
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import yaml
 
 # The base image's own environment (python:3.11-slim): what `$PATH` means in ENV.
@@ -47,6 +49,10 @@ BASE_ENV = {
 # Host quirks that must reach every process here (OpenBLAS on some CPUs); never set
 # by the compose file, so passing them through changes nothing a container would see.
 HOST_PASSTHROUGH = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+# The harness's own diagnostics: Python prints every thread's traceback on a fatal
+# signal, so a hung service can be asked where it is (``Project.dump_stacks``). It
+# changes nothing else a process does.
+HARNESS_ENV = {"PYTHONFAULTHANDLER": "1"}
 
 # Service keys and what the harness does with them. "applied": reproduced locally;
 # "checked": validated elsewhere (schema) and meaningless for a local process.
@@ -367,6 +373,7 @@ class Project:
         env["HOME"] = str(root / "home")
         (root / "home").mkdir(exist_ok=True)
         env.update({k: os.environ[k] for k in HOST_PASSTHROUGH if k in os.environ})
+        env.update(HARNESS_ENV)
 
         def as_list(value: Any) -> list[str]:
             return shlex.split(value) if isinstance(value, str) else [str(v) for v in value]
@@ -494,6 +501,22 @@ class Project:
                 svc.proc.kill()
                 svc.proc.wait()
         return svc.proc.returncode
+
+    def dump_stacks(self, name: str) -> str:
+        """Abort a hung service's process tree, deepest first, and return its log.
+
+        With ``PYTHONFAULTHANDLER`` every Python process in the tree writes all its
+        threads' tracebacks to the service's log as it dies: where each one was stuck."""
+        svc = self.services[name]
+        if svc.proc is None or svc.proc.poll() is not None:
+            return self.output(name)
+        root = psutil.Process(svc.proc.pid)
+        for proc in [*reversed(root.children(recursive=True)), root]:
+            with contextlib.suppress(psutil.Error):
+                proc.send_signal(signal.SIGABRT)
+                proc.wait(5)
+        svc.signalled = True
+        return self.output(name)
 
     def terminate(self) -> None:
         """SIGTERM to every running service at once (``close`` then waits for each)."""
