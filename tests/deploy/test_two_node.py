@@ -84,11 +84,12 @@ def test_two_nodes_train_one_model(nodes: list[Project]) -> None:
         time.sleep(0.2)
     if running:
         logs = "\n".join(
-            f"--- {n.file.name} trainer (aborted: tracebacks below) ---\n"
+            f"--- {n.file.name} trainer{' (aborted: tracebacks below)' * (n in running)} ---\n"
             f"{n.dump_stacks('trainer')[-12000:]}"
-            for n in running
+            for n in nodes
         )
-        pytest.fail(f"trainers still running after 100 s\n{logs}")
+        names = [n.file.name for n in running]
+        pytest.fail(f"trainers of {names} still running after 100 s\n{logs}")
 
     out0 = nodes[0].output("trainer")
     assert "rank 0/2" in out0 and "rank 1/2" in nodes[1].output("trainer")
