@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import time
 import traceback
@@ -202,8 +203,6 @@ def _floor_after_step(step_s: float, n: int) -> dict[str, Any]:
     """What the same machine charges, after the same step, for the least a handoff from
     another process can do: one send and one recv on a SEQPACKET socket pair and two
     tensor views over a buffer (no other process, no wake-up)."""
-    import socket
-
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     base = torch.empty(16 << 20, dtype=torch.uint8)
     buf = bytearray(4096)

@@ -408,12 +408,12 @@ class Loader:
                 # Fast path: the batch asked for last time is already here. Otherwise we
                 # are about to wait: hand back the last view's slot first, so the server
                 # can produce into it (a group member must never hold and wait).
-                n_ready = self._try_recv()
-                if n_ready is None:
+                ready = self._try_recv()
+                if ready is None:
                     if self._release or self._pending:
                         self._send_next(p.RELEASE)
-                    n_ready = self._wait_recv()
-                n = n_ready
+                    ready = self._wait_recv()
+                n = ready
             self._wait_us = (time.perf_counter_ns() - asked) // 1000
             self._ahead = False
             kind = self._buf[0]
@@ -527,12 +527,7 @@ class Loader:
         for _, event in self._pending:
             event.synchronize()
         self._pending.clear()
-        self._release.clear()
-        self._sock.close()
-        if self._ring is not None:
-            self._views.clear()
-            self._ring.close()  # parks the old mapping while its views live
-            self._ring = None
+        self._drop_connection()
         position, in_epoch = self._pos, self._in_epoch
         self._ahead = False
         deadline = time.monotonic() + self.reconnect_timeout
@@ -577,11 +572,17 @@ class Loader:
                 self._sock.send(p.encode_release(p.RELEASE, self._release))
         except OSError:
             pass
+        self._drop_connection()
+
+    def _drop_connection(self) -> None:
+        """Forget unsent releases, close the socket, and unmap the ring (parked until
+        the trainer's last view of it is gone)."""
         self._release.clear()
         self._sock.close()
         if self._ring is not None:
             self._views.clear()
             self._ring.close()
+            self._ring = None
 
     def __enter__(self) -> Loader:
         return self

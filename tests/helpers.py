@@ -14,6 +14,17 @@ def unique(prefix: str) -> str:
     return f"{prefix}-{next(_names)}"
 
 
+def smaps_rollup(pid: int) -> dict[str, int]:
+    """A process's ``/proc/PID/smaps_rollup`` in bytes: ``Pss``, ``Anonymous``, ..."""
+    out = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) == 3 and parts[2] == "kB":
+                out[parts[0].rstrip(":")] = int(parts[1]) * 1024
+    return out
+
+
 def assert_same(got: Any, want: Any, where: str = "batch") -> None:
     """Same nested structure, same container types, tensors equal with equal dtypes."""
     if isinstance(want, torch.Tensor):

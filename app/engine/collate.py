@@ -1,7 +1,7 @@
 """Batch layout and collation straight into a ring slot.
 
 ``probe`` reads one sample and records default_collate's structure (the *treedef*)
-and one *leaf* per tensor-like value. ``fill_slot`` writes a batch into its slot:
+and one *leaf* per tensor-like value. ``SlotWriter`` writes batches into ring slots:
 array-backed datasets through ``fetch_into`` (one gather per leaf), all others by
 ``torch.stack(..., out=leaf_view)``. There is no intermediate batch tensor: the
 collate is the batch's one host copy.
@@ -277,17 +277,6 @@ def _nbytes(spec: Leaf | tuple[str, str, tuple[int, ...]]) -> int:
         return spec.row_bytes
     itemsize: int = getattr(torch, spec[1]).itemsize
     return int(np.prod(spec[2], dtype=np.int64)) * itemsize
-
-
-def fill_slot(dataset: Any, layout: Layout, slot: torch.Tensor, indices: Sequence[int]) -> bytes:
-    """Write the batch for ``indices`` into ``slot``; return the strings JSON (or b"")."""
-    rows = len(indices)
-    if rows > layout.batch_size:
-        raise SampleFailure(
-            "batch-too-large", f"{rows} samples exceed batch_size {layout.batch_size}", None, ""
-        )
-    batched = isinstance(dataset, BatchFetcher) and not layout.has_strings
-    return write_batch(dataset, layout, leaf_views(layout, slot, rows), indices, batched)
 
 
 class SlotWriter:

@@ -372,7 +372,7 @@ class LoaderEngine:
             if index == 0:
                 return None
             self._seek_locked(epoch + 1, 0)
-        return EndItem(epoch, max(0, self._next_publish - 1))
+            return EndItem(epoch, max(0, self._next_publish - 1))
 
     # -- consumer side (called from the data-plane threads) ------------------------------
     def attach(self, member: int | None, wait_s: float = 2.0) -> int:

@@ -53,10 +53,6 @@ class Ring:
             self.page_locked = rc == 0
         self._closed = False
 
-    def slot(self, index: int) -> torch.Tensor:
-        start = index * self.slot_bytes
-        return self.base[start : start + self.slot_bytes]
-
     def close(self) -> None:
         if self._closed:
             return

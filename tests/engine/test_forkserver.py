@@ -7,17 +7,7 @@ import psutil
 
 from client import Client, Loader
 from tests.conftest import Server
-from tests.helpers import unique
-
-
-def _rollup(pid: int) -> dict[str, int]:
-    out = {}
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) == 3 and parts[2] == "kB":
-                out[parts[0].rstrip(":")] = int(parts[1]) * 1024
-    return out
+from tests.helpers import smaps_rollup, unique
 
 
 def test_forkserver_and_workers_share_the_servers_pages(admin: Client, server: Server) -> None:
@@ -37,7 +27,7 @@ def test_forkserver_and_workers_share_the_servers_pages(admin: Client, server: S
             workers = forkservers[0].children()
             assert len(workers) >= 2
             for proc in [forkservers[0], *workers]:
-                m = _rollup(proc.pid)
+                m = smaps_rollup(proc.pid)
                 # torch alone is ~140 MiB of anonymous memory; an exec'd process would
                 # hold it privately (Pss_Anon close to Anonymous), a forked one shares it.
                 assert m["Anonymous"] > 64 << 20

@@ -10,7 +10,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from app.datasets import DatasetContext, build_dataset
-from app.engine.collate import fill_slot, probe
+from app.engine.collate import SlotWriter, probe
 from app.engine.ring import Ring
 from client import Client, Loader
 from tests.conftest import Server
@@ -40,10 +40,10 @@ def _collate(ds: Any, indices: list[int]) -> tuple[list[tuple[str, bool, int]], 
     layout = probe(ds[indices[0]], len(indices))
     leaf_bytes = min(x.row_bytes * len(indices) for x in layout.leaves if x.kind == "tensor")
     with Ring("t", 1, layout.slot_bytes, lock=False) as ring:
-        slot = ring.slot(0)
+        writer = SlotWriter(ds, layout, ring.base, ring.slot_bytes)
         with OpLog(ring) as log:
-            fill_slot(ds, layout, slot, indices)
-        del slot
+            writer.write(0, indices)
+        writer.close()
     return log.calls, leaf_bytes
 
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from client import Client, Loader
 from tests.conftest import Server
-from tests.helpers import unique
+from tests.helpers import smaps_rollup, unique
 
 GIB = 1 << 30
 
@@ -36,13 +36,12 @@ def _memory(pid: int) -> dict[str, int]:
         try:
             with open(f"/proc/{p}/status") as f:
                 fields = dict(line.split(":", 1) for line in f)
-            with open(f"/proc/{p}/smaps_rollup") as f:
-                rollup = dict(line.split(":", 1) for line in f if ":" in line and " kB" in line)
+            pss = smaps_rollup(p)["Pss"]
         except FileNotFoundError:
             continue
         total["anon"] += int(fields["RssAnon"].split()[0]) * 1024
         total["rss"] += int(fields["VmRSS"].split()[0]) * 1024
-        total["pss"] += int(rollup["Pss"].split()[0]) * 1024
+        total["pss"] += pss
         total["procs"] += 1
     return total
 
