@@ -35,13 +35,13 @@ WORKDIR /src
 # The other dependencies, read from pyproject.toml alone: editing the source does not
 # invalidate this layer, only changing the dependency list does.
 COPY pyproject.toml README.md ./
-RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" > /tmp/requirements.txt \
+RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print('\n'.join(p['dependencies'] + p['optional-dependencies']['server']))" > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt
 
 # The source last; --no-deps because everything it needs is installed above.
 COPY app/ app/
 COPY client/ client/
-RUN pip install --no-deps . \
+RUN pip install --no-deps '.[server]' \
     && pip check
 
 # -------------------------------------------------------------------------- runtime

@@ -1,3 +1,19 @@
-"""pinfeed: the service."""
+"""pinfeed's service (``pinfeed serve``): installed as ``pinfeed_server`` from ``app/``.
+
+Its dependencies are the ``server`` extra (``pip install 'pinfeed[server]'``); a trainer
+image that installs ``pinfeed`` alone gets the client library and no server packages.
+"""
 
 __version__ = "0.1.0"
+
+
+def main() -> None:
+    """The ``pinfeed`` command; says what to install when the server extra is missing."""
+    try:
+        from pinfeed_server.cli import main as cli_main
+    except ModuleNotFoundError as exc:
+        raise SystemExit(
+            f"the pinfeed command is the server, and it needs {exc.name!r}: "
+            "pip install 'pinfeed[server]' (the trainer library alone needs none of it)"
+        ) from None
+    cli_main()

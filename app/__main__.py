@@ -1,3 +1,3 @@
-from app.cli import main
+from pinfeed_server.cli import main
 
 main()

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
-from app.cli_admin import console, datasets_app, loaders_app, status
+from pinfeed_server.cli_admin import console, datasets_app, loaders_app, status
 
 app = typer.Typer(
     help="pinfeed: DataLoader batches served from page-locked shared memory.", no_args_is_help=True
@@ -32,8 +32,8 @@ def serve(
     import uvicorn
     from pydantic import ValidationError
 
-    from app.main import create_app
-    from app.settings import Settings
+    from pinfeed_server.main import create_app
+    from pinfeed_server.settings import Settings
 
     overrides: dict[str, Any] = {
         k: v

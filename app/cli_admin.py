@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from client import Client
+    from pinfeed import Client
 
 console = Console()
 datasets_app = typer.Typer(help="Register and inspect datasets.", no_args_is_help=True)
@@ -35,7 +35,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="print the API's JSON")]
 
 @contextmanager
 def _client(url: str | None, token: str | None) -> Iterator[Client]:
-    from client import Client, PinfeedError
+    from pinfeed import Client, PinfeedError
 
     try:
         with Client(url, token=token) as c:

@@ -1,7 +1,7 @@
 """The service's exception tree and the problem+json (RFC 9457) handlers.
 
 Each class has a stable ``slug``; the problem ``type`` is ``urn:pinfeed:problem:<slug>``
-and ``client._errors`` maps it back to the same-named client exception.
+and ``pinfeed._errors`` maps it back to the same-named client exception.
 
     AppError                      500 internal (never with a stack trace)
     ├── InvalidRequest            422 bad body, bad params, path outside the data root
@@ -27,7 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from client._errors import PROBLEM_PREFIX
+from pinfeed._errors import PROBLEM_PREFIX
 
 log = logging.getLogger("pinfeed")
 

@@ -8,13 +8,13 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from app import __version__
-from app.api.guards import RequestGuard
-from app.api.openapi import install_openapi
-from app.api.routes import datasets, health, loaders, metrics
-from app.errors import install_handlers
-from app.service import Service
-from app.settings import Settings, get_settings
+from pinfeed_server import __version__
+from pinfeed_server.api.guards import RequestGuard
+from pinfeed_server.api.openapi import install_openapi
+from pinfeed_server.api.routes import datasets, health, loaders, metrics
+from pinfeed_server.errors import install_handlers
+from pinfeed_server.service import Service
+from pinfeed_server.settings import Settings, get_settings
 
 TAGS = [
     {"name": "health", "description": "Liveness and readiness probes."},

@@ -1,7 +1,7 @@
 """The service: registry + running loader engines + the data-plane socket.
 
 Routers call this; it enforces the rules (names unique, datasets in use stay,
-memory budget) and raises ``app.errors`` exceptions that become problem+json.
+memory budget) and raises ``pinfeed_server.errors`` exceptions that become problem+json.
 """
 
 from __future__ import annotations
@@ -18,16 +18,16 @@ from typing import Any
 
 import torch
 
-from app import errors
-from app.datasets import DatasetContext, DatasetError, build_dataset
-from app.engine.collate import LayoutError, probe
-from app.engine.dataplane import DataPlaneServer
-from app.engine.loader import LoaderConfig, LoaderEngine, make_sampler, ring_slots
-from app.engine.stats import LoaderStats
-from app.engine.workers import configure_forkserver
-from app.registry import DuplicateName, Registry
-from app.schemas import DatasetCreate, LoaderCreate, LoaderPatch
-from app.settings import Settings
+from pinfeed_server import errors
+from pinfeed_server.datasets import DatasetContext, DatasetError, build_dataset
+from pinfeed_server.engine.collate import LayoutError, probe
+from pinfeed_server.engine.dataplane import DataPlaneServer
+from pinfeed_server.engine.loader import LoaderConfig, LoaderEngine, make_sampler, ring_slots
+from pinfeed_server.engine.stats import LoaderStats
+from pinfeed_server.engine.workers import configure_forkserver
+from pinfeed_server.registry import DuplicateName, Registry
+from pinfeed_server.schemas import DatasetCreate, LoaderCreate, LoaderPatch
+from pinfeed_server.settings import Settings
 
 log = logging.getLogger("pinfeed")
 

@@ -18,7 +18,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from client._protocol import DEFAULT_SOCKET_NAME, default_run_dir
+from pinfeed._protocol import DEFAULT_SOCKET_NAME, default_run_dir
 
 log = logging.getLogger("pinfeed")
 

@@ -6,9 +6,9 @@
    events on a side stream:
    - ``pageable``: an ordinary CPU tensor;
    - ``pinned``: the same tensor after ``pin_memory()`` (torch's best case);
-   - ``ring``: a batch view yielded by ``client.Loader`` (the server's ring, registered
+   - ``ring``: a batch view yielded by ``pinfeed.Loader`` (the server's ring, registered
      with ``cudaHostRegister`` by the client) - the copy pinfeed's device path makes;
-   - ``loader_device``: end to end through ``client.Loader(device="cuda")``: bursts of
+   - ``loader_device``: end to end through ``pinfeed.Loader(device="cuda")``: bursts of
      batches taken from a full ring (so the producer is not what is measured), wall
      time to the last copy's completion.
    The target: ``ring`` and ``loader_device`` >= 90% of ``pinned``.
@@ -107,7 +107,7 @@ def _wait_full(admin: Any, name: str, timeout: float = 60.0) -> None:
 def h2d(srv: BenchServer, dataset: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from client import Client, Loader
+    from pinfeed import Client, Loader
 
     out: dict[str, Any] = {"batch_bytes": BATCH * 4 * 3 * 224 * 224}
     pageable = torch.rand((BATCH, *SHAPE))
@@ -230,8 +230,8 @@ def idle_share(
     import torch
     from torch.utils.data import DataLoader
 
-    from app.datasets import DatasetContext, build_dataset
-    from client import Client, Loader
+    from pinfeed import Client, Loader
+    from pinfeed_server.datasets import DatasetContext, build_dataset
 
     out: dict[str, Any] = {}
     nw = args.num_workers
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         _write_dataset(root, args.samples)
         with BenchServer(root) as srv:
-            from client import Client
+            from pinfeed import Client
 
             with Client(srv.url, timeout=300) as admin:
                 admin.create_dataset("gpu", "tensors", {"path": DATASET_FILE})

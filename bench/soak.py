@@ -38,7 +38,7 @@ import psutil
 import torch
 from torch.utils.data import DataLoader
 
-from client import Client, Loader
+from pinfeed import Client, Loader
 
 REPO = Path(__file__).resolve().parent.parent
 LENGTH = 512

@@ -128,9 +128,10 @@ def _meta(args: argparse.Namespace) -> dict[str, Any]:
         "runs": args.runs,
         "method": (
             "Each run is a fresh trainer process. pinfeed: the trainer creates a loader over "
-            "HTTP on a server started for the section and iterates client.Loader (zero-copy "
-            "views). DataLoader: the same Dataset class built by app.datasets.build_dataset "
-            "from the same kind and params, persistent_workers when num_workers > 0, "
+            "HTTP on a server started for the section and iterates pinfeed.Loader (zero-copy "
+            "views). DataLoader: the same Dataset class built by "
+            "pinfeed_server.datasets.build_dataset from the same kind and params, "
+            "persistent_workers when num_workers > 0, "
             "pin_memory only with CUDA, prefetch_factor 2 for both. Both use seed 0 (the "
             "same batches). Time to first batch: from creating the loader (pinfeed: POST "
             "/v1/loaders + attach; DataLoader: DataLoader() + iter) to the first batch. "
@@ -271,7 +272,7 @@ _dataset_ids = itertools.count()
 
 
 def _register(srv: BenchServer, w: data.Workload) -> str:
-    from client import Client
+    from pinfeed import Client
 
     name = f"{w.key.lower()}-{next(_dataset_ids)}"
     with Client(srv.url, timeout=300) as c:
@@ -280,7 +281,7 @@ def _register(srv: BenchServer, w: data.Workload) -> str:
 
 
 def _unregister(srv: BenchServer, dataset: str, loaders: list[str]) -> None:
-    from client import Client, NotFound
+    from pinfeed import Client, NotFound
 
     with Client(srv.url, timeout=300) as c:
         for name in loaders:  # normally deleted by their trainer already
@@ -313,7 +314,7 @@ def _run(
 def _cold_start(srv: BenchServer, w: data.Workload) -> dict[str, float]:
     """The one-time costs a fresh server pays: its own start, then the first loader with
     workers (which starts the forkserver). Paid once here, so runs see a warm server."""
-    from client import Client
+    from pinfeed import Client
 
     dataset = _register(srv, w)
     name = _loader_name("coldstart")

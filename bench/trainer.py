@@ -8,9 +8,9 @@ Each run is a fresh process, so its memory and start-up are its own. The parent
     trainer -> {"event": "result", ...}             timed window done
     parent  -> EOF                                  memory sampled: clean up and exit
 
-Systems: ``pinfeed`` (``client.Loader`` over a loader created here through
+Systems: ``pinfeed`` (``pinfeed.Loader`` over a loader created here through
 ``client.Client``), ``dataloader`` (``torch.utils.data.DataLoader`` over the same Dataset
-class, built by ``app.datasets.build_dataset`` from the same kind and params) and
+class, built by ``pinfeed_server.datasets.build_dataset`` from the same kind and params) and
 ``roofline`` (the same gather into a preallocated buffer, in this one process).
 """
 
@@ -62,13 +62,13 @@ class Run:
 def _dataset(spec: dict[str, Any]) -> Any:
     from pathlib import Path
 
-    from app.datasets import DatasetContext, build_dataset
+    from pinfeed_server.datasets import DatasetContext, build_dataset
 
     return build_dataset(spec["kind"], spec["params"], DatasetContext(Path(spec["data_root"])))
 
 
 def _pinfeed(spec: dict[str, Any], warm: bool = False) -> tuple[Run, float]:
-    from client import Client, Loader
+    from pinfeed import Client, Loader
 
     admin = Client(spec["url"])
     name = spec["loader"]

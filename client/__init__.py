@@ -1,7 +1,7 @@
 """pinfeed's trainer library: ``Loader`` (batches over shared memory) and ``Client`` (HTTP)."""
 
-from client._admin import Client
-from client._errors import (
+from pinfeed._admin import Client
+from pinfeed._errors import (
     BatchTooLarge,
     Conflict,
     DataPlaneError,
@@ -22,7 +22,7 @@ from client._errors import (
     Unauthorized,
     UnsupportedMediaType,
 )
-from client._loader import Loader
+from pinfeed._loader import Loader
 
 __all__ = [
     "BatchTooLarge",

@@ -5,7 +5,7 @@
         c.create_loader("demo", dataset="demo", batch_size=10, shuffle=True, seed=0)
         print(c.loader_stats("demo")["consumer_wait_share"])
 
-Problem+json errors come back as the typed exceptions of ``client._errors``.
+Problem+json errors come back as the typed exceptions of ``pinfeed._errors``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from urllib.parse import quote
 
 import httpx
 
-from client._errors import PinfeedError, ProblemError, error_from_slug
+from pinfeed._errors import PinfeedError, ProblemError, error_from_slug
 
 DEFAULT_URL = "http://127.0.0.1:8321"
 

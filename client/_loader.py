@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from client import _protocol as p
-from client._errors import (
+from pinfeed import _protocol as p
+from pinfeed._errors import (
     DataPlaneError,
     LoaderBusy,
     LoaderFailed,
@@ -38,7 +38,7 @@ from client._errors import (
     ServerUnavailable,
     error_from_slug,
 )
-from client._ring import RingMapping
+from pinfeed._ring import RingMapping
 
 PIN_WARNING = (
     "'pin_memory' argument is set as true but no accelerator is found, "

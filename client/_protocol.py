@@ -1,4 +1,4 @@
-"""The data-plane wire format, shared by the client and ``app.engine.dataplane``.
+"""The data-plane wire format, shared by the client and ``pinfeed_server.engine.dataplane``.
 
 One ``SOCK_SEQPACKET`` Unix socket per consumer: message boundaries are kept by the
 kernel, so every message is one ``send``/``recv`` with no framing. The first byte is

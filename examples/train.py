@@ -9,7 +9,7 @@ The script is what a trainer beside a pinfeed server looks like:
    dataset and loader if they are missing, so the first run sets them up and every
    later run (a restart, the next job) attaches to the warm queue that is already
    there;
-2. over the node's Unix socket (``client.Loader``, ``PINFEED_SOCKET``) it pulls
+2. over the node's Unix socket (``pinfeed.Loader``, ``PINFEED_SOCKET``) it pulls
    batches; ``for x, y in loader:`` is one epoch, exactly as with DataLoader.
 
 Any loader whose batches are ``(inputs, integer labels)`` works: the model's input
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from client import Client, Conflict, InvalidRequest, Loader, NotFound
+from pinfeed import Client, Conflict, InvalidRequest, Loader, NotFound
 
 
 def toy_dataset(length: int, seed: int) -> dict[str, Any]:

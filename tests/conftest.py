@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 
-from client import Client
+from pinfeed import Client
 
 REPO = Path(__file__).resolve().parent.parent
 

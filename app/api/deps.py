@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from app.service import Service
+from pinfeed_server.service import Service
 
 
 def get_service(request: Request) -> Service:

@@ -13,8 +13,8 @@ import secrets
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import AppError, PayloadTooLarge, Unauthorized, error_response
-from app.settings import Settings
+from pinfeed_server.errors import AppError, PayloadTooLarge, Unauthorized, error_response
+from pinfeed_server.settings import Settings
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 

@@ -13,8 +13,8 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from app.errors import PROBLEM_JSON, PROBLEM_TYPES, AppError
-from app.schemas import Problem
+from pinfeed_server.errors import PROBLEM_JSON, PROBLEM_TYPES, AppError
+from pinfeed_server.schemas import Problem
 
 _BY_STATUS: dict[int, type[AppError]] = {cls.status: cls for cls in PROBLEM_TYPES}
 MUTATING = frozenset({"post", "put", "patch", "delete"})

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from app.datasets import images, npy, python, synthetic, tensors
-from app.datasets.base import BatchFetcher, DatasetContext, DatasetError, MapDataset
+from pinfeed_server.datasets import images, npy, python, synthetic, tensors
+from pinfeed_server.datasets.base import BatchFetcher, DatasetContext, DatasetError, MapDataset
 
 KINDS: dict[str, Callable[[dict[str, Any], DatasetContext], Any]] = {
     "synthetic": synthetic.build,

@@ -28,7 +28,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from pydantic import Field
 
-from app.datasets.base import DatasetContext, DatasetError, Params, parse_params
+from pinfeed_server.datasets.base import DatasetContext, DatasetError, Params, parse_params
 
 EXTENSIONS = (".jpg", ".jpeg", ".png")
 

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from app.datasets.base import DatasetContext, DatasetError, Params, parse_params
+from pinfeed_server.datasets.base import DatasetContext, DatasetError, Params, parse_params
 
 
 class NpyParams(Params):

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import Field
 
-from app.datasets.base import DatasetContext, DatasetError, Params, parse_params
+from pinfeed_server.datasets.base import DatasetContext, DatasetError, Params, parse_params
 
 
 class PythonParams(Params):

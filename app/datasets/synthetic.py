@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from pydantic import Field, model_validator
 
-from app.datasets.base import DatasetContext, DatasetError, Params, parse_params
+from pinfeed_server.datasets.base import DatasetContext, DatasetError, Params, parse_params
 
 _DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from app.datasets.base import DatasetContext, DatasetError, Params, parse_params
+from pinfeed_server.datasets.base import DatasetContext, DatasetError, Params, parse_params
 
 _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,

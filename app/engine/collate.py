@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from app.datasets.base import BatchFetcher
-from client._protocol import MAX_MESSAGE, align
+from pinfeed._protocol import MAX_MESSAGE, align
+from pinfeed_server.datasets.base import BatchFetcher
 
 # treedef: ["leaf", j] | ["list", [..]] | ["dict", [[key, ..], ..]]
 #        | ["namedtuple", [typename, [field, ..], [..]]]

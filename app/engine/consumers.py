@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.engine.ring import SlotState, SlotTable
+from pinfeed_server.engine.ring import SlotState, SlotTable
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from app.engine.consumers import BatchItem, EndItem, ErrorItem, Item
-from app.engine.loader import LoaderBusyError, LoaderEngine, dims_message
-from client import _protocol as p
+from pinfeed import _protocol as p
+from pinfeed_server.engine.consumers import BatchItem, EndItem, ErrorItem, Item
+from pinfeed_server.engine.loader import LoaderBusyError, LoaderEngine, dims_message
 
 log = logging.getLogger("pinfeed.dataplane")
 

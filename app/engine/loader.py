@@ -16,13 +16,13 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from app.datasets import DatasetContext
-from app.engine.collate import Layout, SlotWriter
-from app.engine.consumers import BatchItem, Consumers, EndItem, ErrorItem, Item
-from app.engine.ring import Ring, SlotState, SlotTable
-from app.engine.sampler import EpochSampler
-from app.engine.stats import LoaderStats
-from app.engine.workers import Result, WorkerPool, WorkerSpec, error_info
+from pinfeed_server.datasets import DatasetContext
+from pinfeed_server.engine.collate import Layout, SlotWriter
+from pinfeed_server.engine.consumers import BatchItem, Consumers, EndItem, ErrorItem, Item
+from pinfeed_server.engine.ring import Ring, SlotState, SlotTable
+from pinfeed_server.engine.sampler import EpochSampler
+from pinfeed_server.engine.stats import LoaderStats
+from pinfeed_server.engine.workers import Result, WorkerPool, WorkerSpec, error_info
 
 log = logging.getLogger("pinfeed.loader")
 

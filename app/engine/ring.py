@@ -17,7 +17,7 @@ import threading
 
 import torch
 
-from client._protocol import ALIGN, align
+from pinfeed._protocol import ALIGN, align
 
 log = logging.getLogger("pinfeed.ring")
 

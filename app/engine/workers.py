@@ -40,9 +40,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from app.datasets import DatasetContext, build_dataset
-from app.engine.collate import Layout, SampleFailure, SlotWriter
-from app.engine.ring import map_ring
+from pinfeed_server.datasets import DatasetContext, build_dataset
+from pinfeed_server.engine.collate import Layout, SampleFailure, SlotWriter
+from pinfeed_server.engine.ring import map_ring
 
 log = logging.getLogger("pinfeed.workers")
 
@@ -391,7 +391,7 @@ def configure_forkserver(tmp_dir: Path) -> None:
     tmp_dir.mkdir(parents=True, mode=0o700)
     tempfile.tempdir = str(tmp_dir)
     try:
-        mp.set_forkserver_preload(["app.engine.workers"])
+        mp.set_forkserver_preload(["pinfeed_server.engine.workers"])
     except Exception:  # pragma: no cover - older Pythons raise if already started
         log.debug("forkserver preload not set", exc_info=True)
     if threading.active_count() == 1 and sys.platform == "linux":

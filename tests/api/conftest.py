@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from client import Client
+from pinfeed import Client
 from tests.conftest import Server
 
 TOKEN = "test-token-0123456789abcdef"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from client import InsufficientMemory
+from pinfeed import InsufficientMemory
 from tests.api.conftest import MakeServer, synthetic
 from tests.api.test_datasets import _problem
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from client import Client, Unauthorized
+from pinfeed import Client, Unauthorized
 from tests.api.conftest import TOKEN, synthetic
 from tests.api.test_datasets import _problem
 from tests.conftest import Server

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from client import (
+from pinfeed import (
     Client,
     Conflict,
     InvalidRequest,

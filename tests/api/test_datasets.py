@@ -6,7 +6,7 @@ import httpx
 import numpy as np
 import pytest
 
-from client import Client, Conflict, InvalidRequest, NotFound
+from pinfeed import Client, Conflict, InvalidRequest, NotFound
 from tests.api.conftest import synthetic
 from tests.conftest import Server
 from tests.helpers import unique

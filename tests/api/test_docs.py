@@ -7,8 +7,8 @@ import re
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.errors import PROBLEM_TYPES
-from app.settings import Settings
+from pinfeed_server.errors import PROBLEM_TYPES
+from pinfeed_server.settings import Settings
 from tests.conftest import REPO, Server
 
 DOC = (REPO / "README.md").read_text()

@@ -9,10 +9,10 @@ from typing import Any
 import httpx
 import pytest
 
-import client._errors as client_errors
-from app.errors import PROBLEM_TYPES
-from app.main import create_app
-from app.settings import Settings
+import pinfeed._errors as client_errors
+from pinfeed_server.errors import PROBLEM_TYPES
+from pinfeed_server.main import create_app
+from pinfeed_server.settings import Settings
 from tests.api.test_datasets import PROBLEM, _problem
 from tests.conftest import Server
 

@@ -7,7 +7,7 @@ import time
 import httpx
 import pytest
 
-from client import NotReady
+from pinfeed import NotReady
 from tests.api.conftest import PLUGINS, MakeServer
 from tests.api.test_datasets import _problem
 from tests.conftest import Server

@@ -6,7 +6,7 @@ import httpx
 import pytest
 import torch
 
-from client import Client, Conflict, InvalidRequest, Loader, NotFound
+from pinfeed import Client, Conflict, InvalidRequest, Loader, NotFound
 from tests.api.conftest import synthetic
 from tests.api.test_datasets import _problem
 from tests.conftest import Server

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from client import Client, Loader
+from pinfeed import Client, Loader
 from tests.api.conftest import synthetic
 from tests.conftest import Server
 from tests.helpers import unique

@@ -7,7 +7,7 @@ import signal
 import pytest
 import torch
 
-from client import Loader, ServerUnavailable
+from pinfeed import Loader, ServerUnavailable
 from tests.api.conftest import MakeServer, synthetic
 
 

@@ -19,8 +19,8 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.config import SchemathesisConfig
 
-from app.main import create_app
-from app.settings import Settings
+from pinfeed_server.main import create_app
+from pinfeed_server.settings import Settings
 from tests.api.conftest import TOKEN
 from tests.conftest import Server
 

@@ -9,8 +9,8 @@ import pytest
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
-from app.cli import app as cli
-from app.settings import Settings, physical_memory
+from pinfeed_server.cli import app as cli
+from pinfeed_server.settings import Settings, physical_memory
 
 TOKEN = "0123456789abcdef-token"
 

@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner, Result
 
-from app.cli import app
+from pinfeed_server.cli import app
 from tests.conftest import Server, free_port
 from tests.helpers import unique
 

@@ -10,8 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from app.datasets import DatasetContext, build_dataset
-from client import (
+from pinfeed import (
     BatchTooLarge,
     Client,
     Loader,
@@ -20,7 +19,8 @@ from client import (
     SampleError,
     ServerUnavailable,
 )
-from client._loader import PIN_WARNING
+from pinfeed._loader import PIN_WARNING
+from pinfeed_server.datasets import DatasetContext, build_dataset
 from tests.conftest import Server
 from tests.helpers import unique
 

@@ -1,5 +1,5 @@
 """The ``images`` kind: ImageFolder semantics, path safety, and parity with a Pillow
-ImageFolder-style Dataset under DataLoader, through a real server and ``client.Loader``."""
+ImageFolder-style Dataset under DataLoader, through a real server and ``pinfeed.Loader``."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from app.datasets import DatasetContext, DatasetError, build_dataset
-from client import Client, InvalidRequest, Loader
+from pinfeed import Client, InvalidRequest, Loader
+from pinfeed_server.datasets import DatasetContext, DatasetError, build_dataset
 from tests.conftest import Server
 from tests.helpers import assert_same, unique
 

@@ -137,7 +137,7 @@ def test_compose_smoke(project: Project, trainer: str) -> None:
 def test_trainer_example_on_the_demo_dataset(server: Server) -> None:
     """examples/train.py trains on the shape `pinfeed serve --demo` registers too, and
     attaches to a dataset and loader that already exist (a trainer restart)."""
-    from app.service import DEMO_DATASET, DEMO_LOADER
+    from pinfeed_server.service import DEMO_DATASET, DEMO_LOADER
 
     name = unique("demo-shape")
     with server.client() as admin:

@@ -22,7 +22,7 @@ import httpx
 import numpy as np
 import pytest
 
-from client import Client
+from pinfeed import Client
 from tests.conftest import REPO, free_port
 
 MiB = 1 << 20
@@ -50,7 +50,7 @@ TRAINER = r"""
 import json, os, sys
 import numpy as np
 import torch
-from client import Loader
+from pinfeed import Loader
 
 xs = torch.from_numpy(np.load(sys.argv[1], mmap_mode="r")[:])
 ys = torch.from_numpy(np.load(sys.argv[2]))

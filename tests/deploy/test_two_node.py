@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from client import Client
+from pinfeed import Client
 from tests.conftest import REPO, free_port
 from tests.deploy.compose_local import Project
 

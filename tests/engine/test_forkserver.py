@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import psutil
 
-from client import Client, Loader
+from pinfeed import Client, Loader
 from tests.conftest import Server
 from tests.helpers import smaps_rollup, unique
 

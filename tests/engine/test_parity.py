@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 
-from app.datasets import DatasetContext, build_dataset
-from client import Client, Loader
+from pinfeed import Client, Loader
+from pinfeed_server.datasets import DatasetContext, build_dataset
 from tests.conftest import Server
 from tests.helpers import assert_same, unique
 

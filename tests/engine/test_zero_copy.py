@@ -9,10 +9,10 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
-from app.datasets import DatasetContext, build_dataset
-from app.engine.collate import SlotWriter, probe
-from app.engine.ring import Ring
-from client import Client, Loader
+from pinfeed import Client, Loader
+from pinfeed_server.datasets import DatasetContext, build_dataset
+from pinfeed_server.engine.collate import SlotWriter, probe
+from pinfeed_server.engine.ring import Ring
 from tests.conftest import Server
 from tests.helpers import unique
 

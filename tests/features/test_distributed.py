@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from torch.utils.data import DataLoader, DistributedSampler
 
-from app.datasets import DatasetContext, build_dataset
-from client import Client, Loader
+from pinfeed import Client, Loader
+from pinfeed_server.datasets import DatasetContext, build_dataset
 from tests.conftest import Server
 from tests.helpers import assert_same, unique
 
@@ -101,7 +101,7 @@ def test_set_epoch_can_jump(admin: Client, server: Server, dataset: tuple[str, A
 
 
 def test_rank_validation(admin: Client, dataset: tuple[str, Any]) -> None:
-    from client import InvalidRequest
+    from pinfeed import InvalidRequest
 
     with pytest.raises(InvalidRequest, match="rank"):
         admin.create_loader(unique("bad"), dataset=dataset[0], rank=2, world_size=2)

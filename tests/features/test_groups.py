@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from app.datasets import DatasetContext, build_dataset
-from client import Client, Loader
+from pinfeed import Client, Loader
+from pinfeed_server.datasets import DatasetContext, build_dataset
 from tests.conftest import REPO, Server
 from tests.fixtures.trainer import command, digest, read_log
 from tests.helpers import unique
@@ -108,7 +108,7 @@ def test_group_waits_for_a_member_that_left(admin: Client, server: Server) -> No
     admin.create_loader(
         name, dataset=_dataset(admin), batch_size=4, group_size=2, group_timeout_s=0.5
     )
-    from client import GroupMemberLost
+    from pinfeed import GroupMemberLost
 
     with Loader(name, socket=server.socket, member=0, timeout=30) as a:
         it = iter(a)

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from app.datasets import DatasetContext, build_dataset
-from client import Client, Conflict, Loader
+from pinfeed import Client, Conflict, Loader
+from pinfeed_server.datasets import DatasetContext, build_dataset
 from tests.conftest import Server
 from tests.fixtures.trainer import digest
 from tests.helpers import unique

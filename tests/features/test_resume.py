@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from app.datasets import DatasetContext, build_dataset
-from client import Client, Loader, ServerUnavailable
+from pinfeed import Client, Loader, ServerUnavailable
+from pinfeed_server.datasets import DatasetContext, build_dataset
 from tests.conftest import REPO, Server
 from tests.fixtures.trainer import command, digest, read_log
 from tests.helpers import unique

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from client import Client, Loader
+from pinfeed import Client, Loader
 from tests.conftest import Server
 from tests.helpers import smaps_rollup, unique
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from app.datasets import DatasetContext, build_dataset
-from client import Client, Loader
+from pinfeed import Client, Loader
+from pinfeed_server.datasets import DatasetContext, build_dataset
 from tests.conftest import Server
 from tests.helpers import assert_same, unique
 

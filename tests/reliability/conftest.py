@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from client import Client
+from pinfeed import Client
 from tests.conftest import Server
 from tests.reliability import trainers
 

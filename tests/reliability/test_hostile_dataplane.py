@@ -19,8 +19,8 @@ import httpx
 import pytest
 import torch
 
-from client import Client, Loader
-from client import _protocol as p
+from pinfeed import Client, Loader
+from pinfeed import _protocol as p
 from tests.conftest import Server
 from tests.helpers import unique
 from tests.reliability.datasets import features

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from client import Client, Loader, ServerUnavailable
+from pinfeed import Client, Loader, ServerUnavailable
 from tests.conftest import Server
 from tests.helpers import assert_same
 from tests.reliability.datasets import Slow

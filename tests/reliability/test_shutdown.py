@@ -12,7 +12,7 @@ from multiprocessing.context import ForkServerContext
 
 import pytest
 
-from client import Client
+from pinfeed import Client
 from tests.conftest import Server
 from tests.reliability import trainers
 from tests.reliability.procs import descendants, gone, wait_for

@@ -13,8 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from client import Client, Loader
-from client import _protocol as p
+from pinfeed import Client, Loader
+from pinfeed import _protocol as p
 from tests.conftest import Server
 from tests.helpers import unique
 from tests.reliability.procs import wait_for

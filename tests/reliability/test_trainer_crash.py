@@ -10,7 +10,7 @@ from multiprocessing.context import ForkServerContext
 from pathlib import Path
 from typing import Any
 
-from client import Client, Loader
+from pinfeed import Client, Loader
 from tests.conftest import Server
 from tests.helpers import assert_same, unique
 from tests.reliability import trainers

@@ -7,7 +7,7 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-from client import Client, Loader, SampleError
+from pinfeed import Client, Loader, SampleError
 from tests.conftest import Server
 from tests.helpers import assert_same, unique
 from tests.reliability.datasets import Slow

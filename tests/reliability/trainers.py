@@ -14,7 +14,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.context import ForkServerContext
 from typing import Any
 
-from client import Loader
+from pinfeed import Loader
 
 PRELOAD = ["tests.reliability.trainers"]
 

@@ -4,9 +4,9 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Response, status
 
-from app.api.deps import ServiceDep
-from app.api.openapi import problems
-from app.schemas import DatasetCreate, DatasetPublic
+from pinfeed_server.api.deps import ServiceDep
+from pinfeed_server.api.openapi import problems
+from pinfeed_server.schemas import DatasetCreate, DatasetPublic
 
 router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
 

@@ -2,10 +2,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from app.api.deps import ServiceDep
-from app.api.openapi import problems
-from app.errors import NotReady
-from app.schemas import Health
+from pinfeed_server.api.deps import ServiceDep
+from pinfeed_server.api.openapi import problems
+from pinfeed_server.errors import NotReady
+from pinfeed_server.schemas import Health
 
 router = APIRouter(tags=["health"])
 

@@ -4,9 +4,9 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Response, status
 
-from app.api.deps import ServiceDep
-from app.api.openapi import problems
-from app.schemas import LoaderCreate, LoaderPatch, LoaderPublic, LoaderStatsPublic
+from pinfeed_server.api.deps import ServiceDep
+from pinfeed_server.api.openapi import problems
+from pinfeed_server.schemas import LoaderCreate, LoaderPatch, LoaderPublic, LoaderStatsPublic
 
 router = APIRouter(prefix="/v1/loaders", tags=["loaders"])
 

@@ -22,8 +22,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
-from app import __version__
-from app.service import Service
+from pinfeed_server import __version__
+from pinfeed_server.service import Service
 
 router = APIRouter(tags=["metrics"])
 
