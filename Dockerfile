@@ -10,7 +10,15 @@
 # CPU image is the right one for `pinfeed serve` even on GPU nodes; trainers that run
 # from this image need the CUDA build. PyTorch's CUDA wheels bundle the CUDA runtime,
 # so the slim Python base works for both; the NVIDIA container toolkit brings the driver.
-# PYTHON_IMAGE may name any Debian-based image with Python >= 3.11 on PATH as `python`.
+# PYTHON_IMAGE may name any Debian-based image with Python >= 3.11 on PATH as `python`
+# (deploy/local/base-image.sh makes one with debootstrap where no registry is reachable).
+#
+# Behind a proxy or offline, point pip at a mirror or a wheelhouse on the build host
+# (with `docker build --network host` for one on loopback):
+#   --build-arg PIP_INDEX_URL=http://127.0.0.1:8080/simple
+#   --build-arg TORCH_INDEX_URL=http://127.0.0.1:8080/simple
+# and, for a mirror whose TLS certificate a private CA signs, put that CA's PEM file in
+# deploy/ca/ (copied into the build stage only; see deploy/ca/README.md).
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 # ---------------------------------------------------------------------------- build
@@ -21,14 +29,27 @@ FROM ${PYTHON_IMAGE} AS build
 # for a CUDA image. Keep TORCH_VERSION in step with TORCH_SPEC in the Makefile.
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# pip reads PIP_INDEX_URL from the environment: every other dependency comes from it.
+ARG PIP_INDEX_URL=https://pypi.org/simple
 
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PATH=/opt/venv/bin:$PATH
 
+# Extra CA certificates for pip (a corporate proxy or a private mirror), build stage only.
+COPY deploy/ca/ /tmp/ca/
+RUN cat /etc/ssl/certs/ca-certificates.crt /tmp/ca/*.pem > /tmp/pip-ca.crt 2>/dev/null \
+    || cp /etc/ssl/certs/ca-certificates.crt /tmp/pip-ca.crt
+ENV PIP_CERT=/tmp/pip-ca.crt
+
+# Then trim what neither the server nor a trainer running from this image reads: C++
+# headers, CMake files and static libraries (a trainer that needs torch.compile's C++
+# toolchain builds its own image and installs only `pinfeed`).
 RUN python -m venv /opt/venv \
-    && pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+    && pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
+    && site=$(python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") \
+    && rm -rf "$site"/torch/include "$site"/torch/share/cmake "$site"/torch/lib/*.a
 
 WORKDIR /src
 
@@ -41,7 +62,7 @@ RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['p
 # The source last; --no-deps because everything it needs is installed above.
 COPY app/ app/
 COPY client/ client/
-RUN pip install --no-deps '.[server]' \
+RUN pip install --no-deps . \
     && pip check
 
 # -------------------------------------------------------------------------- runtime

@@ -36,7 +36,8 @@ test: lint typecheck deploy-check pytest
 # Deployment files, checked offline: hadolint, the Compose Specification's JSON schema
 # (vendored in check-jsonschema), Kubernetes schemas (vendored in kubernetes-validate).
 # The compose smoke test and the 64 MB /dev/shm test are in tests/deploy (pytest).
-COMPOSE_FILES := docker-compose.yml deploy/two-node/node0.compose.yml deploy/two-node/node1.compose.yml
+COMPOSE_FILES := docker-compose.yml deploy/compose.memlock.yml deploy/two-node/node0.compose.yml \
+                 deploy/two-node/node1.compose.yml
 deploy-check: $(STAMP)
 	$(BIN)/hadolint Dockerfile
 	$(BIN)/check-jsonschema --builtin-schema vendor.compose-spec $(COMPOSE_FILES)
