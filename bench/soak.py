@@ -103,7 +103,7 @@ def trainer_main(sock: str, data: str, cfg: dict[str, Any], stats: Any) -> None:
     x, y = torch.load(data, weights_only=True)
     try:
         loader = Loader(cfg["name"], socket=sock, timeout=120)
-        epoch, index = int(loader.meta["epoch"]), int(loader.meta["position"])
+        epoch, index = loader.meta.epoch, loader.meta.position
         stats[ATTACH_E], stats[ATTACH_I] = epoch, index
         stats[STATE] = 1
         ref = Reference(cfg)

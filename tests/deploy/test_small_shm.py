@@ -67,7 +67,7 @@ finally:
     os.close(fd)
     os.unlink("/dev/shm/pinfeed-probe")
 with Loader(sys.argv[3], timeout=60) as loader:
-    out["ring_bytes"] = int(loader.meta["ring_bytes"])
+    out["ring_bytes"] = int(loader.meta.ring_bytes)
     for epoch in range(2):
         for i, (x, y) in enumerate(loader):
             assert loader.ring_contains(x), "not a view into the ring"
