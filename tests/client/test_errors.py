@@ -9,7 +9,7 @@ import pinfeed
 from pinfeed import _protocol as p
 from pinfeed._errors import DATA_PLANE_ERRORS, error_from_info
 from pinfeed_server.engine import errors as server
-from tests.conftest import free_port
+from tests.launcher import free_port
 
 
 def test_every_server_slug_maps_to_one_client_exception() -> None:
