@@ -9,7 +9,8 @@ import pinfeed
 from pinfeed import _protocol as p
 from pinfeed._errors import DATA_PLANE_ERRORS, error_from_info
 from pinfeed_server.engine import errors as server
-from tests.launcher import free_port
+from tests.helpers import unique
+from tests.launcher import Server, free_port
 
 
 def test_every_server_slug_maps_to_one_client_exception() -> None:
@@ -59,3 +60,26 @@ def test_client_against_a_closed_port_is_server_unavailable_naming_the_url() -> 
         c.health()
     assert url in str(info.value)
     assert "cannot reach the pinfeed server" in str(info.value)
+
+
+def test_attaching_to_no_such_loader_is_a_data_plane_not_found(server: Server) -> None:
+    with pytest.raises(pinfeed.LoaderNotFound, match="no loader named") as info:
+        pinfeed.Loader(unique("absent"), socket=server.socket)
+    assert isinstance(info.value, pinfeed.DataPlaneError)
+    assert isinstance(info.value, pinfeed.NotFound)
+
+
+def test_another_protocol_version_is_refused_by_name(server: Server) -> None:
+    sock = p.new_socket()
+    try:
+        sock.connect(str(server.socket))
+        sock.send(p.Attach("demo", version=p.PROTOCOL_VERSION + 1).encode())
+        buf = bytearray(p.MAX_MESSAGE)
+        n, fds = p.recv_message(sock, buf)
+        assert fds == []
+        info = p.ErrorInfo.decode(memoryview(buf)[:n])
+        assert (info.slug, info.fatal) == ("protocol-error", True)
+        assert f"protocol {p.PROTOCOL_VERSION + 1}" in info.detail
+        assert sock.recv(16) == b"", "the server hangs up after a fatal error"
+    finally:
+        sock.close()
