@@ -86,7 +86,7 @@ Buffer = bytes | bytearray | memoryview
 
 
 def _encode_json(kind: int, payload: Mapping[str, Any]) -> bytes:
-    return bytes([kind]) + json.dumps(payload, separators=(",", ":")).encode()
+    return bytes([kind]) + json.dumps(payload, separators=(",", ":"), default=str).encode()
 
 
 def _decode_json(kind: int, data: Buffer) -> dict[str, Any]:
