@@ -13,6 +13,9 @@ and ``pinfeed._errors`` maps it back to the same-named client exception.
     ├── UnsupportedMediaType      415 a body that is not application/json
     ├── NotReady                  503 /readyz while a loader is still starting
     └── InsufficientMemory        507 ring larger than the free memory budget
+
+Errors on the data-plane socket are a tree of their own, ``pinfeed_server.engine.errors``
+(no FastAPI there: worker processes raise them), with the slugs of ``pinfeed._protocol``.
 """
 
 from __future__ import annotations

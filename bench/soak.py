@@ -23,8 +23,6 @@ import os
 import random
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,14 +31,13 @@ from multiprocessing.sharedctypes import RawArray
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psutil
 import torch
 from torch.utils.data import DataLoader
 
 from pinfeed import Client, Loader
+from tests.launcher import REPO, Server
 
-REPO = Path(__file__).resolve().parent.parent
 LENGTH = 512
 WIDTH = 16
 
@@ -103,7 +100,7 @@ def trainer_main(sock: str, data: str, cfg: dict[str, Any], stats: Any) -> None:
     x, y = torch.load(data, weights_only=True)
     try:
         loader = Loader(cfg["name"], socket=sock, timeout=120)
-        epoch, index = int(loader.meta["epoch"]), int(loader.meta["position"])
+        epoch, index = loader.meta.epoch, loader.meta.position
         stats[ATTACH_E], stats[ATTACH_I] = epoch, index
         stats[STATE] = 1
         ref = Reference(cfg)
@@ -154,12 +151,6 @@ class LoaderRun:
     detach_s: list[float] = field(default_factory=list)
     pending_gap: int | None = None  # global position of the last batch before a kill
     failure: dict[str, Any] | None = None  # the loader's, if it failed
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _fds(pid: int) -> tuple[int, int]:
@@ -216,33 +207,6 @@ def _poll(what: str, probe: Any, timeout: float = 30.0) -> float:
     return time.monotonic() - t0
 
 
-def start_server(root: Path, port: int, log_level: str) -> subprocess.Popen[bytes]:
-    env = {
-        **os.environ,
-        "PINFEED_PORT": str(port),
-        "PINFEED_SOCKET": str(root / "run" / "pinfeed.sock"),
-        "PINFEED_STATE_DIR": str(root / "state"),
-        "PINFEED_DATA_ROOT": str(root / "data"),
-        "PINFEED_LOG_LEVEL": log_level,
-        "PYTHONPATH": str(REPO),
-    }
-    with (root / "server.log").open("ab") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "app", "serve"], env=env, cwd=REPO, stdout=out, stderr=out
-        )
-
-    def healthy() -> bool:
-        if proc.poll() is not None:
-            raise RuntimeError((root / "server.log").read_text()[-3000:])
-        try:
-            return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    _poll("server start", healthy, 60)
-    return proc
-
-
 class Soak:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -251,8 +215,8 @@ class Soak:
         (self.root / "data").mkdir()
         self.data = self.root / "data" / "soak.pt"
         make_data(self.data)
-        self.port = _free_port()
-        self.sock = str(self.root / "run" / "pinfeed.sock")
+        self.server = Server(self.root, env={"PINFEED_LOG_LEVEL": args.log_level})
+        self.sock = str(self.server.socket)
         self.runs = {c["name"]: LoaderRun(c) for c in _loader_configs(args.loaders)}
         self.trainers: dict[str, Trainer] = {}
         self.samples: list[dict[str, Any]] = []
@@ -343,9 +307,9 @@ class Soak:
 
     def run(self) -> dict[str, Any]:
         args = self.args
-        proc = start_server(self.root, self.port, args.log_level)
-        server = psutil.Process(proc.pid)
-        admin = Client(f"http://127.0.0.1:{self.port}", timeout=30)
+        self.server.start()
+        server = psutil.Process(self.server.pid)
+        admin = Client(self.server.url, timeout=30)
         try:
             admin.create_dataset("soak", "tensors", {"path": "soak.pt"})
             for run in self.runs.values():
@@ -401,12 +365,8 @@ class Soak:
             self.quiesced = _sample(server, t0)
         finally:
             admin.close()
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        return self.report(proc.returncode)
+            code = self.server.stop(timeout=30)
+        return self.report(code)
 
     def report(self, server_exit: int) -> dict[str, Any]:
         warm_at = min(20.0, self.args.seconds * 0.1)

@@ -5,7 +5,8 @@
         c.create_loader("demo", dataset="demo", batch_size=10, shuffle=True, seed=0)
         print(c.loader_stats("demo")["consumer_wait_share"])
 
-Problem+json errors come back as the typed exceptions of ``pinfeed._errors``.
+Problem+json errors come back as the typed exceptions of ``pinfeed._errors``; a server
+that cannot be reached raises ``ServerUnavailable`` (naming the URL), as the data plane does.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from urllib.parse import quote
 
 import httpx
 
-from pinfeed._errors import PinfeedError, ProblemError, error_from_slug
+from pinfeed._errors import PinfeedError, ProblemError, ServerUnavailable, error_from_slug
 
 DEFAULT_URL = "http://127.0.0.1:8321"
 
@@ -55,9 +56,10 @@ class Client:
         try:
             response = self._http.request(method, path, **kwargs)
         except httpx.TransportError as exc:
-            raise PinfeedError(
-                f"cannot reach the pinfeed server at {self._http.base_url}: {exc}; "
-                "is `pinfeed serve` running (PINFEED_URL)?"
+            # The same error as a data-plane connection that cannot be made or broke.
+            raise ServerUnavailable(
+                f"cannot reach the pinfeed server at {self._http.base_url}: "
+                f"{type(exc).__name__}: {exc}; is `pinfeed serve` running (PINFEED_URL)?"
             ) from None
         if response.status_code >= 400:
             raise self._problem(response)

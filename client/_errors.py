@@ -16,18 +16,27 @@ or over the Unix socket.
     │   ├── InternalError       500: a bug in the server (details in its log)
     │   ├── NotReady            503: /readyz while a loader is still starting
     │   └── InsufficientMemory  507: the ring would exceed the memory budget
-    └── DataPlaneError          errors on the Unix socket
-        ├── ServerUnavailable   cannot connect, or the server closed the connection
+    ├── ServerUnavailable       cannot reach the server, or it went away (HTTP or socket)
+    └── DataPlaneError          errors on the Unix socket (``pinfeed._protocol.ERROR_KINDS``)
+        ├── ProtocolError       a message the other side did not expect (a bug, or
+        │                       client and server of different versions)
+        ├── LoaderNotFound      no loader of that name (also a NotFound)
+        ├── InvalidPosition     a seek or member index out of range (also an InvalidRequest)
         ├── LoaderBusy          another consumer is attached to this loader
         ├── LoaderFailed        the loader could not start (bad dataset, layout)
         ├── SampleError         a sample raised in the dataset (carries the index)
         ├── BatchTooLarge       a batch does not fit its ring slot
         └── GroupMemberLost     a consumer-group member stayed away past group_timeout_s
+
+A data-plane error that stands in for a batch carries ``epoch`` and ``batch_index``
+in ``extra``; ``DATA_PLANE_ERRORS`` maps every slug the server sends to its class.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from pinfeed._protocol import ErrorInfo
 
 PROBLEM_PREFIX = "urn:pinfeed:problem:"
 
@@ -122,8 +131,26 @@ class DataPlaneError(PinfeedError):
     slug = "data-plane"
 
 
-class ServerUnavailable(DataPlaneError):
+class ServerUnavailable(PinfeedError):
+    """The server cannot be reached (HTTP or socket), or it closed the connection."""
+
     slug = "server-unavailable"
+
+
+class ProtocolError(DataPlaneError):
+    slug = "protocol-error"
+
+
+class LoaderNotFound(DataPlaneError, NotFound):
+    """No loader of that name on the socket's server; ``except NotFound`` catches it too."""
+
+    slug = "loader-not-found"
+
+
+class InvalidPosition(DataPlaneError, InvalidRequest):
+    """A seek (set_epoch, load_state_dict) or group member index outside the loader's range."""
+
+    slug = "invalid-position"
 
 
 class LoaderBusy(DataPlaneError):
@@ -168,6 +195,30 @@ def _all_subclasses(cls: type[PinfeedError]) -> list[type[PinfeedError]]:
 
 
 _BY_SLUG: dict[str, type[PinfeedError]] = {c.slug: c for c in _all_subclasses(PinfeedError)}
+
+
+DATA_PLANE_ERRORS: dict[str, type[PinfeedError]] = {
+    c.slug: c
+    for c in (
+        ProtocolError,
+        LoaderNotFound,
+        LoaderBusy,
+        LoaderFailed,
+        ServerUnavailable,
+        InvalidPosition,
+        SampleError,
+        BatchTooLarge,
+        GroupMemberLost,
+    )
+}
+
+
+def error_from_info(info: ErrorInfo) -> PinfeedError:
+    """The typed exception for a data-plane ERROR (unknown slugs: DataPlaneError)."""
+    extra = dict(info.extra)
+    if info.batch_index is not None:
+        extra |= {"epoch": info.epoch, "batch_index": info.batch_index}
+    return DATA_PLANE_ERRORS.get(info.slug, DataPlaneError)(info.detail, **extra)
 
 
 def error_from_slug(slug: str, detail: str, **extra: Any) -> PinfeedError:

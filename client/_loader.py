@@ -20,7 +20,6 @@ import math
 import os
 import select
 import socket
-import struct
 import time
 import warnings
 from collections.abc import Callable
@@ -36,7 +35,7 @@ from pinfeed._errors import (
     LoaderFailed,
     NotFound,
     ServerUnavailable,
-    error_from_slug,
+    error_from_info,
 )
 from pinfeed._ring import RingMapping
 
@@ -169,38 +168,31 @@ class Loader:
         self._sock.settimeout(None)  # see _recv
         self._readable = select.poll()
         self._readable.register(self._sock, select.POLLIN)
-        self._sock.send(
-            p.encode_json(
-                p.ATTACH,
-                {"loader": self.name, "version": p.PROTOCOL_VERSION, "member": self.member},
-            )
-        )
+        self._sock.send(p.Attach(self.name, self.member).encode())
         n = self._recv(with_fds=True)
         fds = self._fds
         if self._buf[0] != p.ATTACHED or len(fds) != 1:
             for fd in fds:
                 os.close(fd)
             self._raise(n)
-        meta = p.decode_json(self._view[:n])
-        self.meta = meta
-        self.member = int(meta["member"])
-        self._pos = (int(meta["epoch"]), int(meta["position"]))
-        self._ring = RingMapping(fds[0], int(meta["ring_bytes"]))
-        self.nslots = int(meta["nslots"])
-        self.slot_bytes = int(meta["slot_bytes"])
-        self.pin_memory = bool(meta["pin_memory"])
-        layout = meta["layout"]
+        meta = self.meta = p.Attached.decode(self._view[:n])
+        self.member = meta.member
+        self._pos = (meta.epoch, meta.position)
+        self._ring = RingMapping(fds[0], meta.ring_bytes)
+        self.nslots = meta.nslots
+        self.slot_bytes = meta.slot_bytes
+        self.pin_memory = meta.pin_memory
+        layout = meta.layout
         self._leaves = [
             (
-                leaf["offset"],
-                getattr(torch, leaf["dtype"]) if leaf["kind"] == "tensor" else None,
-                len(leaf["shape"]) + 1,
+                leaf.offset,
+                getattr(torch, leaf.dtype) if leaf.kind == "tensor" else None,
+                len(leaf.shape) + 1,
             )
-            for leaf in layout["leaves"]
+            for leaf in layout.leaves
         ]
-        self._ndims = sum(nd for _, dt, nd in self._leaves if dt is not None)
-        self._dims = struct.Struct(f"<{self._ndims}q")
-        self._build = _builder(layout["treedef"])
+        self._dims = p.dims_struct(layout)
+        self._build = _builder(layout.treedef)
         self._strides: dict[tuple[int, ...], tuple[int, ...]] = {}
         # Per (slot, dims): the batch's leaf views, built once. Each batch hands out
         # detach()ed aliases of them: new tensor objects (a trainer may reshape its own
@@ -265,19 +257,18 @@ class Loader:
 
     def _raise(self, n: int) -> None:
         if self._buf[0] == p.ERROR:
-            info = p.decode_json(self._view[:n])
-            if "batch_index" in info:  # a failed batch counts as consumed, as in DataLoader
-                epoch, index = int(info["epoch"]), int(info["batch_index"])
+            info = p.ErrorInfo.decode(self._view[:n])
+            if info.epoch is not None and info.batch_index is not None:
+                # A failed batch counts as consumed, as in DataLoader.
+                epoch, index = info.epoch, info.batch_index
                 self._pos = (epoch, index + 1) if index + 1 < len(self) else (epoch + 1, 0)
-            slug = str(info.pop("type", "data-plane"))
-            detail = str(info.pop("detail", "error"))
-            raise error_from_slug(slug, detail, **info)
+            raise error_from_info(info)
         raise DataPlaneError(f"unexpected message kind {self._buf[0]} from the server")
 
     # -- iteration ---------------------------------------------------------------------
     def __len__(self) -> int:
         """Batches per epoch."""
-        return int(self.meta["batches_per_epoch"])
+        return self.meta.batches_per_epoch
 
     def __iter__(self) -> Epoch:
         """Start an epoch and return its iterator. If the last one was left unfinished,
@@ -338,7 +329,7 @@ class Loader:
         self._want_epoch = None
 
     def _check_resumable(self) -> None:
-        if self.meta.get("group_mode") == "split" and int(self.meta["group_size"]) > 1:
+        if self.meta.group_mode == "split" and self.meta.group_size > 1:
             raise RuntimeError(
                 "state_dict/load_state_dict need a plain or broadcast loader; split groups "
                 "resume at epoch boundaries with set_epoch"
@@ -417,7 +408,9 @@ class Loader:
             self._wait_us = (time.perf_counter_ns() - asked) // 1000
             self._ahead = False
             kind = self._buf[0]
-            if kind == p.BATCH or (kind == p.ERROR and self._buf.find(b'"batch_index"', 0, n) > 0):
+            if kind == p.BATCH or (
+                kind == p.ERROR and p.ErrorInfo.decode(self._view[:n]).batch_index is not None
+            ):
                 # Ask for the following item now; this releases the previous view's slot.
                 self._send_next(p.NEXT)
                 self._ahead = True

@@ -1,39 +1,35 @@
-"""The data-plane wire format, shared by the client and ``pinfeed_server.engine.dataplane``.
+"""The data-plane wire format, shared by ``pinfeed.Loader`` and
+``pinfeed_server.engine.dataplane``. Its complete table is ``docs/protocol.md``.
 
-One ``SOCK_SEQPACKET`` Unix socket per consumer: message boundaries are kept by the
-kernel, so every message is one ``send``/``recv`` with no framing. The first byte is
-the message kind. Control messages (attach, errors) carry JSON; the per-batch
-messages are fixed ``struct`` layouts so the hot path neither pickles nor allocates
-beyond the tensor views.
+One ``SOCK_SEQPACKET`` Unix socket per consumer; the first byte of a message is its
+kind. Control messages carry one JSON object, typed here (``Attach``, ``Attached``,
+``ErrorInfo``); per-batch messages are fixed ``struct`` layouts, so the hot path
+neither pickles nor parses JSON::
 
-client -> server
-    ATTACH  b"A" + JSON {"loader": name, "version": 1}
-    NEXT    b"N" + u16 count + count x u32 slots released + [u32 wait_us]  (one per batch)
-    RELEASE b"R" + u16 count + count x u32 slots released + [u32 wait_us]  (no reply)
-            wait_us: how long the trainer last waited for a batch; the server's
-            "is training input-bound?" figure comes from it
-    SKIP    b"S" + u16 count + count x u32 slots released: drop the rest of the
-                            current epoch; reply END
-    SEEK    b"K" + POSITION_BODY (epoch, index): make that the next batch; reply POSITION
-    CUDA    b"C"            the client registered the ring with CUDA (for status)
-server -> client
-    ATTACHED b"a" + JSON layout, the ring's memfd in SCM_RIGHTS
-    BATCH    b"B" + BATCH_HEAD + leaf dims (int64) + optional JSON strings
-    END      b"E" + END_BODY (epoch, seq)
-    POSITION b"P" + POSITION_BODY (epoch, index): the next batch after a SEEK
-    ERROR    b"X" + JSON {"type", "detail", ...}
-"""
+    client -> server                         server -> client
+    ATTACH  A  JSON Attach                   ATTACHED a  JSON Attached + ring memfd
+    NEXT    N  RELEASE_HEAD, slots, wait_us  BATCH    B  BATCH_HEAD, dims, strings JSON
+    RELEASE R  as NEXT (no reply)            END      E  END_BODY (epoch over)
+    SKIP    S  as NEXT; reply END            POSITION P  POSITION_BODY (after SEEK)
+    SEEK    K  POSITION_BODY                 ERROR    X  JSON ErrorInfo
+    CUDA    C  (no body, no reply)
+
+Errors: ``ERROR_KINDS`` (slug -> fatal for the connection). Imports neither pinfeed
+nor torch: ``tests/reliability/rawclient.py`` loads it by path."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import struct
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 ATTACH = ord("A")
 NEXT = ord("N")
@@ -41,18 +37,25 @@ RELEASE = ord("R")
 SKIP = ord("S")
 SEEK = ord("K")
 CUDA = ord("C")
-POSITION = ord("P")
 ATTACHED = ord("a")
 BATCH = ord("B")
 END = ord("E")
+POSITION = ord("P")
 ERROR = ord("X")
+KIND_NAMES = {
+    ATTACH: "ATTACH", NEXT: "NEXT", RELEASE: "RELEASE", SKIP: "SKIP", SEEK: "SEEK",
+    CUDA: "CUDA", ATTACHED: "ATTACHED", BATCH: "BATCH", END: "END", POSITION: "POSITION",
+    ERROR: "ERROR",
+}  # fmt: skip
 
 # kind, slot, seq, epoch, index in epoch, length of the trailing strings JSON
 BATCH_HEAD = struct.Struct("<B3xIQIII")
-END_BODY = struct.Struct("<B3xIQ")
-POSITION_BODY = struct.Struct("<B3xII")
-RELEASE_HEAD = struct.Struct("<BxH")
+END_BODY = struct.Struct("<B3xIQ")  # kind, epoch, seq
+POSITION_BODY = struct.Struct("<B3xII")  # kind, epoch, index
+RELEASE_HEAD = struct.Struct("<BxH")  # kind, count
 SLOT = struct.Struct("<I")
+WAIT = struct.Struct("<I")
+_ONE_RELEASE = struct.Struct("<BxHII")  # kind, count=1, slot, wait_us
 
 # Largest message either side sends. Batches of strings are the only variable part.
 MAX_MESSAGE = 256 * 1024
@@ -65,62 +68,315 @@ DEFAULT_SOCKET_NAME = "pinfeed.sock"
 def default_run_dir() -> Path:
     """Where the server puts its socket unless told otherwise."""
     runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and os.path.isdir(runtime):
-        return Path(runtime) / "pinfeed"
-    return Path(f"/tmp/pinfeed-{os.getuid()}")
+    ok = runtime and os.path.isdir(runtime)
+    return Path(f"{runtime}/pinfeed") if ok else Path(f"/tmp/pinfeed-{os.getuid()}")
 
 
 def default_socket_path() -> Path:
     """``PINFEED_SOCKET`` if set, else the server's default path."""
     env = os.environ.get("PINFEED_SOCKET")
-    if env:
-        return Path(env)
-    return default_run_dir() / DEFAULT_SOCKET_NAME
+    return Path(env) if env else default_run_dir() / DEFAULT_SOCKET_NAME
 
 
 def align(n: int, to: int = ALIGN) -> int:
     return (n + to - 1) // to * to
 
 
-def encode_json(kind: int, payload: dict[str, Any]) -> bytes:
-    return bytes([kind]) + json.dumps(payload, separators=(",", ":")).encode()
+Buffer = bytes | bytearray | memoryview
 
 
-def decode_json(data: bytes | bytearray | memoryview) -> dict[str, Any]:
-    value = json.loads(bytes(data[1:]))
+def _encode_json(kind: int, payload: Mapping[str, Any]) -> bytes:
+    return bytes([kind]) + json.dumps(payload, separators=(",", ":"), default=str).encode()
+
+
+def _decode_json(kind: int, data: Buffer) -> dict[str, Any]:
+    """The JSON object of a control message; ValueError if it is anything else."""
+    if len(data) < 1 or data[0] != kind:
+        raise ValueError(f"expected a {KIND_NAMES[kind]} message")
+    try:  # UnicodeDecodeError and JSONDecodeError are ValueErrors already
+        value = json.loads(bytes(data[1:]))
+    except RecursionError:
+        raise ValueError(f"{KIND_NAMES[kind]} JSON nests too deeply") from None
     if not isinstance(value, dict):
-        raise ValueError("expected a JSON object")
+        raise ValueError(f"{KIND_NAMES[kind]} must carry a JSON object")
     return value
 
 
-_ONE_RELEASE = struct.Struct("<BxHII")  # kind, count=1, slot, wait_us
-_WAIT = struct.Struct("<I")
+# -- the layout JSON (in ATTACHED, and the server's worker spec) -------------------------
+@dataclass(frozen=True)
+class Leaf:
+    """One tensor (or string) of a batch: where its rows live inside a slot."""
+
+    kind: str  # "tensor" or "str"
+    dtype: str  # torch dtype name without "torch.", "" for strings
+    shape: tuple[int, ...]  # sample shape
+    offset: int  # byte offset of this leaf's rows inside a slot
+    capacity: int  # bytes reserved for batch_size rows
+    itemsize: int = 0  # bytes per element, 0 for strings
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Leaf:
+        return cls(**(dict(data) | {"shape": tuple(data["shape"])}))
 
 
+@dataclass(frozen=True)
+class Layout:
+    """A batch's structure: a treedef (default_collate's nesting: ``["leaf", j]``,
+    ``["list", [..]]``, ``["dict", [[key, ..]]]``, ``["namedtuple", [name, fields, [..]]]``)
+    over leaves, each at a fixed offset in a slot."""
+
+    treedef: list[Any]
+    leaves: tuple[Leaf, ...]
+    batch_size: int
+    slot_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)  # leaves become dicts, shapes JSON lists
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Layout:
+        leaves = tuple(Leaf.from_json(x) for x in data["leaves"])
+        return cls(data["treedef"], leaves, data["batch_size"], data["slot_bytes"])
+
+    @property
+    def has_strings(self) -> bool:
+        return any(x.kind == "str" for x in self.leaves)
+
+    def describe(self) -> Any:
+        """The batch structure with shapes and dtypes, for humans and the HTTP API."""
+
+        def walk(node: list[Any]) -> Any:
+            tag, body = node
+            if tag == "leaf":
+                leaf = self.leaves[body]
+                if leaf.kind == "str":
+                    return {"kind": "str"}
+                return {"dtype": leaf.dtype, "shape": list(leaf.shape)}
+            if tag == "dict":
+                return {str(k): walk(v) for k, v in body}
+            if tag == "namedtuple":
+                return {
+                    "namedtuple": body[0],
+                    "fields": dict(zip(body[1], map(walk, body[2]), strict=True)),
+                }
+            return [walk(c) for c in body]
+
+        return walk(self.treedef)
+
+
+def dims_struct(layout: Layout) -> struct.Struct:
+    """The BATCH dims: for each tensor leaf, rows then its sample shape, as int64."""
+    n = sum(len(x.shape) + 1 for x in layout.leaves if x.kind == "tensor")
+    return struct.Struct(f"<{n}q")
+
+
+def pack_dims(layout: Layout, rows: int) -> bytes:
+    """A batch's dims; the server packs them once per distinct batch length."""
+    dims: list[int] = []
+    for leaf in layout.leaves:
+        if leaf.kind == "tensor":
+            dims.append(rows)
+            dims.extend(leaf.shape)
+    return dims_struct(layout).pack(*dims)
+
+
+# -- control messages ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Attach:
+    """The client's first message: which loader, which group member (None: any free)."""
+
+    loader: str
+    member: int | None = None
+    version: int = PROTOCOL_VERSION
+
+    def encode(self) -> bytes:
+        return _encode_json(ATTACH, asdict(self))
+
+    @classmethod
+    def decode(cls, data: Buffer) -> Attach:
+        """ValueError if malformed; any peer may send anything, so types are checked."""
+        obj = _decode_json(ATTACH, data)
+        loader, member, version = obj.get("loader"), obj.get("member"), obj.get("version")
+        if not isinstance(loader, str):
+            raise ValueError("ATTACH needs a loader name (a string)")
+        if member is not None and type(member) is not int:  # bool is an int, not a member
+            raise ValueError("ATTACH member must be an int or null")
+        if type(version) is not int:
+            raise ValueError("ATTACH needs the protocol version (an int)")
+        return cls(loader, member, version)
+
+
+@dataclass(frozen=True)
+class Attached:
+    """The server's reply to ATTACH; the ring's memfd travels with it (SCM_RIGHTS).
+
+    ``epoch``/``position``: the member's next batch. Fields added here travel both ways;
+    a decoder ignores keys it does not know (a newer server of the same version).
+    """
+
+    loader: str
+    member: int
+    ring_bytes: int
+    nslots: int
+    slot_bytes: int
+    layout: Layout
+    batches_per_epoch: int
+    batch_size: int
+    pin_memory: bool
+    group_size: int
+    group_mode: str
+    epoch: int
+    position: int
+    version: int = PROTOCOL_VERSION
+
+    def encode(self) -> bytes:
+        body = {f.name: getattr(self, f.name) for f in fields(self)}
+        return _encode_json(ATTACHED, body | {"layout": self.layout.to_json()})
+
+    @classmethod
+    def decode(cls, data: Buffer) -> Attached:
+        obj = _decode_json(ATTACHED, data)
+        known = {f.name: obj[f.name] for f in fields(cls) if f.name in obj}
+        return cls(**(known | {"layout": Layout.from_json(obj["layout"])}))
+
+
+# Every error slug, and whether the server closes the connection after sending it.
+ERROR_KINDS: dict[str, bool] = {
+    "protocol-error": True,
+    "loader-not-found": True,
+    "loader-busy": True,
+    "loader-failed": True,
+    "server-unavailable": True,
+    "invalid-position": False,
+    "sample-error": False,
+    "batch-too-large": False,
+    "group-member-lost": False,
+}
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    """An ERROR: ``slug`` (one of ``ERROR_KINDS``), a human ``detail``, whether it ends
+    the connection, the batch it stands in for (if any) and slug-specific ``extra``."""
+
+    slug: str
+    detail: str
+    fatal: bool
+    epoch: int | None = None
+    batch_index: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    _KEYS: ClassVar[frozenset[str]] = frozenset(("type", "detail", "fatal", "epoch", "batch_index"))
+
+    @classmethod
+    def of(cls, slug: str, detail: str, **extra: Any) -> ErrorInfo:
+        """An error of a known kind; its fatal flag comes from ``ERROR_KINDS``."""
+        return cls(slug, detail, ERROR_KINDS[slug], extra=extra)
+
+    def at(self, epoch: int, batch_index: int) -> ErrorInfo:
+        """The same error, standing in for batch ``batch_index`` of ``epoch``."""
+        return replace(self, epoch=epoch, batch_index=batch_index)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.slug, "detail": self.detail, "fatal": self.fatal}
+        if self.batch_index is not None:
+            out |= {"epoch": self.epoch, "batch_index": self.batch_index}
+        return out | self.extra
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> ErrorInfo:
+        slug = str(obj.get("type", "protocol-error"))
+        fatal = obj.get("fatal")
+        if not isinstance(fatal, bool):  # absent: what its kind says (unknown: fatal)
+            fatal = ERROR_KINDS.get(slug, True)
+        index = obj.get("batch_index")
+        return cls(
+            slug,
+            str(obj.get("detail", "error")),
+            fatal,
+            int(obj["epoch"]) if index is not None else None,
+            int(index) if index is not None else None,
+            {k: v for k, v in obj.items() if k not in cls._KEYS},
+        )
+
+    def encode(self) -> bytes:
+        return _encode_json(ERROR, self.to_json())
+
+    @classmethod
+    def decode(cls, data: Buffer) -> ErrorInfo:
+        return cls.from_json(_decode_json(ERROR, data))
+
+
+# -- per-batch messages ----------------------------------------------------------------
 def encode_release(kind: int, slots: list[int], wait_us: int = 0) -> bytes:
+    """A NEXT, RELEASE or SKIP handing back ``slots``."""
     wait_us = min(wait_us, 0xFFFFFFFF)
     if len(slots) == 1:  # the per-batch case: one pack, no joins
         return _ONE_RELEASE.pack(kind, 1, slots[0], wait_us)
     return (
         RELEASE_HEAD.pack(kind, len(slots))
         + b"".join(SLOT.pack(s) for s in slots)
-        + _WAIT.pack(wait_us)
+        + WAIT.pack(wait_us)
     )
 
 
-def decode_release(data: bytes | bytearray | memoryview) -> tuple[list[int], int | None]:
+def decode_release(data: Buffer) -> tuple[list[int], int | None]:
     """(slots, wait_us or None) of a NEXT, RELEASE or SKIP message; ValueError if malformed."""
     if len(data) < RELEASE_HEAD.size:
         raise ValueError("short release message")
     _, count = RELEASE_HEAD.unpack_from(data)
     end = RELEASE_HEAD.size + count * SLOT.size
-    if len(data) not in (end, end + _WAIT.size):
+    if len(data) not in (end, end + WAIT.size):
         raise ValueError("release message length does not match its count")
     slots = [SLOT.unpack_from(data, RELEASE_HEAD.size + i * SLOT.size)[0] for i in range(count)]
-    wait = _WAIT.unpack_from(data, end)[0] if len(data) > end else None
+    wait = WAIT.unpack_from(data, end)[0] if len(data) > end else None
     return slots, wait
 
 
+def encode_position(kind: int, epoch: int, index: int) -> bytes:
+    """A SEEK (client) or POSITION (server)."""
+    return POSITION_BODY.pack(kind, epoch, index)
+
+
+def decode_position(data: Buffer) -> tuple[int, int]:
+    """(epoch, index) of a SEEK or POSITION; ValueError if its length is wrong."""
+    if len(data) != POSITION_BODY.size:
+        raise ValueError("a SEEK or POSITION is kind, epoch, index")
+    _, epoch, index = POSITION_BODY.unpack_from(data)
+    return epoch, index
+
+
+def encode_end(epoch: int, seq: int) -> bytes:
+    return END_BODY.pack(END, epoch, seq)
+
+
+def decode_end(data: Buffer) -> tuple[int, int]:
+    """(epoch, seq) of an END."""
+    _, epoch, seq = END_BODY.unpack_from(data)
+    return epoch, seq
+
+
+def batch_parts(
+    slot: int, seq: int, epoch: int, index: int, dims: bytes, strings: bytes
+) -> list[bytes]:
+    """A BATCH as the parts of one scatter ``sendmsg`` (the server sends it this way)."""
+    return [BATCH_HEAD.pack(BATCH, slot, seq, epoch, index, len(strings)), dims, strings]
+
+
+def decode_batch(
+    data: Buffer, dims: struct.Struct
+) -> tuple[int, int, int, int, tuple[int, ...], bytes]:
+    """(slot, seq, epoch, index, dims, strings JSON) of a BATCH; ``dims`` from dims_struct."""
+    _, slot, seq, epoch, index, nstr = BATCH_HEAD.unpack_from(data)
+    start = BATCH_HEAD.size + dims.size
+    strings = bytes(data[start : start + nstr])
+    return slot, seq, epoch, index, dims.unpack_from(data, BATCH_HEAD.size), strings
+
+
+# -- the socket ------------------------------------------------------------------------
 def new_socket() -> socket.socket:
     return socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 

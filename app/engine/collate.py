@@ -15,118 +15,22 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from pinfeed._protocol import MAX_MESSAGE, align
+from pinfeed._protocol import MAX_MESSAGE, Layout, Leaf, align
 from pinfeed_server.datasets.base import BatchFetcher
+from pinfeed_server.engine.errors import BatchTooLarge, SampleError
 
-# treedef: ["leaf", j] | ["list", [..]] | ["dict", [[key, ..], ..]]
-#        | ["namedtuple", [typename, [field, ..], [..]]]
-TreeDef = list[Any]
+__all__ = ["Layout", "LayoutError", "Leaf", "SlotWriter", "probe"]
+
+TreeDef = list[Any]  # see pinfeed._protocol.Layout
 
 
 class LayoutError(ValueError):
     """A sample's structure cannot be batched the way the first sample was."""
-
-
-class SampleFailure(Exception):
-    """A dataset raised while producing a batch; ``index`` names the sample if known."""
-
-    def __init__(self, slug: str, detail: str, index: int | None, error_type: str) -> None:
-        super().__init__(detail)
-        self.slug = slug
-        self.detail = detail
-        self.index = index
-        self.error_type = error_type
-
-    def info(self) -> dict[str, Any]:
-        return {
-            "type": self.slug,
-            "detail": self.detail,
-            "index": self.index,
-            "error_type": self.error_type,
-        }
-
-
-@dataclass(frozen=True)
-class Leaf:
-    kind: str  # "tensor" or "str"
-    dtype: str  # torch dtype name without "torch.", "" for strings
-    shape: tuple[int, ...]  # sample shape
-    offset: int  # byte offset of this leaf's rows inside a slot
-    capacity: int  # bytes reserved for batch_size rows
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        dtype = getattr(torch, self.dtype)
-        assert isinstance(dtype, torch.dtype)
-        return dtype
-
-    @property
-    def row_bytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.torch_dtype.itemsize
-
-
-@dataclass(frozen=True)
-class Layout:
-    treedef: TreeDef
-    leaves: tuple[Leaf, ...]
-    batch_size: int
-    slot_bytes: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "treedef": self.treedef,
-            "leaves": [
-                {
-                    "kind": x.kind,
-                    "dtype": x.dtype,
-                    "shape": list(x.shape),
-                    "offset": x.offset,
-                    "capacity": x.capacity,
-                }
-                for x in self.leaves
-            ],
-            "batch_size": self.batch_size,
-            "slot_bytes": self.slot_bytes,
-        }
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Layout:
-        leaves = tuple(
-            Leaf(x["kind"], x["dtype"], tuple(x["shape"]), x["offset"], x["capacity"])
-            for x in data["leaves"]
-        )
-        return cls(data["treedef"], leaves, data["batch_size"], data["slot_bytes"])
-
-    @property
-    def has_strings(self) -> bool:
-        return any(x.kind == "str" for x in self.leaves)
-
-    def describe(self) -> Any:
-        """The batch structure with shapes and dtypes, for humans and the HTTP API."""
-
-        def walk(node: TreeDef) -> Any:
-            tag, body = node
-            if tag == "leaf":
-                leaf = self.leaves[body]
-                if leaf.kind == "str":
-                    return {"kind": "str"}
-                return {"dtype": leaf.dtype, "shape": list(leaf.shape)}
-            if tag == "dict":
-                return {str(k): walk(v) for k, v in body}
-            if tag == "namedtuple":
-                return {
-                    "namedtuple": body[0],
-                    "fields": dict(zip(body[1], map(walk, body[2]), strict=True)),
-                }
-            return [walk(c) for c in body]
-
-        return walk(self.treedef)
 
 
 def _leaf_of(value: Any) -> tuple[str, str, tuple[int, ...]] | None:
@@ -181,9 +85,9 @@ def probe(sample: Any, batch_size: int) -> Layout:
         if kind == "str":
             leaves.append(Leaf(kind, dtype, shape, offset, 0))
             continue
-        row = int(np.prod(shape, dtype=np.int64)) * getattr(torch, dtype).itemsize
-        capacity = align(row * batch_size)
-        leaves.append(Leaf(kind, dtype, shape, offset, capacity))
+        itemsize = getattr(torch, dtype).itemsize
+        capacity = align(int(np.prod(shape, dtype=np.int64)) * itemsize * batch_size)
+        leaves.append(Leaf(kind, dtype, shape, offset, capacity, itemsize))
         offset += capacity
     return Layout(treedef, tuple(leaves), batch_size, max(offset, 64))
 
@@ -218,7 +122,7 @@ def leaf_views(layout: Layout, slot: torch.Tensor, rows: int) -> list[torch.Tens
             continue
         nbytes = leaf.row_bytes * rows
         raw = slot[leaf.offset : leaf.offset + nbytes]
-        views.append(raw.view(leaf.torch_dtype).view(rows, *leaf.shape))
+        views.append(raw.view(getattr(torch, leaf.dtype)).view(rows, *leaf.shape))
     return views
 
 
@@ -228,23 +132,21 @@ def _fetch_samples(dataset: Any, indices: Sequence[int]) -> list[Any]:
         try:
             return list(getitems(list(indices)))
         except Exception as exc:
-            raise SampleFailure(
-                "sample-error",
+            raise SampleError(
                 f"__getitems__ for indices {list(indices)[:8]}... raised "
                 f"{type(exc).__name__}: {exc}",
-                None,
-                type(exc).__name__,
+                index=None,
+                error_type=type(exc).__name__,
             ) from exc
     samples = []
     for i in indices:
         try:
             samples.append(dataset[i])
         except Exception as exc:
-            raise SampleFailure(
-                "sample-error",
+            raise SampleError(
                 f"sample {i} raised {type(exc).__name__}: {exc}",
-                i,
-                type(exc).__name__,
+                index=i,
+                error_type=type(exc).__name__,
             ) from exc
     return samples
 
@@ -254,14 +156,13 @@ def _write_leaf(leaf: Leaf, view: torch.Tensor, values: list[Any], indices: Sequ
         spec = _leaf_of(value)
         if spec is None or spec[1] != leaf.dtype or spec[2] != leaf.shape:
             got = "unbatchable value" if spec is None else f"{spec[1]} {list(spec[2])}"
-            slug = "batch-too-large" if spec and _nbytes(spec) > _nbytes(leaf) else "sample-error"
-            raise SampleFailure(
-                slug,
+            error = BatchTooLarge if spec and _nbytes(spec) > _nbytes(leaf) else SampleError
+            raise error(
                 f"sample {index}: a field is {got}, but the loader's layout (from the first "
                 f"sample) is {leaf.dtype} {list(leaf.shape)}; samples must have equal shapes "
                 "and dtypes, as default_collate requires",
-                index,
-                "LayoutError",
+                index=index,
+                error_type="LayoutError",
             )
     first = values[0]
     if isinstance(first, torch.Tensor):
@@ -297,11 +198,10 @@ class SlotWriter:
         views = self._views.get((slot, rows))
         if views is None:
             if rows > self.layout.batch_size:
-                raise SampleFailure(
-                    "batch-too-large",
+                raise BatchTooLarge(
                     f"{rows} samples exceed batch_size {self.layout.batch_size}",
-                    None,
-                    "",
+                    index=None,
+                    error_type="",
                 )
             start = slot * self._slot_bytes
             views = leaf_views(self.layout, self._ring[start : start + self._slot_bytes], rows)
@@ -335,8 +235,8 @@ def write_batch(
         try:
             flatten(sample, layout.treedef, flat)
         except LayoutError as exc:
-            raise SampleFailure(
-                "sample-error", f"sample {index}: {exc}", index, "LayoutError"
+            raise SampleError(
+                f"sample {index}: {exc}", index=index, error_type="LayoutError"
             ) from None
         flats.append(flat)
     strings: list[list[str]] = []
@@ -344,8 +244,8 @@ def write_batch(
         values = [flat[j] for flat in flats]
         if view is None:
             if not all(isinstance(v, str) for v in values):
-                raise SampleFailure(
-                    "sample-error", "a string field holds a non-string value", None, "LayoutError"
+                raise SampleError(
+                    "a string field holds a non-string value", index=None, error_type="LayoutError"
                 )
             strings.append(values)
         else:
@@ -354,11 +254,10 @@ def write_batch(
         return b""
     encoded = json.dumps(strings).encode()
     if len(encoded) > MAX_MESSAGE - 4096:
-        raise SampleFailure(
-            "batch-too-large",
+        raise BatchTooLarge(
             f"the batch's strings take {len(encoded)} bytes; a batch message holds at most "
             f"{MAX_MESSAGE - 4096}: return tensors (e.g. token ids) instead of long strings",
-            None,
-            "LayoutError",
+            index=None,
+            error_type="LayoutError",
         )
     return encoded

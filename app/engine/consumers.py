@@ -20,8 +20,9 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
+from pinfeed._protocol import ErrorInfo
+from pinfeed_server.engine.errors import InvalidPosition
 from pinfeed_server.engine.ring import SlotState, SlotTable
 
 
@@ -43,10 +44,14 @@ class EndItem:
 
 @dataclass(frozen=True)
 class ErrorItem:
-    seq: int  # -1: the loader itself failed or is closing (ends the connection)
+    """A failed batch, published in its place; or (seq, epoch and index -1) an error of
+    the loader itself, handed to a waiting consumer. ``info.fatal``: it ends the
+    connection."""
+
+    seq: int
     epoch: int
     index: int
-    info: dict[str, Any]
+    info: ErrorInfo
 
 
 Item = BatchItem | EndItem | ErrorItem
@@ -96,7 +101,7 @@ class Consumers:
                 raise LookupError(f"all {self.size} members of its consumer group are attached")
             member = free[0]
         if not 0 <= member < self.size:
-            raise ValueError(f"member {member} is outside [0, {self.size - 1}]")
+            raise InvalidPosition(f"member {member} is outside [0, {self.size - 1}]")
         m = self.members[member]
         if m.connected:
             raise LookupError(f"member {member} is already attached")

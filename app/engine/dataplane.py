@@ -19,11 +19,16 @@ import struct
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from pinfeed import _protocol as p
 from pinfeed_server.engine.consumers import BatchItem, EndItem, ErrorItem, Item
-from pinfeed_server.engine.loader import LoaderBusyError, LoaderEngine, dims_message
+from pinfeed_server.engine.errors import (
+    DataPlaneError,
+    LoaderFailed,
+    LoaderNotFound,
+    ProtocolError,
+)
+from pinfeed_server.engine.loader import LoaderEngine
 
 log = logging.getLogger("pinfeed.dataplane")
 
@@ -150,7 +155,11 @@ class DataPlaneServer:
             if attached is not None:
                 session = _Session(conn, *attached, self._stop)
                 session.run()
-        except (OSError, ValueError) as exc:
+        except ValueError as exc:  # a malformed message: say so, then hang up
+            log.debug("consumer broke the protocol: %s", exc)
+            with contextlib.suppress(OSError):
+                conn.send(ProtocolError(str(exc)).info().encode())
+        except OSError as exc:
             log.debug("consumer connection ended: %s", exc)
         except Exception:
             log.exception("data-plane connection failed")
@@ -162,10 +171,8 @@ class DataPlaneServer:
                 self._conns.discard(conn)
                 self._threads.discard(threading.current_thread())
 
-    def _send_error(self, conn: socket.socket, info: dict[str, Any]) -> None:
-        conn.send(p.encode_json(p.ERROR, info))
-
     def _attach(self, conn: socket.socket) -> tuple[LoaderEngine, int] | None:
+        """Serve the ATTACH; None (after an ERROR, if the peer said anything) if refused."""
         conn.settimeout(10)  # a peer that connects and says nothing is dropped
         buf = bytearray(p.MAX_MESSAGE)
         n, fds = p.recv_message(conn, buf)
@@ -173,69 +180,63 @@ class DataPlaneServer:
             os.close(fd)  # clients never send fds
         if n == 0:
             return None
-        if buf[0] != p.ATTACH:
-            self._send_error(conn, {"type": "data-plane", "detail": "expected ATTACH first"})
-            return None
-        request = p.decode_json(memoryview(buf)[:n])
-        name = str(request.get("loader", ""))
-        member = request.get("member")
-        if member is not None and not isinstance(member, int):
-            self._send_error(conn, {"type": "data-plane", "detail": "member must be an int"})
-            return None
-        engine = self._lookup(name)
-        if engine is None:
-            self._send_error(
-                conn,
-                {
-                    "type": "not-found",
-                    "detail": f"no loader named {name!r}; create it with POST /v1/loaders",
-                },
-            )
-            return None
         try:
-            engine.wait_started(self._attach_timeout)
-        except TimeoutError as exc:
-            self._send_error(conn, {"type": "loader-failed", "detail": str(exc)})
+            try:
+                request = p.Attach.decode(memoryview(buf)[:n])
+            except ValueError as exc:
+                raise ProtocolError(f"the first message must be an ATTACH: {exc}") from None
+            engine = self._attachable(request)
+            member = engine.attach(request.member)
+        except DataPlaneError as exc:
+            conn.send(exc.info().encode())
             return None
-        if engine.state != "ready" or engine.ring is None:
-            self._send_error(
-                conn,
-                engine.failure
-                or {"type": "loader-failed", "detail": f"loader {name!r} is {engine.state}"},
-            )
-            return None
-        try:
-            member = engine.attach(member)
-        except (LoaderBusyError, ValueError) as exc:
-            self._send_error(conn, {"type": "loader-busy", "detail": str(exc)})
-            return None
+        assert engine.ring is not None
         cfg = engine.config
         epoch, index = engine.position(member)
-        meta = {
-            "loader": name,
-            "version": p.PROTOCOL_VERSION,
-            "ring_bytes": engine.ring.size,
-            "nslots": engine.nslots,
-            "slot_bytes": engine.ring.slot_bytes,
-            "layout": engine.layout.to_json(),
-            "batches_per_epoch": engine.batches_per_epoch,
-            "pin_memory": cfg.pin_memory,
-            "batch_size": cfg.batch_size,
-            "member": member,
-            "group_size": cfg.group_size,
-            "group_mode": cfg.group_mode,
-            "epoch": epoch,
-            "position": index,
-        }
+        attached = p.Attached(
+            loader=request.loader,
+            member=member,
+            ring_bytes=engine.ring.size,
+            nslots=engine.nslots,
+            slot_bytes=engine.ring.slot_bytes,
+            layout=engine.layout,
+            batches_per_epoch=engine.batches_per_epoch,
+            batch_size=cfg.batch_size,
+            pin_memory=cfg.pin_memory,
+            group_size=cfg.group_size,
+            group_mode=cfg.group_mode,
+            epoch=epoch,
+            position=index,
+        )
         try:
             conn.sendmsg(
-                [p.encode_json(p.ATTACHED, meta)],
+                [attached.encode()],
                 [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", engine.ring.fd))],
             )
         except BaseException:
             engine.detach(member, set())
             raise
         return engine, member
+
+    def _attachable(self, request: p.Attach) -> LoaderEngine:
+        """The started loader ``request`` names; a DataPlaneError saying why not."""
+        if request.version != p.PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"the client speaks data-plane protocol {request.version}, this server "
+                f"{p.PROTOCOL_VERSION}: install the same pinfeed version on both sides"
+            )
+        engine = self._lookup(request.loader)
+        if engine is None:
+            raise LoaderNotFound(request.loader)
+        try:
+            engine.wait_started(self._attach_timeout)
+        except TimeoutError as exc:
+            raise LoaderFailed(str(exc)) from None
+        if engine.failure is not None:
+            raise LoaderFailed(engine.failure.detail)
+        if engine.state != "ready" or engine.ring is None:
+            raise LoaderFailed(f"loader {request.loader!r} is {engine.state}")
+        return engine
 
 
 class _Session:
@@ -257,8 +258,8 @@ class _Session:
         self.poller = select.poll()
         self.poller.register(conn, select.POLLIN | select.POLLRDHUP)
 
-    def error(self, info: dict[str, Any]) -> None:
-        self.conn.send(p.encode_json(p.ERROR, info))
+    def error(self, exc: DataPlaneError) -> None:
+        self.conn.send(exc.info().encode())
 
     def run(self) -> None:
         self.conn.settimeout(None)
@@ -289,22 +290,21 @@ class _Session:
                 if item is None:
                     return  # hung up, or broke the protocol, while waiting
             elif kind == p.SEEK and n == p.POSITION_BODY.size:
-                _, epoch, index = p.POSITION_BODY.unpack_from(self.buf)
+                epoch, index = p.decode_position(self.view[:n])
                 try:
                     self.engine.seek(self.member, epoch, index)
-                except ValueError as exc:
-                    self.error({"type": "invalid-request", "detail": str(exc)})
+                except DataPlaneError as exc:  # InvalidPosition: the connection goes on
+                    self.error(exc)
                     continue
                 epoch, index = self.engine.position(self.member)
-                self.conn.send(p.POSITION_BODY.pack(p.POSITION, epoch, index))
+                self.conn.send(p.encode_position(p.POSITION, epoch, index))
                 continue
             elif kind == p.CUDA and n == 1:
                 self.engine.cuda_registered.add(self.member)
                 continue
             else:
-                self.error(
-                    {"type": "data-plane", "detail": f"unexpected message kind {kind} ({n} bytes)"}
-                )
+                name = p.KIND_NAMES.get(kind, "unknown")
+                self.error(ProtocolError(f"unexpected message kind {kind} {name} ({n} bytes)"))
                 return
             if not self.send(item):
                 return
@@ -315,26 +315,25 @@ class _Session:
             self.leased.add(item.slot)
             dims = self.dims.get(item.rows)
             if dims is None:
-                dims = self.dims[item.rows] = dims_message(self.engine.layout, item.rows)
+                dims = self.dims[item.rows] = p.pack_dims(self.engine.layout, item.rows)
+            # BATCH, as p.batch_parts builds it, without the call on the per-batch path.
             head = p.BATCH_HEAD.pack(
                 p.BATCH, item.slot, item.seq, item.epoch, item.index, len(item.strings)
             )
             self.conn.sendmsg([head, dims, item.strings])
         elif isinstance(item, EndItem):
-            self.conn.send(p.END_BODY.pack(p.END, item.epoch, item.seq))
+            self.conn.send(p.encode_end(item.epoch, item.seq))
         else:
-            info = dict(item.info)
-            if item.epoch >= 0:
-                info.update(epoch=item.epoch, batch_index=item.index)
-            self.error(info)
-            if item.seq == -1:
+            info = item.info if item.epoch < 0 else item.info.at(item.epoch, item.index)
+            self.conn.send(info.encode())
+            if info.fatal:
                 return False
         return True
 
     def release_ok(self, slots: list[int]) -> bool:
         bad = [s for s in slots if s not in self.leased]
         if bad:
-            self.error({"type": "data-plane", "detail": f"release of slots {bad} not leased"})
+            self.error(ProtocolError(f"release of slots {bad} not leased"))
         return not bad
 
     def release(self, slots: list[int]) -> None:
@@ -355,7 +354,7 @@ class _Session:
             if n == 0:
                 return None
             if self.buf[0] != p.RELEASE:
-                self.error({"type": "data-plane", "detail": "only RELEASE while a NEXT waits"})
+                self.error(ProtocolError("only RELEASE while a NEXT waits"))
                 return None
             slots, _ = p.decode_release(self.view[:n])
             if not self.release_ok(slots):
@@ -372,8 +371,8 @@ class _Session:
             if isinstance(item, BatchItem):
                 self.engine.release(self.member, [item.slot])
                 continue
-            if isinstance(item, ErrorItem) and item.seq >= 0:
-                continue
+            if isinstance(item, ErrorItem) and item.epoch >= 0:
+                continue  # a failed batch of the epoch being dropped
             return item
 
 

@@ -10,19 +10,27 @@ old position is discarded by sequence number, never published.
 from __future__ import annotations
 
 import logging
-import struct
 import threading
 import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from pinfeed._protocol import ErrorInfo
 from pinfeed_server.datasets import DatasetContext
 from pinfeed_server.engine.collate import Layout, SlotWriter
 from pinfeed_server.engine.consumers import BatchItem, Consumers, EndItem, ErrorItem, Item
+from pinfeed_server.engine.errors import (
+    GroupMemberLost,
+    InvalidPosition,
+    LoaderBusy,
+    LoaderFailed,
+    LoaderStopping,
+    error_info,
+)
 from pinfeed_server.engine.ring import Ring, SlotState, SlotTable
 from pinfeed_server.engine.sampler import EpochSampler
 from pinfeed_server.engine.stats import LoaderStats
-from pinfeed_server.engine.workers import Result, WorkerPool, WorkerSpec, error_info
+from pinfeed_server.engine.workers import Result, WorkerPool, WorkerSpec
 
 log = logging.getLogger("pinfeed.loader")
 
@@ -54,10 +62,6 @@ class _Task:
     index: int
     slot: int
     rows: int
-
-
-class LoaderBusyError(RuntimeError):
-    pass
 
 
 def prefetch_depth(config: LoaderConfig) -> int:
@@ -102,7 +106,7 @@ class LoaderEngine:
         self.sampler = make_sampler(config, len(dataset))
         self.batches_per_epoch = len(self.sampler)
         self.state = "starting"
-        self.failure: dict[str, Any] | None = None
+        self.failure: ErrorInfo | None = None
         self.stats = LoaderStats()
         self._kind, self._params, self._context = kind, params, context
         self.nslots = ring_slots(config)
@@ -169,7 +173,7 @@ class LoaderEngine:
     def _fail(self, detail: str) -> None:
         with self._cond:
             self.state = "failed"
-            self.failure = {"type": "loader-failed", "detail": detail}
+            self.failure = LoaderFailed(detail).info()
             self._cond.notify_all()
         self._stop.set()
 
@@ -288,7 +292,7 @@ class LoaderEngine:
                     self.head = (task.epoch + 1, 0)
             self._cond.notify_all()
 
-    def _record_error(self, task: _Task, error: dict[str, Any]) -> None:
+    def _record_error(self, task: _Task, error: ErrorInfo) -> None:
         self.stats.errors += 1
         if self.config.on_error == "skip":
             self.stats.skipped += 1
@@ -298,7 +302,7 @@ class LoaderEngine:
             task.index,
             task.epoch,
             "skipped" if self.config.on_error == "skip" else "failed",
-            error.get("detail"),
+            error.detail,
         )
 
     def reconfigure(self, num_workers: int, prefetch_factor: int) -> None:
@@ -336,7 +340,7 @@ class LoaderEngine:
     def seek(self, member: int, epoch: int, index: int) -> None:
         """Make (epoch, index) the next batch; keep the warm queue if it already is."""
         if not (0 <= index < self.batches_per_epoch and 0 <= epoch < 2**31):
-            raise ValueError(
+            raise InvalidPosition(
                 f"position ({epoch}, {index}) is outside the loader's "
                 f"{self.batches_per_epoch} batches per epoch"
             )
@@ -386,7 +390,7 @@ class LoaderEngine:
                 except LookupError as exc:
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        raise LoaderBusyError(f"loader {self.config.name!r}: {exc}") from None
+                        raise LoaderBusy(f"loader {self.config.name!r}: {exc}") from None
                     self._cond.wait(min(left, 0.1))
 
     def detach(self, member: int, leased: set[int]) -> None:
@@ -412,28 +416,18 @@ class LoaderEngine:
                 if self.state == "failed" and self.failure is not None:
                     return ErrorItem(-1, -1, -1, self.failure)
                 if stop.is_set() or self.state in ("draining", "closed"):
-                    return ErrorItem(
-                        -1,
-                        -1,
-                        -1,
-                        {
-                            "type": "server-unavailable",
-                            "detail": f"loader {self.config.name!r} was deleted or is stopping",
-                        },
+                    stopping = LoaderStopping(
+                        f"loader {self.config.name!r} was deleted or is stopping"
                     )
+                    return ErrorItem(-1, -1, -1, stopping.info())
                 lost = self.consumers.lost(self.config.group_timeout_s)
                 if lost:
-                    return ErrorItem(
-                        -2,
-                        -1,
-                        -1,
-                        {
-                            "type": "group-member-lost",
-                            "detail": f"group members {lost} of loader {self.config.name!r} have "
-                            f"been gone for over {self.config.group_timeout_s} s; the "
-                            "group waits for them: restart them, or recreate the loader",
-                        },
+                    gone = GroupMemberLost(
+                        f"group members {lost} of loader {self.config.name!r} have "
+                        f"been gone for over {self.config.group_timeout_s} s; the "
+                        "group waits for them: restart them, or recreate the loader"
                     )
+                    return ErrorItem(-1, -1, -1, gone.info())
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
@@ -464,7 +458,7 @@ class LoaderEngine:
         first = self.consumers.position(0, head)
         return {
             "state": self.state,
-            "failure": self.failure,
+            "failure": self.failure.to_json() if self.failure else None,
             "ring_bytes": self.nslots * self.layout.slot_bytes,
             "slot_bytes": self.layout.slot_bytes,
             "slots": self.slots.counts() | {"total": self.nslots},
@@ -477,13 +471,3 @@ class LoaderEngine:
             "batches_per_epoch": self.batches_per_epoch,
             "worker_restarts": self.pool.restarts if self.pool else 0,
         }
-
-
-def dims_message(layout: Layout, rows: int) -> bytes:
-    """The per-batch leaf dims, packed once per distinct batch length."""
-    dims: list[int] = []
-    for leaf in layout.leaves:
-        if leaf.kind == "tensor":
-            dims.append(rows)
-            dims.extend(leaf.shape)
-    return struct.pack(f"<{len(dims)}q", *dims)

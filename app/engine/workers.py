@@ -40,20 +40,22 @@ from typing import Any
 import numpy as np
 import torch
 
+from pinfeed._protocol import ErrorInfo
 from pinfeed_server.datasets import DatasetContext, build_dataset
-from pinfeed_server.engine.collate import Layout, SampleFailure, SlotWriter
+from pinfeed_server.engine.collate import Layout, SlotWriter
+from pinfeed_server.engine.errors import SampleError, error_info
 from pinfeed_server.engine.ring import map_ring
 
 log = logging.getLogger("pinfeed.workers")
 
 MAX_TASK_RETRIES = 2
 
-# (seq, strings_json, error_info or None)
-Result = tuple[int, bytes, dict[str, Any] | None]
+# (seq, strings_json, error or None)
+Result = tuple[int, bytes, ErrorInfo | None]
 
 # The pipe's wire format (send_bytes/recv_bytes). A task: seq, slot, then the indices
 # as int64; an empty message tells the worker to exit. A result: seq and a flag, then
-# the batch's strings JSON, or (flag 1) the error as JSON. seq -1 is the start-up report.
+# the batch's strings JSON, or (flag 1) its ErrorInfo as JSON. seq -1 is the start-up report.
 _TASK = struct.Struct("<qI")
 _RESULT = struct.Struct("<qB")
 _STOP = b""
@@ -68,17 +70,17 @@ def decode_task(buf: bytes) -> tuple[int, int, list[int]]:
     return seq, slot, memoryview(buf)[_TASK.size :].cast("q").tolist()
 
 
-def encode_result(seq: int, strings: bytes, error: dict[str, Any] | None) -> bytes:
+def encode_result(seq: int, strings: bytes, error: ErrorInfo | None) -> bytes:
     if error is None:
         return _RESULT.pack(seq, 0) + strings
-    return _RESULT.pack(seq, 1) + json.dumps(error, default=str).encode()
+    return _RESULT.pack(seq, 1) + json.dumps(error.to_json(), default=str).encode()
 
 
 def decode_result(buf: bytes) -> Result:
     seq, is_error = _RESULT.unpack_from(buf)
     payload = buf[_RESULT.size :]
     if is_error:
-        return seq, b"", json.loads(payload)
+        return seq, b"", ErrorInfo.from_json(json.loads(payload))
     return seq, payload, None
 
 
@@ -92,18 +94,6 @@ class WorkerSpec:
     ring_size: int
     slot_bytes: int
     seed: int
-
-
-def error_info(exc: BaseException) -> dict[str, Any]:
-    if isinstance(exc, SampleFailure):
-        return exc.info()
-    return {
-        "type": "sample-error",
-        "detail": f"{type(exc).__name__}: {exc}",
-        "index": None,
-        "error_type": type(exc).__name__,
-        "where": traceback.format_exc(limit=-3),
-    }
 
 
 def worker_main(worker_id: int, conn: Connection, spec: WorkerSpec) -> None:
@@ -210,7 +200,7 @@ class WorkerPool:
                     raise RuntimeError(f"worker {w.wid} did not start within 120 s")
                 _, _, error = decode_result(w.conn.recv_bytes())
                 if error is not None:
-                    raise RuntimeError(f"worker {w.wid} failed to start: {error['detail']}")
+                    raise RuntimeError(f"worker {w.wid} failed to start: {error.detail}")
         except BaseException:
             for w in started:
                 w.process.kill()
@@ -339,19 +329,13 @@ class WorkerPool:
                 tries = self._retries.get(seq, 0) + 1
                 self._retries[seq] = tries
                 if tries > MAX_TASK_RETRIES:
-                    self._on_result(
-                        (
-                            seq,
-                            b"",
-                            {
-                                "type": "sample-error",
-                                "detail": f"worker died (exit code {code}) {tries} times producing "
-                                f"the batch of indices {indices[:8]}...",
-                                "index": None,
-                                "error_type": "WorkerDied",
-                            },
-                        )
+                    died = SampleError(
+                        f"worker died (exit code {code}) {tries} times producing "
+                        f"the batch of indices {indices[:8]}...",
+                        index=None,
+                        error_type="WorkerDied",
                     )
+                    self._on_result((seq, b"", died.info()))
                     continue
             self._give(target, seq, slot, indices)
 

@@ -30,7 +30,6 @@ import re
 import resource
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,6 +39,8 @@ from typing import Any
 
 import psutil
 import yaml
+
+from tests.launcher import free_port
 
 # The base image's own environment (python:3.11-slim): what `$PATH` means in ENV.
 BASE_ENV = {
@@ -235,12 +236,6 @@ def parse_dockerfile(
                 "retries": int(opts.get("retries", "3")),
             }
     return image
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

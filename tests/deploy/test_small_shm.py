@@ -14,16 +14,14 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 
 from pinfeed import Client
-from tests.conftest import REPO, free_port
+from tests.launcher import REPO, Server
 
 MiB = 1 << 20
 SHM_SIZE = 64 * MiB
@@ -67,7 +65,7 @@ finally:
     os.close(fd)
     os.unlink("/dev/shm/pinfeed-probe")
 with Loader(sys.argv[3], timeout=60) as loader:
-    out["ring_bytes"] = int(loader.meta["ring_bytes"])
+    out["ring_bytes"] = int(loader.meta.ring_bytes)
     for epoch in range(2):
         for i, (x, y) in enumerate(loader):
             assert loader.ring_contains(x), "not a view into the ring"
@@ -102,49 +100,20 @@ def small_shm_server(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], 
     reason = _small_shm_skip_reason()
     if reason:
         pytest.skip(reason)
-    port = free_port()
-    sock = tmp_path / "run" / "pinfeed.sock"
-    env = {
-        **os.environ,
-        "PINFEED_HOST": "127.0.0.1",
-        "PINFEED_PORT": str(port),
-        "PINFEED_SOCKET": str(sock),
-        "PINFEED_STATE_DIR": str(tmp_path / "state"),
-        "PINFEED_DATA_ROOT": str(tmp_path),  # the socket's grandparent
-        "PINFEED_MAX_SHM_BYTES": str(1024 * MiB),
-        "PYTHONPATH": str(REPO),
-    }
-    env.pop("PINFEED_TOKEN", None)
-    log = tmp_path / "server.log"
     pinfeed = Path(sys.executable).with_name("pinfeed")
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [*SMALL_SHM, str(pinfeed), "serve"],
-            env=env,
-            cwd=REPO,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
+    srv = Server(
+        tmp_path,
+        env={"PINFEED_MAX_SHM_BYTES": str(1024 * MiB)},
+        data=tmp_path,  # the socket's grandparent
+        command=(*SMALL_SHM, str(pinfeed), "serve"),
+    )
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            try:
-                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.05)
-        yield proc, url, sock
+        srv.start()
+        assert srv.proc is not None
+        yield srv.proc, srv.url, srv.socket
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if srv.proc is not None:
+            srv.stop()
 
 
 def test_ring_far_larger_than_a_64mb_dev_shm(

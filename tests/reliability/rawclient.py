@@ -22,19 +22,20 @@ _spec = importlib.util.spec_from_file_location(
 )
 assert _spec is not None and _spec.loader is not None
 p = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = p  # dataclasses look their module up there
 _spec.loader.exec_module(p)
 
 
 def main(path: str, loader: str, mode: str) -> None:
     sock = p.new_socket()
     sock.connect(path)
-    sock.send(p.encode_json(p.ATTACH, {"loader": loader, "version": p.PROTOCOL_VERSION}))
+    sock.send(p.Attach(loader).encode())
     buf = bytearray(p.MAX_MESSAGE)
     n, fds = p.recv_message(sock, buf)
     if buf[0] != p.ATTACHED or len(fds) != 1:
         sys.exit(f"attach failed: {bytes(buf[:n])!r}")
-    meta = p.decode_json(memoryview(buf)[:n])
-    ring = mmap.mmap(fds[0], int(meta["ring_bytes"]))
+    meta = p.Attached.decode(memoryview(buf)[:n])
+    ring = mmap.mmap(fds[0], meta.ring_bytes)
     os.close(fds[0])
     held: list[int] = []
     if mode in ("hold", "wait"):
@@ -42,7 +43,7 @@ def main(path: str, loader: str, mode: str) -> None:
             sock.send(p.encode_release(p.NEXT, held))
             sock.recv_into(buf)
             assert buf[0] == p.BATCH, bytes(buf[:64])
-            held = [p.BATCH_HEAD.unpack_from(buf)[1]]
+            held = [p.decode_batch(buf, p.dims_struct(meta.layout))[0]]
     print("ready", flush=True)
     if mode == "wait":
         sock.send(p.encode_release(p.NEXT, held))

@@ -54,7 +54,7 @@ class Rogue:
         return bytes(self.buf[:n])
 
     def attach(self, loader: str) -> bytes:
-        self.send(p.encode_json(p.ATTACH, {"loader": loader, "version": p.PROTOCOL_VERSION}))
+        self.send(p.Attach(loader).encode())
         return self.recv()
 
     def until_closed(self) -> list[bytes]:
@@ -196,7 +196,7 @@ BEFORE_ATTACH = {
     "attach-nested": NESTED,
     "attach-number-name": b'A{"loader": 5}',
     "attach-bad-member": b'A{"loader": "demo", "member": "zero"}',
-    "attach-long-name": p.encode_json(p.ATTACH, {"loader": "x" * 100_000}),
+    "attach-long-name": p.Attach("x" * 100_000).encode(),
 }
 
 
@@ -240,7 +240,7 @@ def test_fds_smuggled_to_the_server_are_closed(
     mine = [os.open(os.devnull, os.O_RDONLY) for _ in range(8)]
     rogue = Rogue(rserver.socket)
     try:
-        rogue.send(p.encode_json(p.ATTACH, {"loader": rogue_loader}), fds=mine)
+        rogue.send(p.Attach(rogue_loader).encode(), fds=mine)
         assert rogue.recv()[:1] == bytes([p.ATTACHED])
         rogue.send(p.encode_release(p.NEXT, []), fds=mine)
         rogue.send(p.encode_release(p.RELEASE, []), fds=mine)
@@ -278,7 +278,7 @@ AFTER_ATTACH = {
     "unknown-kind": lambda r: r.send(b"Z\0\0\0"),
     "seek-truncated": lambda r: r.send(bytes([p.SEEK, 0, 0])),
     "skip-count-mismatch": lambda r: r.send(p.RELEASE_HEAD.pack(p.SKIP, 3)),
-    "second-attach": lambda r: r.send(p.encode_json(p.ATTACH, {"loader": "demo"})),
+    "second-attach": lambda r: r.send(p.Attach("demo").encode()),
     "server-message-kinds": lambda r: r.send(p.BATCH_HEAD.pack(p.BATCH, 0, 0, 0, 0, 0)),
 }
 
@@ -311,7 +311,7 @@ def test_seek_out_of_range_is_refused_and_the_connection_goes_on(
         for epoch, index in ((0, 10**6), (2**32 - 1, 0)):
             rogue.send(p.POSITION_BODY.pack(p.SEEK, epoch, index))
             (info,) = _errors([rogue.recv()])
-            assert info["type"] == "invalid-request"
+            assert info["type"] == "invalid-position"
         _next(rogue, [])
     finally:
         rogue.close()

@@ -159,7 +159,7 @@ def test_loaders_serve_after_restart(crash: Crash) -> None:
         for name in LOADERS:
             wait_for(lambda n=name: admin.loader(n)["state"] == "ready", f"{name} ready", 30)
     with Loader("crash-a", socket=crash.server.socket) as loader:
-        epoch, start = loader.meta["epoch"], loader.meta["position"]
+        epoch, start = loader.meta.epoch, loader.meta.position
         for index, batch in enumerate(loader, start=start):
             assert_same(batch, crash.refs["crash-a"][epoch][index], f"batch {index}")
 

@@ -49,7 +49,7 @@ def _attach_as(uid: int, path: str, loader: str, gid: int | None = None) -> int:
                 os._exit(2)
             buf = bytearray(p.MAX_MESSAGE)
             try:  # the server may hang up before or after our ATTACH
-                s.send(p.encode_json(p.ATTACH, {"loader": loader}))
+                s.send(p.Attach(loader).encode())
                 n, fds = p.recv_message(s, buf)
                 code = 1 if fds or (n and buf[0] == p.ATTACHED) else 4 if n else 0
             except (BrokenPipeError, ConnectionResetError):

@@ -30,7 +30,7 @@ def run(socket: str, loader: str, conn: Connection, batches: int, then: str) -> 
     server produces it). Any exception is reported as ("error", type, message)."""
     try:
         lo = Loader(loader, socket=socket)
-        conn.send(("attached", lo.meta["epoch"], lo.meta["position"]))
+        conn.send(("attached", lo.meta.epoch, lo.meta.position))
         got = 0
         while True:
             for _x, y in lo:

@@ -1,0 +1,190 @@
+"""The wire format in-process: every message kind round-trips through its encoder and
+decoder, malformed control messages are refused, and docs/protocol.md names every
+kind and every error slug."""
+
+from __future__ import annotations
+
+import struct
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from pinfeed import _protocol as p
+
+REPO = Path(__file__).resolve().parents[2]
+
+LAYOUT = p.Layout(
+    treedef=["list", [["leaf", 0], ["dict", [["label", ["leaf", 1]], ["name", ["leaf", 2]]]]]],
+    leaves=(
+        p.Leaf("tensor", "float32", (3, 8, 8), 0, 3 * 64 * 4 * 4, 4),
+        p.Leaf("tensor", "int64", (), 3072, 64, 8),
+        p.Leaf("str", "", (), 3136, 0),
+    ),
+    batch_size=4,
+    slot_bytes=3136,
+)
+ATTACHED = p.Attached(
+    loader="demo",
+    member=1,
+    ring_bytes=6 * 3136,
+    nslots=6,
+    slot_bytes=3136,
+    layout=LAYOUT,
+    batches_per_epoch=25,
+    batch_size=4,
+    pin_memory=True,
+    group_size=2,
+    group_mode="split",
+    epoch=3,
+    position=7,
+)
+
+
+def _batch() -> bytes:
+    parts = p.batch_parts(5, 2**40, 3, 7, p.pack_dims(LAYOUT, 4), b'[["a","b","c","d"]]')
+    return b"".join(parts)
+
+
+# kind -> (a message of that kind, a check that decoding it gives back what went in)
+ROUND_TRIPS: dict[int, tuple[bytes, Callable[[bytes], object]]] = {
+    p.ATTACH: (p.Attach("demo", 1).encode(), lambda m: p.Attach.decode(m) == p.Attach("demo", 1)),
+    p.NEXT: (
+        p.encode_release(p.NEXT, [4], 1500),
+        lambda m: p.decode_release(m) == ([4], 1500),
+    ),
+    p.RELEASE: (
+        p.encode_release(p.RELEASE, [1, 2, 3]),
+        lambda m: p.decode_release(m) == ([1, 2, 3], 0),
+    ),
+    p.SKIP: (p.encode_release(p.SKIP, []), lambda m: p.decode_release(m) == ([], 0)),
+    p.SEEK: (p.encode_position(p.SEEK, 2, 9), lambda m: p.decode_position(m) == (2, 9)),
+    p.CUDA: (bytes([p.CUDA]), lambda m: m == b"C"),
+    p.ATTACHED: (ATTACHED.encode(), lambda m: p.Attached.decode(m) == ATTACHED),
+    p.BATCH: (
+        _batch(),
+        lambda m: (
+            p.decode_batch(m, p.dims_struct(LAYOUT))
+            == (5, 2**40, 3, 7, (4, 3, 8, 8, 4), b'[["a","b","c","d"]]')
+        ),
+    ),
+    p.END: (p.encode_end(4, 99), lambda m: p.decode_end(m) == (4, 99)),
+    p.POSITION: (p.encode_position(p.POSITION, 1, 0), lambda m: p.decode_position(m) == (1, 0)),
+    p.ERROR: (
+        p.ErrorInfo.of("sample-error", "sample 13 raised", index=13, error_type="E")
+        .at(2, 3)
+        .encode(),
+        lambda m: (
+            p.ErrorInfo.decode(m)
+            == p.ErrorInfo(
+                "sample-error", "sample 13 raised", False, 2, 3, {"index": 13, "error_type": "E"}
+            )
+        ),
+    ),
+}
+
+
+def test_every_kind_round_trips() -> None:
+    assert set(ROUND_TRIPS) == set(p.KIND_NAMES)
+    for kind, (message, check) in ROUND_TRIPS.items():
+        assert message[0] == kind, p.KIND_NAMES[kind]
+        assert len(message) <= p.MAX_MESSAGE
+        assert check(message), p.KIND_NAMES[kind]
+
+
+def test_kinds_are_distinct_bytes() -> None:
+    assert len(set(p.KIND_NAMES)) == len(p.KIND_NAMES) == len(set(p.KIND_NAMES.values()))
+
+
+def test_batch_parts_are_what_the_server_sends() -> None:
+    head, dims, strings = p.batch_parts(1, 2, 3, 4, b"", b"xy")
+    assert p.BATCH_HEAD.unpack(head) == (p.BATCH, 1, 2, 3, 4, 2)
+    assert (dims, strings) == (b"", b"xy")
+
+
+def test_dims_are_rows_then_shape_of_each_tensor_leaf() -> None:
+    dims = p.pack_dims(LAYOUT, 3)
+    assert p.dims_struct(LAYOUT).unpack(dims) == (3, 3, 8, 8, 3)
+    assert struct.calcsize(p.dims_struct(LAYOUT).format) == len(dims)
+
+
+def test_layout_json_round_trips_and_sizes_rows() -> None:
+    assert p.Layout.from_json(LAYOUT.to_json()) == LAYOUT
+    assert LAYOUT.leaves[0].row_bytes == 3 * 8 * 8 * 4
+    assert LAYOUT.has_strings
+    assert LAYOUT.describe() == [
+        {"dtype": "float32", "shape": [3, 8, 8]},
+        {"label": {"dtype": "int64", "shape": []}, "name": {"kind": "str"}},
+    ]
+
+
+def test_release_wait_is_optional_and_bounded() -> None:
+    bare = p.RELEASE_HEAD.pack(p.RELEASE, 1) + p.SLOT.pack(7)
+    assert p.decode_release(bare) == ([7], None)
+    assert p.decode_release(p.encode_release(p.NEXT, [1], 2**40)) == ([1], 0xFFFFFFFF)
+    for bad in (b"N", p.RELEASE_HEAD.pack(p.NEXT, 2) + p.SLOT.pack(0)):
+        with pytest.raises(ValueError):
+            p.decode_release(bad)
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        b"A",
+        b'A{"loader": "de',
+        b"A[1, 2]",
+        b"A\xff\xfe",
+        b"A" + b"[" * 100_000,
+        b'A{"loader": 5, "version": 2}',
+        b'A{"loader": "x"}',
+        b'A{"loader": "x", "version": 2, "member": "zero"}',
+        b'A{"loader": "x", "version": 2, "member": true}',
+        b'N{"loader": "x", "version": 2}',
+    ],
+)
+def test_a_malformed_attach_is_a_value_error(message: bytes) -> None:
+    with pytest.raises(ValueError):
+        p.Attach.decode(message)
+
+
+def test_error_fatal_flag_comes_from_its_kind_and_travels() -> None:
+    for slug, fatal in p.ERROR_KINDS.items():
+        info = p.ErrorInfo.of(slug, "d")
+        assert info.fatal is fatal
+        assert p.ErrorInfo.decode(info.encode()) == info
+    # A slug this client does not know still says whether the connection goes on.
+    future = p.ErrorInfo("from-the-future", "d", fatal=False)
+    assert p.ErrorInfo.decode(future.encode()).fatal is False
+    assert p.ErrorInfo.decode(b'X{"type": "from-the-future", "detail": "d"}').fatal is True
+
+
+def test_attached_ignores_fields_it_does_not_know() -> None:
+    newer = ATTACHED.encode()[:-1] + b',"drop_last":true}'
+    assert p.Attached.decode(newer) == ATTACHED
+
+
+def test_docs_table_names_every_kind_and_slug() -> None:
+    doc = (REPO / "docs" / "protocol.md").read_text()
+    for kind, name in p.KIND_NAMES.items():
+        assert f"| {name} | `{chr(kind)}` |" in doc, name
+    for slug in p.ERROR_KINDS:
+        assert f"| `{slug}` | {'yes' if p.ERROR_KINDS[slug] else 'no'} |" in doc, slug
+    for body in ("BATCH_HEAD", "END_BODY", "POSITION_BODY", "RELEASE_HEAD"):
+        assert f"`{getattr(p, body).format}`" in doc, body
+
+
+def test_the_module_loads_by_path_without_torch_or_pinfeed() -> None:
+    """What tests/reliability/rawclient.py relies on: a stdlib-only trainer."""
+    path = str(REPO / "client" / "_protocol.py")
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('wire', {path!r})\n"
+        "m = importlib.util.module_from_spec(spec); sys.modules['wire'] = m\n"
+        "spec.loader.exec_module(m)\n"
+        "assert m.Attach.decode(m.Attach('x').encode()).loader == 'x'\n"
+        "bad = sorted(n for n in sys.modules if n.split('.')[0] in ('torch', 'numpy', 'pinfeed'))\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-I", "-c", code], check=True, timeout=60)
