@@ -204,21 +204,33 @@ class Service:
             raise errors.InvalidRequest(
                 f"reading sample {first} to size the ring raised {type(exc).__name__}: {exc}"
             ) from None
-        need = ring_slots(cfg) * layout.slot_bytes
-        free = max(0, self.settings.max_shm_bytes - self.shm_used())
+        self._admit(cfg, ring_slots(cfg), layout.slot_bytes)
+        engine = LoaderEngine(cfg, ds, row["kind"], row["params"], self.context, layout)
+        self.loaders[cfg.name] = engine
+        engine.start()
+        return engine
+
+    def _admit(
+        self,
+        cfg: LoaderConfig,
+        nslots: int,
+        slot_bytes: int,
+        replaces: LoaderEngine | None = None,
+    ) -> None:
+        """Refuse a loader (new, or ``replaces``'s new config) that the server-wide
+        limits cannot take: the one place for them, at create, restart and PATCH."""
+        need = nslots * slot_bytes
+        used = self.shm_used() - (replaces.nslots * replaces.layout.slot_bytes if replaces else 0)
+        free = max(0, self.settings.max_shm_bytes - used)
         if need > free:
             raise errors.InsufficientMemory(
                 f"loader {cfg.name!r} needs a ring of {need} bytes "
-                f"({ring_slots(cfg)} slots x {layout.slot_bytes}); {free} bytes of "
+                f"({nslots} slots x {slot_bytes}); {free} bytes of "
                 f"PINFEED_MAX_SHM_BYTES={self.settings.max_shm_bytes} are free. Lower "
                 "batch_size, num_workers or prefetch_factor, or raise the budget",
                 need_bytes=need,
                 free_bytes=free,
             )
-        engine = LoaderEngine(cfg, ds, row["kind"], row["params"], self.context, layout)
-        self.loaders[cfg.name] = engine
-        engine.start()
-        return engine
 
     def _engine(self, name: str) -> LoaderEngine:
         engine = self.loaders.get(name)
@@ -304,6 +316,8 @@ class Service:
             cfg = engine.config
             num_workers = cfg.num_workers if body.num_workers is None else body.num_workers
             prefetch = cfg.prefetch_factor if body.prefetch_factor is None else body.prefetch_factor
+            new = cfg.model_copy(update={"num_workers": num_workers, "prefetch_factor": prefetch})
+            self._admit(new, engine.nslots, engine.layout.slot_bytes, replaces=engine)
             try:
                 engine.reconfigure(num_workers, prefetch)
             except ValueError as exc:
