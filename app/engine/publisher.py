@@ -23,7 +23,7 @@ from pinfeed_server.engine.stats import LoaderStats
 log = logging.getLogger("pinfeed.loader")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class InFlight:
     """A submitted task, as the publisher needs it."""
 
