@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, RootModel, create_model
 
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
-Name = Field(
-    pattern=NAME_PATTERN,
-    description="letters, digits, '.', '_' and '-'; 1-63 chars",
-    examples=["demo"],
+from pinfeed_server.datasets import KINDS, Kind
+from pinfeed_server.datasets.base import Params
+from pinfeed_server.engine.config import (
+    MAX_PREFETCH,
+    MAX_WORKERS,
+    LoaderConfig,
+    LoaderFields,
+    Name,
 )
-
-DatasetKind = Literal["synthetic", "tensors", "npy", "python", "images"]
-LoaderState = Literal["starting", "ready", "failed", "draining", "closed"]
+from pinfeed_server.engine.status import LoaderStatus
 
 DEMO_PARAMS: dict[str, Any] = {
     "length": 100,
@@ -27,11 +28,50 @@ DEMO_PARAMS: dict[str, Any] = {
 DEMO_BATCH: list[Any] = [{"dtype": "int64", "shape": [3, 64, 64]}, {"dtype": "int64", "shape": []}]
 
 
-class DatasetCreate(BaseModel):
+class _DatasetCreateBase(BaseModel):
     """A dataset: a kind and its parameters. File paths are relative to the data root."""
 
+    model_config = ConfigDict(extra="forbid")
+    name: str = Name
+    kind: str
+    params: Params
+
+
+def _literal(*values: str) -> Any:
+    """``Literal[values]`` for values known only at run time (the registered kinds)."""
+    return Literal.__getitem__(values)
+
+
+def _create_model(kind: Kind[Any]) -> type[_DatasetCreateBase]:
+    """``{name, kind: <kind>, params: <the kind's params model>}``."""
+    optional = not any(f.is_required() for f in kind.params.model_fields.values())
+    params = Field(default_factory=kind.params) if optional else Field()
+    model: type[_DatasetCreateBase] = create_model(
+        "DatasetCreate" + kind.name.title().replace("_", ""),
+        __base__=_DatasetCreateBase,
+        __doc__=kind.summary,
+        kind=(_literal(kind.name), Field(description=kind.summary)),
+        params=(kind.params, params),
+    )
+    return model
+
+
+if TYPE_CHECKING:
+    DatasetCreateBody = _DatasetCreateBase
+    DatasetKind = str
+else:
+    DatasetKind = _literal(*KINDS)
+    DatasetCreateBody = Annotated[
+        Union[tuple(_create_model(k) for k in KINDS.values())],  # noqa: UP007
+        Field(discriminator="kind"),
+    ]
+
+
+class DatasetCreate(RootModel[DatasetCreateBody]):
+    """A dataset: a kind and its parameters (one schema per kind, chosen by ``kind``).
+    File paths are relative to the data root."""
+
     model_config = ConfigDict(
-        extra="forbid",
         json_schema_extra={
             "examples": [
                 {"name": "demo", "kind": "synthetic", "params": DEMO_PARAMS},
@@ -44,9 +84,20 @@ class DatasetCreate(BaseModel):
             ]
         },
     )
-    name: str = Name
-    kind: DatasetKind = Field(description="synthetic, tensors (.pt/.safetensors), npy, python")
-    params: dict[str, Any] = Field(default_factory=dict, description="kind-specific parameters")
+
+    @property
+    def name(self) -> str:
+        return self.root.name
+
+    @property
+    def kind(self) -> str:
+        return self.root.kind
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """The params as given (defaults not filled in), for the registry."""
+        params: dict[str, Any] = self.root.params.model_dump(mode="json", exclude_unset=True)
+        return params
 
 
 class DatasetPublic(BaseModel):
@@ -74,11 +125,10 @@ class DatasetPublic(BaseModel):
     created_at: float = Field(description="Unix time")
 
 
-class LoaderCreate(BaseModel):
+class LoaderCreate(LoaderFields):
     """DataLoader's arguments, with DataLoader's defaults."""
 
     model_config = ConfigDict(
-        extra="forbid",
         json_schema_extra={
             "examples": [
                 {
@@ -93,52 +143,6 @@ class LoaderCreate(BaseModel):
             ]
         },
     )
-    name: str = Name
-    dataset: str = Name
-    batch_size: int = Field(1, ge=1, le=1 << 20)
-    shuffle: bool = False
-    seed: int | None = Field(
-        None, ge=0, lt=2**63, description="shuffle seed; the server picks one if null"
-    )
-    drop_last: bool = False
-    num_workers: int = Field(0, ge=0, le=256, description="0: batches are built in the server")
-    pin_memory: bool = False
-    prefetch_factor: int = Field(
-        2,
-        ge=1,
-        le=1024,
-        description="batches made ahead: num_workers * prefetch_factor (1 with no workers)",
-    )
-    rank: int = Field(0, ge=0, description="this loader's rank (DistributedSampler semantics)")
-    world_size: int | None = Field(
-        None,
-        ge=1,
-        le=1 << 20,
-        description="shard like DistributedSampler(num_replicas=world_size, rank=rank); "
-        "null: no sharding (RandomSampler/SequentialSampler semantics)",
-    )
-    group_size: int = Field(
-        1, ge=1, le=1024, description="trainer processes that attach to this loader as a group"
-    )
-    group_mode: Literal["broadcast", "split"] = Field(
-        "broadcast",
-        description="broadcast: every member gets every batch from one shared slot; "
-        "split: member i gets batches i, i+group_size, ... of each epoch",
-    )
-    group_timeout_s: float = Field(
-        300.0, gt=0, le=86400, description="how long a group waits for a member that left"
-    )
-    on_error: Literal["raise", "skip"] = Field(
-        "raise", description="a sample that raises: raise in the trainer, or skip its batch"
-    )
-
-    @model_validator(mode="after")
-    def _rank_in_world(self) -> LoaderCreate:
-        if self.world_size is not None and self.rank >= self.world_size:
-            raise ValueError(f"rank {self.rank} must be < world_size {self.world_size}")
-        if self.world_size is None and self.rank != 0:
-            raise ValueError("rank needs world_size")
-        return self
 
 
 class LoaderPatch(BaseModel):
@@ -147,31 +151,15 @@ class LoaderPatch(BaseModel):
     model_config = ConfigDict(
         extra="forbid", json_schema_extra={"examples": [{"num_workers": 4, "prefetch_factor": 2}]}
     )
-    num_workers: int | None = Field(None, ge=1, le=256)
-    prefetch_factor: int | None = Field(None, ge=1, le=1024)
+    num_workers: int | None = Field(None, ge=1, le=MAX_WORKERS)
+    prefetch_factor: int | None = Field(None, ge=1, le=MAX_PREFETCH)
 
 
-class SlotCounts(BaseModel):
-    """Ring slots by state: free -> filling -> ready -> leased -> free."""
-
-    free: int
-    filling: int
-    ready: int
-    leased: int
-    total: int
-
-
-class MemberPublic(BaseModel):
-    member: int
-    attached: bool
-    position: list[int] = Field(description="[epoch, index] of the member's next batch")
-    cuda_registered: bool
-
-
-class LoaderPublic(BaseModel):
+class LoaderPublic(LoaderStatus, LoaderConfig):
     """A loader's config and live status."""
 
     model_config = ConfigDict(
+        json_schema_serialization_defaults_required=True,
         json_schema_extra={
             "examples": [
                 {
@@ -200,39 +188,9 @@ class LoaderPublic(BaseModel):
                     "batch": DEMO_BATCH,
                 }
             ]
-        }
+        },
     )
-    name: str
-    dataset: str
-    batch_size: int
-    shuffle: bool
-    seed: int
-    drop_last: bool
-    num_workers: int
-    pin_memory: bool
-    prefetch_factor: int
-    rank: int = 0
-    world_size: int | None = None
-    group_size: int = 1
-    group_mode: Literal["broadcast", "split"] = "broadcast"
-    group_timeout_s: float = 300.0
-    on_error: Literal["raise", "skip"] = "raise"
     created_at: float = Field(description="Unix time")
-    state: LoaderState
-    failure: dict[str, Any] | None = Field(None, description="why the loader failed, if it did")
-    batches_per_epoch: int
-    ring_bytes: int
-    slot_bytes: int
-    slots: SlotCounts
-    page_locked: bool = Field(description="the ring is mlock'ed (page-locked) in the server")
-    consumer_attached: bool
-    consumer_cuda_registered: bool = Field(description="the consumer registered the ring with CUDA")
-    epoch: int = Field(description="epoch of the next batch handed to the consumer")
-    position: int = Field(description="index in its epoch of the next batch")
-    worker_restarts: int
-    members: list[MemberPublic] = Field(
-        default_factory=list, description="consumer group members (one for a plain loader)"
-    )
     batch: Any = Field(None, description="one batch's structure with shapes and dtypes")
 
 

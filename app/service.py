@@ -21,27 +21,20 @@ import torch
 from pinfeed_server import errors
 from pinfeed_server.datasets import DatasetContext, DatasetError, build_dataset
 from pinfeed_server.engine.collate import LayoutError, probe
+from pinfeed_server.engine.config import LoaderConfig, make_sampler, ring_slots
 from pinfeed_server.engine.dataplane import DataPlaneServer
-from pinfeed_server.engine.loader import LoaderConfig, LoaderEngine, make_sampler, ring_slots
+from pinfeed_server.engine.loader import LoaderEngine
+from pinfeed_server.engine.producers import configure_forkserver
 from pinfeed_server.engine.stats import LoaderStats
-from pinfeed_server.engine.workers import configure_forkserver
+from pinfeed_server.engine.status import LoaderStatus
 from pinfeed_server.registry import DuplicateName, Registry
-from pinfeed_server.schemas import DatasetCreate, LoaderCreate, LoaderPatch
+from pinfeed_server.schemas import DEMO_PARAMS, DatasetCreate, LoaderCreate, LoaderPatch
 from pinfeed_server.settings import Settings
 
 log = logging.getLogger("pinfeed")
 
-DEMO_DATASET = DatasetCreate(
-    name="demo",
-    kind="synthetic",
-    params={
-        "length": 100,
-        "seed": 0,
-        "fields": [
-            {"shape": [3, 64, 64], "dtype": "int64", "low": 0, "high": 10},
-            {"shape": [], "dtype": "int64", "low": 0, "high": 2},
-        ],
-    },
+DEMO_DATASET = DatasetCreate.model_validate(
+    {"name": "demo", "kind": "synthetic", "params": DEMO_PARAMS}
 )
 DEMO_LOADER = LoaderCreate(name="demo", dataset="demo", batch_size=10)
 
@@ -141,9 +134,10 @@ class Service:
             if any(d["name"] == body.name for d in self.registry.datasets()):
                 raise errors.Conflict(f"dataset {body.name!r} exists; delete it first")
             self._datasets.pop(body.name, None)
-            self._open(body.name, body.kind, body.params)
+            params = body.params
+            self._open(body.name, body.kind, params)
             try:
-                self.registry.add_dataset(body.name, body.kind, body.params)
+                self.registry.add_dataset(body.name, body.kind, params)
             except DuplicateName:
                 raise errors.Conflict(f"dataset {body.name!r} exists") from None
             return self.describe_dataset(body.name)
@@ -194,7 +188,7 @@ class Service:
     def _start_loader(self, dataset_name: str, config: dict[str, Any]) -> LoaderEngine:
         row = self._dataset_row(dataset_name)
         ds = self._open(dataset_name, row["kind"], row["params"])
-        cfg = LoaderConfig(dataset=dataset_name, **config)
+        cfg = LoaderConfig.model_validate({**config, "dataset": dataset_name})
         sampler = make_sampler(cfg, len(ds))
         if len(sampler) == 0:
             raise errors.InvalidRequest(
@@ -210,21 +204,33 @@ class Service:
             raise errors.InvalidRequest(
                 f"reading sample {first} to size the ring raised {type(exc).__name__}: {exc}"
             ) from None
-        need = ring_slots(cfg) * layout.slot_bytes
-        free = max(0, self.settings.max_shm_bytes - self.shm_used())
+        self._admit(cfg, ring_slots(cfg), layout.slot_bytes)
+        engine = LoaderEngine(cfg, ds, row["kind"], row["params"], self.context, layout)
+        self.loaders[cfg.name] = engine
+        engine.start()
+        return engine
+
+    def _admit(
+        self,
+        cfg: LoaderConfig,
+        nslots: int,
+        slot_bytes: int,
+        replaces: LoaderEngine | None = None,
+    ) -> None:
+        """Refuse a loader (new, or ``replaces``'s new config) that the server-wide
+        limits cannot take: the one place for them, at create, restart and PATCH."""
+        need = nslots * slot_bytes
+        used = self.shm_used() - (replaces.nslots * replaces.layout.slot_bytes if replaces else 0)
+        free = max(0, self.settings.max_shm_bytes - used)
         if need > free:
             raise errors.InsufficientMemory(
                 f"loader {cfg.name!r} needs a ring of {need} bytes "
-                f"({ring_slots(cfg)} slots x {layout.slot_bytes}); {free} bytes of "
+                f"({nslots} slots x {slot_bytes}); {free} bytes of "
                 f"PINFEED_MAX_SHM_BYTES={self.settings.max_shm_bytes} are free. Lower "
                 "batch_size, num_workers or prefetch_factor, or raise the budget",
                 need_bytes=need,
                 free_bytes=free,
             )
-        engine = LoaderEngine(cfg, ds, row["kind"], row["params"], self.context, layout)
-        self.loaders[cfg.name] = engine
-        engine.start()
-        return engine
 
     def _engine(self, name: str) -> LoaderEngine:
         engine = self.loaders.get(name)
@@ -243,19 +249,8 @@ class Service:
             **row["config"],
             "dataset": row["dataset"],
             "created_at": row["created_at"],
-            "state": "failed",
-            "failure": {"type": "loader-failed", "detail": row["detail"]},
-            "batches_per_epoch": 0,
-            "ring_bytes": 0,
-            "slot_bytes": 0,
-            "slots": {"free": 0, "filling": 0, "ready": 0, "leased": 0, "total": 0},
-            "page_locked": False,
-            "consumer_attached": False,
-            "consumer_cuda_registered": False,
-            "epoch": 0,
-            "position": 0,
-            "worker_restarts": 0,
             "batch": None,
+            **LoaderStatus.unstarted(row["detail"]).model_dump(),
         }
 
     def describe_loader(self, name: str) -> dict[str, Any]:
@@ -263,12 +258,11 @@ class Service:
             return self._describe_unstarted(self._unstarted[name])
         engine = self._engine(name)
         created = next((r["created_at"] for r in self.registry.loaders() if r["name"] == name), 0.0)
-        cfg = engine.config
         return {
-            **cfg.__dict__,
+            **engine.config.model_dump(),
             "created_at": created,
             "batch": engine.layout.describe(),
-            **engine.public_status(),
+            **engine.status().model_dump(),
         }
 
     def list_loaders(self) -> list[dict[str, Any]]:
@@ -295,7 +289,7 @@ class Service:
                     "name": name,
                     "dataset": engine.config.dataset,
                     "batch_size": engine.config.batch_size,
-                    **engine.public_status(),
+                    **engine.status().model_dump(),
                     **engine.stats_snapshot(),
                     "bytes_consumed": engine.stats.bytes_consumed,
                     "consumer_wait_s": engine.stats.wait_s,
@@ -322,6 +316,8 @@ class Service:
             cfg = engine.config
             num_workers = cfg.num_workers if body.num_workers is None else body.num_workers
             prefetch = cfg.prefetch_factor if body.prefetch_factor is None else body.prefetch_factor
+            new = cfg.model_copy(update={"num_workers": num_workers, "prefetch_factor": prefetch})
+            self._admit(new, engine.nslots, engine.layout.slot_bytes, replaces=engine)
             try:
                 engine.reconfigure(num_workers, prefetch)
             except ValueError as exc:

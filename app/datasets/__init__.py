@@ -1,28 +1,42 @@
-"""Dataset kinds: one module each, built from ``{kind, params}``."""
+"""Dataset kinds: one module each, registered here once (``KINDS``).
+
+A kind module declares ``KIND = Kind(name, ParamsModel, build, __doc__)``; the HTTP
+schema of ``POST /v1/datasets`` (one ``params`` schema per kind) and
+``build_dataset`` both read ``KINDS``. A new kind is a module and one line below.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from pinfeed_server.datasets import images, npy, python, synthetic, tensors
-from pinfeed_server.datasets.base import BatchFetcher, DatasetContext, DatasetError, MapDataset
+from pinfeed_server.datasets.base import (
+    BatchFetcher,
+    DatasetContext,
+    DatasetError,
+    Kind,
+    MapDataset,
+)
 
-KINDS: dict[str, Callable[[dict[str, Any], DatasetContext], Any]] = {
-    "synthetic": synthetic.build,
-    "tensors": tensors.build,
-    "npy": npy.build,
-    "python": python.build,
-    "images": images.build,
+KINDS: dict[str, Kind[Any]] = {
+    k.name: k for k in (synthetic.KIND, tensors.KIND, npy.KIND, python.KIND, images.KIND)
 }
 
 
 def build_dataset(kind: str, params: dict[str, Any], ctx: DatasetContext) -> Any:
     try:
-        builder = KINDS[kind]
+        spec = KINDS[kind]
     except KeyError:
         raise DatasetError(f"unknown dataset kind {kind!r}; one of {sorted(KINDS)}") from None
-    return builder(params, ctx)
+    return spec(params, ctx)
 
 
-__all__ = ["KINDS", "BatchFetcher", "DatasetContext", "DatasetError", "MapDataset", "build_dataset"]
+__all__ = [
+    "KINDS",
+    "BatchFetcher",
+    "DatasetContext",
+    "DatasetError",
+    "Kind",
+    "MapDataset",
+    "build_dataset",
+]

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -86,3 +86,21 @@ def parse_params(model: type[P], params: dict[str, Any]) -> P:
             f"{'.'.join(map(str, e['loc'])) or 'params'}: {e['msg']}" for e in exc.errors()
         )
         raise DatasetError(f"invalid params: {problems}") from None
+
+
+@dataclass(frozen=True)
+class Kind(Generic[P]):
+    """A dataset kind: its name, its params model (validation and the OpenAPI schema
+    of ``POST /v1/datasets``) and how to build the dataset from validated params."""
+
+    name: str
+    params: type[P]
+    build: Callable[[P, DatasetContext], Any]
+    doc: str | None = None  # the kind module's docstring; its first line is the summary
+
+    @property
+    def summary(self) -> str:
+        return (self.doc or self.name).strip().splitlines()[0]
+
+    def __call__(self, params: dict[str, Any], ctx: DatasetContext) -> Any:
+        return self.build(parse_params(self.params, params), ctx)

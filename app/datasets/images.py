@@ -28,7 +28,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from pydantic import Field
 
-from pinfeed_server.datasets.base import DatasetContext, DatasetError, Params, parse_params
+from pinfeed_server.datasets.base import DatasetContext, DatasetError, Kind, Params
 
 EXTENSIONS = (".jpg", ".jpeg", ".png")
 
@@ -159,6 +159,8 @@ class ImagesDataset:
         return f"ImagesDataset({len(self.samples)} images, {len(self.classes)} classes)"
 
 
-def build(params: dict[str, Any], ctx: DatasetContext) -> ImagesDataset:
-    p = parse_params(ImagesParams, params)
+def build(p: ImagesParams, ctx: DatasetContext) -> ImagesDataset:
     return ImagesDataset(ctx.resolve_dir(p.path), ctx.data_root.resolve(), p.size)
+
+
+KIND = Kind("images", ImagesParams, build, __doc__)

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pinfeed_server.datasets.base import DatasetContext, DatasetError, Params, parse_params
+from pinfeed_server.datasets.base import DatasetContext, DatasetError, Kind, Params
 
 
 class NpyParams(Params):
@@ -61,8 +61,7 @@ class NpyDataset:
             torch.index_select(t, 0, idx, out=o)
 
 
-def build(params: dict[str, Any], ctx: DatasetContext) -> NpyDataset:
-    p = parse_params(NpyParams, params)
+def build(p: NpyParams, ctx: DatasetContext) -> NpyDataset:
     if isinstance(p.paths, dict):
         keys: list[str] | None = list(p.paths)
         rels = list(p.paths.values())
@@ -78,3 +77,6 @@ def build(params: dict[str, Any], ctx: DatasetContext) -> NpyDataset:
         except ValueError as exc:
             raise DatasetError(f"{rel}: not a plain .npy array ({exc})") from None
     return NpyDataset(arrays, keys)
+
+
+KIND = Kind("npy", NpyParams, build, __doc__)

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import Field
 
-from pinfeed_server.datasets.base import DatasetContext, DatasetError, Params, parse_params
+from pinfeed_server.datasets.base import DatasetContext, DatasetError, Kind, Params
 
 
 class PythonParams(Params):
@@ -24,8 +24,7 @@ def _allowed(module: str, prefixes: tuple[str, ...]) -> bool:
     return any(module == p or module.startswith(p + ".") for p in prefixes)
 
 
-def build(params: dict[str, Any], ctx: DatasetContext) -> Any:
-    p = parse_params(PythonParams, params)
+def build(p: PythonParams, ctx: DatasetContext) -> Any:
     module_name, attr = p.factory.split(":")
     if not _allowed(module_name, ctx.allowed_plugins):
         raise DatasetError(
@@ -42,3 +41,6 @@ def build(params: dict[str, Any], ctx: DatasetContext) -> Any:
     if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
         raise DatasetError(f"{p.factory} did not return a map-style dataset (__len__, __getitem__)")
     return dataset
+
+
+KIND = Kind("python", PythonParams, build, __doc__)

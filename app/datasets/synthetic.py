@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from pydantic import Field, model_validator
 
-from pinfeed_server.datasets.base import DatasetContext, DatasetError, Params, parse_params
+from pinfeed_server.datasets.base import DatasetContext, DatasetError, Kind, Params
 
 _DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
@@ -111,5 +110,8 @@ class SyntheticDataset:
             self._fill(index, [o[row] for o in out])
 
 
-def build(params: dict[str, Any], ctx: DatasetContext) -> SyntheticDataset:
-    return SyntheticDataset(parse_params(SyntheticParams, params))
+def build(p: SyntheticParams, ctx: DatasetContext) -> SyntheticDataset:
+    return SyntheticDataset(p)
+
+
+KIND = Kind("synthetic", SyntheticParams, build, __doc__)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from pinfeed_server.datasets.base import DatasetContext, DatasetError, Params, parse_params
+from pinfeed_server.datasets.base import DatasetContext, DatasetError, Kind, Params
 
 _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -112,6 +112,8 @@ class TensorsDataset:
             torch.index_select(t, 0, idx, out=o)
 
 
-def build(params: dict[str, Any], ctx: DatasetContext) -> TensorsDataset:
-    p = parse_params(TensorsParams, params)
+def build(p: TensorsParams, ctx: DatasetContext) -> TensorsDataset:
     return TensorsDataset(_load(ctx.resolve(p.path)))
+
+
+KIND = Kind("tensors", TensorsParams, build, __doc__)

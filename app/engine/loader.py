@@ -1,10 +1,14 @@
-"""One loader: sampler -> workers (or an in-process thread) -> in-order publisher.
+"""One loader: batch plan -> producer -> in-order publisher -> consumers.
+
+The plan (``sampler.py``) says which batch comes next; a producer (``producers/``:
+in-process, worker pool, ...) makes it into a free ring slot; the publisher
+(``publisher.py``) hands results to the consumers (``consumers.py``) in plan order,
+with an END marker after each epoch. The engine does not know which producer it has.
 
 Prefetch starts when the loader is created and runs on across epoch boundaries,
-bounded only by free ring slots. Results may finish in any order; the publisher
-hands them to the consumers in sampler order, with an END marker after each epoch.
-``seek`` (set_epoch, resume) moves production to any (epoch, index): work for the
-old position is discarded by sequence number, never published.
+bounded only by free ring slots. ``seek`` (set_epoch, resume) moves production to any
+(epoch, index): work for the old position is discarded by sequence number, never
+published.
 """
 
 from __future__ import annotations
@@ -12,12 +16,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, replace
 from typing import Any
 
 from pinfeed._protocol import ErrorInfo
 from pinfeed_server.datasets import DatasetContext
-from pinfeed_server.engine.collate import Layout, SlotWriter
+from pinfeed_server.engine.collate import Layout
+from pinfeed_server.engine.config import LoaderConfig, make_sampler, prefetch_depth, ring_slots
 from pinfeed_server.engine.consumers import BatchItem, Consumers, EndItem, ErrorItem, Item
 from pinfeed_server.engine.errors import (
     GroupMemberLost,
@@ -25,67 +29,26 @@ from pinfeed_server.engine.errors import (
     LoaderBusy,
     LoaderFailed,
     LoaderStopping,
-    error_info,
 )
+from pinfeed_server.engine.producers import (
+    Producer,
+    ProducerContext,
+    ProducerFactory,
+    Result,
+    Task,
+    make_producer,
+    producer_kind,
+)
+from pinfeed_server.engine.producers.inline import SWITCH
+from pinfeed_server.engine.publisher import Publisher
 from pinfeed_server.engine.ring import Ring, SlotState, SlotTable
-from pinfeed_server.engine.sampler import EpochSampler
+from pinfeed_server.engine.sampler import BatchPlan, with_last
 from pinfeed_server.engine.stats import LoaderStats
-from pinfeed_server.engine.workers import Result, WorkerPool, WorkerSpec
+from pinfeed_server.engine.status import LoaderStatus, MemberStatus, SlotCounts
 
 log = logging.getLogger("pinfeed.loader")
 
 __all__ = ["BatchItem", "EndItem", "ErrorItem", "Item", "LoaderConfig", "LoaderEngine"]
-
-
-@dataclass(frozen=True)
-class LoaderConfig:
-    name: str
-    dataset: str
-    batch_size: int = 1
-    shuffle: bool = False
-    seed: int = 0
-    drop_last: bool = False
-    num_workers: int = 0
-    pin_memory: bool = False
-    prefetch_factor: int = 2
-    rank: int = 0
-    world_size: int | None = None
-    group_size: int = 1
-    group_mode: str = "broadcast"
-    group_timeout_s: float = 300.0
-    on_error: str = "raise"
-
-
-@dataclass(frozen=True)
-class _Task:
-    epoch: int
-    index: int
-    slot: int
-    rows: int
-
-
-def prefetch_depth(config: LoaderConfig) -> int:
-    """Batches being made or ready ahead of the trainers, as DataLoader keeps
-    ``num_workers * prefetch_factor`` in flight (one with ``num_workers=0``)."""
-    return max(1, config.num_workers * config.prefetch_factor)
-
-
-def ring_slots(config: LoaderConfig) -> int:
-    """The prefetch depth, plus two slots per trainer: the batch it is using and the
-    one announced ahead (the client keeps one NEXT in flight)."""
-    return prefetch_depth(config) + 2 * config.group_size
-
-
-def make_sampler(config: LoaderConfig, length: int) -> EpochSampler:
-    return EpochSampler(
-        length,
-        config.batch_size,
-        shuffle=config.shuffle,
-        seed=config.seed,
-        drop_last=config.drop_last,
-        rank=config.rank,
-        world_size=config.world_size,
-    )
 
 
 class LoaderEngine:
@@ -99,11 +62,12 @@ class LoaderEngine:
         params: dict[str, Any],
         context: DatasetContext,
         layout: Layout,
+        producers: ProducerFactory = make_producer,
     ) -> None:
         self.config = config
         self.dataset = dataset
         self.layout = layout
-        self.sampler = make_sampler(config, len(dataset))
+        self.sampler: BatchPlan = make_sampler(config, len(dataset))
         self.batches_per_epoch = len(self.sampler)
         self.state = "starting"
         self.failure: ErrorInfo | None = None
@@ -111,20 +75,23 @@ class LoaderEngine:
         self._kind, self._params, self._context = kind, params, context
         self.nslots = ring_slots(config)
         self.ring: Ring | None = None
-        self._writer: SlotWriter | None = None
+        self._make_producer = producers
+        self.producer: Producer | None = None
         self.slots = SlotTable(self.nslots)
         self.slots.set_limit(prefetch_depth(config))
         self.consumers = Consumers(config.group_size, config.group_mode, self.slots)
-        self.pool: WorkerPool | None = None
         self._stop = threading.Event()
         self._cond = threading.Condition()
-        self._tasks: dict[int, _Task] = {}
-        self._done: dict[int, Result] = {}
-        self._seq = 0  # next sequence number the producer assigns
-        self._next_publish = 0  # next sequence number to publish
+        self.publisher = Publisher(
+            config.name,
+            self.consumers,
+            self.slots,
+            self.stats,
+            layout.slot_bytes,
+            config.on_error,
+        )
         self._gen = 0  # bumped by seek: the producer restarts at _cursor
         self._cursor = (0, 0)  # (epoch, index) the producer makes next
-        self.head = (0, 0)  # (epoch, index) the publisher publishes next
         self.cuda_registered: set[int] = set()
         self._threads: list[threading.Thread] = []
 
@@ -139,23 +106,19 @@ class LoaderEngine:
     def _boot(self) -> None:
         try:
             self.ring = Ring(self.config.name, self.nslots, self.layout.slot_bytes)
-            self._writer = SlotWriter(
-                self.dataset, self.layout, self.ring.base, self.ring.slot_bytes
-            )
-            if self.config.num_workers > 0:
-                spec = WorkerSpec(
-                    self.config.name,
+            self.producer = self._make_producer(
+                ProducerContext(
+                    self.config,
                     self._kind,
                     self._params,
                     self._context,
-                    self.layout.to_json(),
-                    self.ring.size,
-                    self.ring.slot_bytes,
-                    self.config.seed,
+                    self.dataset,
+                    self.layout,
+                    self.ring,
+                    self._on_result,
+                    self._fail,
                 )
-                self.pool = WorkerPool(
-                    spec, self.ring.fd, self.config.num_workers, self._on_result, self._fail
-                )
+            )
         except Exception as exc:
             log.exception("loader %s failed to start", self.config.name)
             self._fail(f"{type(exc).__name__}: {exc}")
@@ -204,11 +167,9 @@ class LoaderEngine:
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(10)
-        if self.pool is not None:
-            self.pool.close()
+        if self.producer is not None:
+            self.producer.close()
         if self.ring is not None:
-            if self._writer is not None:
-                self._writer.close()
             self.ring.close()
         with self._cond:
             self.state = "closed"
@@ -227,8 +188,9 @@ class LoaderEngine:
 
     def _produce_from(self, gen: int, epoch: int, index: int) -> None:
         """Produce from (epoch, index) on until a seek (new generation) or stop."""
+        assert self.producer is not None
         while not self._stop.is_set():
-            for i, indices in enumerate(self.sampler.batches(epoch, index), start=index):
+            for i, indices, last in with_last(self.sampler.batches(epoch, index), index):
                 slot = self.slots.acquire_free(self._stop)
                 if slot is None:
                     return
@@ -236,74 +198,26 @@ class LoaderEngine:
                     if self._gen != gen:
                         self.slots.move(slot, SlotState.FILLING, SlotState.FREE)
                         return
-                    seq = self._seq
-                    self._seq += 1
-                    self._tasks[seq] = _Task(epoch, i, slot, len(indices))
+                    rows = 0 if indices is None else len(indices)
+                    seq = self.publisher.add(epoch, i, slot, rows, last)
                     self._cursor = (epoch, i + 1)
-                if self.pool is not None:
-                    self.pool.submit(seq, slot, indices)
-                else:
-                    self._on_result(self._run_inline(seq, slot, indices))
+                self.producer.submit(Task(seq, epoch, i, slot, indices))
             epoch, index = epoch + 1, 0
             with self._cond:
                 if self._gen != gen:
                     return
                 self._cursor = (epoch, 0)
 
-    def _run_inline(self, seq: int, slot: int, indices: list[int]) -> Result:
-        assert self._writer is not None
-        t0 = time.perf_counter()
-        try:
-            result: Result = (seq, self._writer.write(slot, indices), None)
-        except Exception as exc:
-            result = (seq, b"", error_info(exc))
-        self.stats.add_busy(time.perf_counter() - t0)
-        return result
-
     # -- publisher -----------------------------------------------------------------------
     def _on_result(self, result: Result) -> None:
-        last = self.batches_per_epoch - 1
+        """A producer's result, from any thread, in any order: publish in sampler order."""
         with self._cond:
-            seq = result[0]
-            if seq < self._next_publish:  # produced for a position a seek abandoned
-                task = self._tasks.pop(seq, None)
-                if task is not None:
-                    self.slots.move(task.slot, SlotState.FILLING, SlotState.FREE)
-                return
-            self._done[seq] = result
-            while self._next_publish in self._done:
-                seq, strings, error = self._done.pop(self._next_publish)
-                task = self._tasks.pop(seq)
-                self._next_publish += 1
-                self.head = (task.epoch, task.index + 1)
-                if error is None:
-                    self.slots.move(task.slot, SlotState.FILLING, SlotState.READY)
-                    self.consumers.publish(
-                        BatchItem(task.slot, seq, task.epoch, task.index, task.rows, strings)
-                    )
-                    self.stats.produced(task.rows, self.layout.slot_bytes)
-                else:
-                    self.slots.move(task.slot, SlotState.FILLING, SlotState.FREE)
-                    self._record_error(task, error)
-                    if self.config.on_error == "raise":
-                        self.consumers.publish(ErrorItem(seq, task.epoch, task.index, error))
-                if task.index == last:
-                    self.consumers.publish(EndItem(task.epoch, seq))
-                    self.head = (task.epoch + 1, 0)
+            ended = self.publisher.accept(result)
+            if ended is not None and self._cursor[0] <= ended:
+                # An iterator ran out before the plan did: produce the next epoch.
+                self._gen += 1
+                self._cursor = (ended + 1, 0)
             self._cond.notify_all()
-
-    def _record_error(self, task: _Task, error: ErrorInfo) -> None:
-        self.stats.errors += 1
-        if self.config.on_error == "skip":
-            self.stats.skipped += 1
-        log.warning(
-            "loader %s: batch %d of epoch %d %s: %s",
-            self.config.name,
-            task.index,
-            task.epoch,
-            "skipped" if self.config.on_error == "skip" else "failed",
-            error.detail,
-        )
 
     def reconfigure(self, num_workers: int, prefetch_factor: int) -> None:
         """Apply new ``num_workers``/``prefetch_factor`` live, keeping position and batches.
@@ -311,21 +225,20 @@ class LoaderEngine:
         Raises ValueError when the change needs a different ring (more slots than it
         has) or moves between in-server (0) and worker-process production.
         """
-        new = replace(self.config, num_workers=num_workers, prefetch_factor=prefetch_factor)
+        new = self.config.model_copy(
+            update={"num_workers": num_workers, "prefetch_factor": prefetch_factor}
+        )
         need = ring_slots(new)
-        if (num_workers == 0) != (self.config.num_workers == 0):
-            raise ValueError(
-                "switching between num_workers=0 (in-server) and worker processes needs the "
-                "loader recreated; carry the position with Loader.state_dict()"
-            )
+        if producer_kind(new) != producer_kind(self.config):
+            raise ValueError(SWITCH)
         if need > self.nslots:
             raise ValueError(
                 f"num_workers={num_workers} x prefetch_factor={prefetch_factor} needs {need} "
                 f"ring slots; this loader's ring has {self.nslots}. Lower them, or recreate "
                 "the loader (carry the position with Loader.state_dict())"
             )
-        if self.pool is not None:
-            self.pool.resize(num_workers)
+        if self.producer is not None:
+            self.producer.resize(num_workers)
         self.slots.set_limit(prefetch_depth(new))
         self.config = new
         log.info(
@@ -345,7 +258,7 @@ class LoaderEngine:
                 f"{self.batches_per_epoch} batches per epoch"
             )
         with self._cond:
-            if self.consumers.position(member, self.head) == (epoch, index):
+            if self.consumers.position(member, self.publisher.head) == (epoch, index):
                 return
             self._seek_locked(epoch, index)
         log.info("loader %s: seek to epoch %d batch %d", self.config.name, epoch, index)
@@ -354,13 +267,7 @@ class LoaderEngine:
         """The body of ``seek``, under ``self._cond``."""
         self._gen += 1
         self._cursor = (epoch, index)
-        self.head = (epoch, index)
-        self._next_publish = self._seq
-        for seq in [s for s in self._done if s < self._seq]:
-            self._done.pop(seq)
-            task = self._tasks.pop(seq)
-            self.slots.move(task.slot, SlotState.FILLING, SlotState.FREE)
-        self.consumers.reset()
+        self.publisher.restart(epoch, index)
         self._cond.notify_all()
 
     def skip_epoch(self, member: int) -> EndItem | None:
@@ -372,11 +279,11 @@ class LoaderEngine:
         with self._cond:
             if self.consumers.size != 1:
                 return None
-            epoch, index = self.consumers.position(member, self.head)
+            epoch, index = self.consumers.position(member, self.publisher.head)
             if index == 0:
                 return None
             self._seek_locked(epoch + 1, 0)
-            return EndItem(epoch, max(0, self._next_publish - 1))
+            return EndItem(epoch, max(0, self.publisher.next_publish - 1))
 
     # -- consumer side (called from the data-plane threads) ------------------------------
     def attach(self, member: int | None, wait_s: float = 2.0) -> int:
@@ -405,7 +312,7 @@ class LoaderEngine:
 
     def position(self, member: int) -> tuple[int, int]:
         with self._cond:
-            return self.consumers.position(member, self.head)
+            return self.consumers.position(member, self.publisher.head)
 
     def next_item(self, member: int, stop: threading.Event, timeout: float = 0.5) -> Item | None:
         """The member's next item in sampler order, or None if none came within
@@ -437,37 +344,37 @@ class LoaderEngine:
         return item
 
     def stats_snapshot(self) -> dict[str, Any]:
-        busy = self.pool.busy_seconds() if self.pool else 0.0
+        busy = self.producer.busy_seconds() if self.producer else 0.0
         with self._cond:
             members = max(1, self.consumers.attached)
         return self.stats.snapshot(busy, self.config.num_workers, members)
 
-    def public_status(self) -> dict[str, Any]:
+    def status(self) -> LoaderStatus:
         ring = self.ring
         with self._cond:
-            head = self.head
+            head = self.publisher.head
             members = [
-                {
-                    "member": m.index,
-                    "attached": m.connected,
-                    "position": list(self.consumers.position(m.index, head)),
-                    "cuda_registered": m.index in self.cuda_registered,
-                }
+                MemberStatus(
+                    member=m.index,
+                    attached=m.connected,
+                    position=list(self.consumers.position(m.index, head)),
+                    cuda_registered=m.index in self.cuda_registered,
+                )
                 for m in self.consumers.members
             ]
-        first = self.consumers.position(0, head)
-        return {
-            "state": self.state,
-            "failure": self.failure.to_json() if self.failure else None,
-            "ring_bytes": self.nslots * self.layout.slot_bytes,
-            "slot_bytes": self.layout.slot_bytes,
-            "slots": self.slots.counts() | {"total": self.nslots},
-            "page_locked": bool(ring and ring.page_locked),
-            "consumer_attached": any(m["attached"] for m in members),
-            "consumer_cuda_registered": bool(self.cuda_registered),
-            "members": members,
-            "epoch": first[0],
-            "position": first[1],
-            "batches_per_epoch": self.batches_per_epoch,
-            "worker_restarts": self.pool.restarts if self.pool else 0,
-        }
+            first = self.consumers.position(0, head)
+        return LoaderStatus(
+            state=self.state,
+            failure=self.failure.to_json() if self.failure else None,
+            ring_bytes=self.nslots * self.layout.slot_bytes,
+            slot_bytes=self.layout.slot_bytes,
+            slots=SlotCounts(**self.slots.counts(), total=self.nslots),
+            page_locked=bool(ring and ring.page_locked),
+            consumer_attached=any(m.attached for m in members),
+            consumer_cuda_registered=bool(self.cuda_registered),
+            members=members,
+            epoch=first[0],
+            position=first[1],
+            batches_per_epoch=self.batches_per_epoch,
+            worker_restarts=self.producer.restarts if self.producer else 0,
+        )

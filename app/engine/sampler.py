@@ -15,10 +15,23 @@ disjoint (up to DistributedSampler's padding) with no coordination between serve
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
+from typing import Protocol
 
 import torch
+
+
+class BatchPlan(Protocol):
+    """What the engine iterates: an epoch's batches from a position on, as index
+    lists. ``EpochSampler`` is the one plan today; a plan for an iterable dataset
+    yields ``None`` (the producer draws each batch from its iterators, and ends the
+    epoch when they run out: see ``producers/base.py``)."""
+
+    def __len__(self) -> int: ...
+
+    def batches(self, epoch: int, start: int = 0) -> Iterator[list[int] | None]: ...
 
 
 class EpochSampler:
@@ -100,3 +113,22 @@ class EpochSampler:
         perm = self.permutation(epoch)
         for b in range(start, len(self)):
             yield perm[b * self.batch_size : (b + 1) * self.batch_size]
+
+
+def with_last(
+    batches: Iterator[list[int] | None], start: int
+) -> Iterator[tuple[int, list[int] | None, bool]]:
+    """``(index, indices, is_last)`` for each batch of a plan's epoch (one ahead)."""
+    it = iter(batches)
+    try:
+        current = next(it)
+    except StopIteration:
+        return
+    for index in itertools.count(start):
+        try:
+            following = next(it)
+        except StopIteration:
+            yield index, current, True
+            return
+        yield index, current, False
+        current = following

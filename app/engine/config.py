@@ -1,0 +1,113 @@
+"""A loader's configuration, declared once, and what follows from it.
+
+``LoaderFields`` is DataLoader's arguments (plus pinfeed's own: sharding, groups,
+``on_error``) with DataLoader's defaults, their bounds and their documentation. The
+HTTP request model (``schemas.LoaderCreate``) is these fields; the engine's
+``LoaderConfig`` is the same with the seed resolved; the response model
+(``schemas.LoaderPublic``) is ``LoaderConfig`` plus the live status. A new loader
+field is one line here.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from pinfeed_server.engine.sampler import EpochSampler
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+Name = Field(
+    pattern=NAME_PATTERN,
+    description="letters, digits, '.', '_' and '-'; 1-63 chars",
+    examples=["demo"],
+)
+MAX_WORKERS = 256  # per loader
+MAX_PREFETCH = 1024
+
+
+class LoaderFields(BaseModel):
+    """DataLoader's arguments, with DataLoader's defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Name
+    dataset: str = Name
+    batch_size: int = Field(1, ge=1, le=1 << 20)
+    shuffle: bool = False
+    seed: int | None = Field(
+        None, ge=0, lt=2**63, description="shuffle seed; the server picks one if null"
+    )
+    drop_last: bool = False
+    num_workers: int = Field(
+        0, ge=0, le=MAX_WORKERS, description="0: batches are built in the server"
+    )
+    pin_memory: bool = False
+    prefetch_factor: int = Field(
+        2,
+        ge=1,
+        le=MAX_PREFETCH,
+        description="batches made ahead: num_workers * prefetch_factor (1 with no workers)",
+    )
+    rank: int = Field(0, ge=0, description="this loader's rank (DistributedSampler semantics)")
+    world_size: int | None = Field(
+        None,
+        ge=1,
+        le=1 << 20,
+        description="shard like DistributedSampler(num_replicas=world_size, rank=rank); "
+        "null: no sharding (RandomSampler/SequentialSampler semantics)",
+    )
+    group_size: int = Field(
+        1, ge=1, le=1024, description="trainer processes that attach to this loader as a group"
+    )
+    group_mode: Literal["broadcast", "split"] = Field(
+        "broadcast",
+        description="broadcast: every member gets every batch from one shared slot; "
+        "split: member i gets batches i, i+group_size, ... of each epoch",
+    )
+    group_timeout_s: float = Field(
+        300.0, gt=0, le=86400, description="how long a group waits for a member that left"
+    )
+    on_error: Literal["raise", "skip"] = Field(
+        "raise", description="a sample that raises: raise in the trainer, or skip its batch"
+    )
+
+    @model_validator(mode="after")
+    def _rank_in_world(self) -> LoaderFields:
+        if self.world_size is not None and self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} must be < world_size {self.world_size}")
+        if self.world_size is None and self.rank != 0:
+            raise ValueError("rank needs world_size")
+        return self
+
+
+class LoaderConfig(LoaderFields):
+    """A loader's configuration as the engine runs it: the seed is chosen."""
+
+    model_config = ConfigDict(frozen=True)
+
+    seed: int = Field(ge=0, lt=2**63, description="shuffle seed")
+
+
+def prefetch_depth(config: LoaderConfig) -> int:
+    """Batches being made or ready ahead of the trainers, as DataLoader keeps
+    ``num_workers * prefetch_factor`` in flight (one with ``num_workers=0``)."""
+    return max(1, config.num_workers * config.prefetch_factor)
+
+
+def ring_slots(config: LoaderConfig) -> int:
+    """The prefetch depth, plus two slots per trainer: the batch it is using and the
+    one announced ahead (the client keeps one NEXT in flight)."""
+    return prefetch_depth(config) + 2 * config.group_size
+
+
+def make_sampler(config: LoaderConfig, length: int) -> EpochSampler:
+    return EpochSampler(
+        length,
+        config.batch_size,
+        shuffle=config.shuffle,
+        seed=config.seed,
+        drop_last=config.drop_last,
+        rank=config.rank,
+        world_size=config.world_size,
+    )

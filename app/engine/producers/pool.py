@@ -1,0 +1,265 @@
+"""The local worker pool: ``num_workers`` processes that collate batches into ring slots.
+
+Workers are forked from a forkserver that has already imported torch and the dataset
+kinds (``forkserver.py``), so starting one costs milliseconds and never forks the
+server's threads. Tasks go to the least loaded worker over its pipe; results come back
+to one collector thread, which hands them to ``on_result`` (``codec.py`` is the pipe's
+format, ``worker.py`` the process's side).
+
+A worker that dies is replaced and its outstanding tasks are sent to the new one; a
+task that kills workers repeatedly comes back as an error for that batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing import reduction
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from pinfeed_server.engine.errors import SampleError
+from pinfeed_server.engine.producers.base import ProducerContext, Result, Task
+from pinfeed_server.engine.producers.codec import STOP, decode_result, encode_task
+from pinfeed_server.engine.producers.inline import SWITCH
+from pinfeed_server.engine.producers.worker import WorkerSpec, worker_main
+
+log = logging.getLogger("pinfeed.workers")
+
+MAX_TASK_RETRIES = 2
+START_TIMEOUT_S = 120
+
+
+@dataclass
+class _Worker:
+    wid: int
+    process: Any
+    conn: Connection
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+    outstanding: dict[int, Task] = field(default_factory=dict)
+    busy_s: float = 0.0
+    started: dict[int, float] = field(default_factory=dict)
+
+
+class WorkerPool:
+    """Processes that fill slots; results go to ``on_result`` from one collector thread."""
+
+    def __init__(self, ctx: ProducerContext) -> None:
+        self.name = ctx.config.name
+        self.spec = WorkerSpec(
+            ctx.config.name,
+            ctx.kind,
+            ctx.params,
+            ctx.datasets,
+            ctx.layout.to_json(),
+            ctx.ring.size,
+            ctx.ring.slot_bytes,
+            ctx.config.seed,
+        )
+        self._ring_fd = ctx.ring.fd
+        self._ctx = mp.get_context("forkserver")
+        self._on_result = ctx.on_result
+        self._on_fatal = ctx.on_fatal
+        self._lock = threading.Lock()
+        self._workers: list[_Worker] = []
+        self._retiring: list[_Worker] = []  # finish their tasks, then exit (a live shrink)
+        self._retries: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._next_id = 0
+        self.restarts = 0
+        self._workers.extend(self._spawn(ctx.config.num_workers))
+        self._collector = threading.Thread(
+            target=self._collect, name=f"pinfeed-collect-{self.name}", daemon=True
+        )
+        self._collector.start()
+
+    @property
+    def size(self) -> int:
+        return len(self._workers)
+
+    def _spawn(self, count: int = 1) -> list[_Worker]:
+        """Start ``count`` workers together and wait (bounded) until each has mapped the
+        ring and built its dataset; all or none."""
+        started = []
+        for _ in range(count):
+            parent, child = self._ctx.Pipe(duplex=True)
+            wid = self._next_id
+            self._next_id += 1
+            proc = self._ctx.Process(
+                target=worker_main,
+                args=(wid, child, self.spec),
+                name=f"pinfeed-worker-{self.name}-{wid}",
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            reduction.send_handle(parent, self._ring_fd, proc.pid)
+            started.append(_Worker(wid, proc, parent))
+        deadline = time.monotonic() + START_TIMEOUT_S
+        try:
+            for w in started:
+                if not w.conn.poll(max(0.0, deadline - time.monotonic())):
+                    raise RuntimeError(f"worker {w.wid} did not start within {START_TIMEOUT_S} s")
+                error = decode_result(w.conn.recv_bytes()).error
+                if error is not None:
+                    raise RuntimeError(f"worker {w.wid} failed to start: {error.detail}")
+        except BaseException:
+            for w in started:
+                w.process.kill()
+                w.process.join(5)
+                w.conn.close()
+            raise
+        return started
+
+    def resize(self, num_workers: int) -> None:
+        """Grow or shrink live: new workers take new tasks at once; removed ones first
+        finish what they hold, so no batch is lost or produced twice."""
+        if num_workers < 1:
+            raise ValueError(SWITCH)
+        if len(self._workers) < num_workers:
+            new = self._spawn(num_workers - len(self._workers))
+            with self._lock:
+                self._workers.extend(new)
+        with self._lock:
+            while len(self._workers) > num_workers:
+                worker = min(self._workers, key=lambda w: len(w.outstanding))
+                self._workers.remove(worker)
+                self._retiring.append(worker)
+
+    def _retire_idle(self) -> None:
+        with self._lock:
+            idle = [w for w in self._retiring if not w.outstanding]
+            for w in idle:
+                self._retiring.remove(w)
+        for w in idle:
+            self._send(w, STOP)
+            w.process.join(5)
+            if w.process.is_alive():
+                w.process.kill()
+                w.process.join(1)
+            w.conn.close()
+
+    def submit(self, task: Task) -> None:
+        self._give(None, task)
+
+    def _give(self, worker: _Worker | None, task: Task) -> None:
+        """Make the task ``worker``'s (the least loaded one's if None) and send it."""
+        with self._lock:
+            if worker is None:
+                worker = min(self._workers, key=lambda w: len(w.outstanding))
+            worker.outstanding[task.seq] = task
+            worker.started.setdefault(task.seq, time.perf_counter())
+        self._send(worker, encode_task(task))
+
+    def _send(self, worker: _Worker, message: bytes) -> None:
+        try:
+            with worker.send_lock:
+                worker.conn.send_bytes(message)
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            pass  # the collector sees the death and re-sends the worker's tasks
+
+    def busy_seconds(self) -> float:
+        with self._lock:
+            return sum(w.busy_s for w in self._workers)
+
+    def _collect(self) -> None:
+        while not self._stop.is_set():
+            self._retire_idle()
+            with self._lock:
+                watched = self._workers + self._retiring
+                by_conn = {w.conn: w for w in watched}
+                by_sentinel = {w.process.sentinel: w for w in watched}
+            ready = wait([*by_conn, *by_sentinel], timeout=0.2)
+            for obj in ready:
+                if obj in by_conn:
+                    self._receive(by_conn[obj])
+            for obj in ready:
+                if obj in by_sentinel and not self._stop.is_set():
+                    self._replace(by_sentinel[obj])
+
+    def _receive(self, worker: _Worker) -> None:
+        try:
+            while worker.conn.poll():
+                result = decode_result(worker.conn.recv_bytes())
+                with self._lock:
+                    worker.outstanding.pop(result.seq, None)
+                    t0 = worker.started.pop(result.seq, None)
+                    if t0 is not None:
+                        worker.busy_s += time.perf_counter() - t0
+                    self._retries.pop(result.seq, None)
+                self._on_result(result)
+        except (EOFError, OSError):
+            pass  # dead: its sentinel fires and _replace handles it
+
+    def _replace(self, dead: _Worker) -> None:
+        dead.process.join(1)
+        code = dead.process.exitcode
+        self._receive(dead)  # results it sent before dying
+        self.restarts += 1
+        with self._lock:
+            retiring = dead in self._retiring
+        log.warning(
+            "loader %s: worker %d died (exit code %s)%s",
+            self.name,
+            dead.wid,
+            code,
+            "" if retiring else "; replacing it",
+        )
+        new: list[_Worker] = []
+        if not retiring:
+            # Start the replacement before the dead worker leaves the pool, so the pool
+            # is never empty for the producer's submit().
+            try:
+                new = self._spawn()
+            except Exception as exc:
+                self._on_fatal(
+                    f"worker {dead.wid} died (exit code {code}) and no replacement could "
+                    f"start: {exc}"
+                )
+                return
+        with self._lock:
+            (self._retiring if retiring else self._workers).remove(dead)
+            self._workers.extend(new)
+            target = new[0] if new else min(self._workers, key=lambda w: len(w.outstanding))
+            tasks = sorted(dead.outstanding.items())
+        dead.conn.close()
+        for i, (seq, task) in enumerate(tasks):
+            if i == 0:
+                # Workers take tasks in order: only the oldest was being made when it
+                # died. A task that keeps killing workers is a poison batch: it alone
+                # comes back as an error; those queued behind it are simply re-sent.
+                tries = self._retries.get(seq, 0) + 1
+                self._retries[seq] = tries
+                if tries > MAX_TASK_RETRIES:
+                    self._on_result(_worker_died(task, code, tries))
+                    continue
+            self._give(target, task)
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._collector.join(timeout)
+        everyone = self._workers + self._retiring
+        for w in everyone:
+            self._send(w, STOP)
+        deadline = time.monotonic() + timeout
+        for w in everyone:
+            w.process.join(max(0.0, deadline - time.monotonic()))
+            if w.process.is_alive():
+                w.process.kill()
+                w.process.join(1)
+            w.conn.close()
+        self._workers.clear()
+        self._retiring.clear()
+
+
+def _worker_died(task: Task, code: int | None, tries: int) -> Result:
+    indices = (task.indices or [])[:8]
+    died = SampleError(
+        f"worker died (exit code {code}) {tries} times producing the batch of indices {indices}...",
+        index=None,
+        error_type="WorkerDied",
+    )
+    return Result(task.seq, error=died.info())

@@ -1,0 +1,55 @@
+"""The slot table, in-process: states, the prefetch limit, a bounded wait."""
+
+from __future__ import annotations
+
+import threading
+
+from pinfeed_server.engine.ring import SlotState, SlotTable
+
+
+def test_acquire_takes_free_slots_up_to_the_limit() -> None:
+    table = SlotTable(4)
+    table.set_limit(2)
+    stop = threading.Event()
+    assert table.acquire_free(stop) == 0
+    assert table.acquire_free(stop) == 1
+    assert table.counts() == {"free": 2, "filling": 2, "ready": 0, "leased": 0}
+    stop.set()  # at the limit: waits, and gives up once stopped
+    assert table.acquire_free(stop, poll_s=0.01) is None
+
+
+def test_ready_counts_against_the_limit_leased_does_not() -> None:
+    table = SlotTable(3)
+    table.set_limit(1)
+    stop = threading.Event()
+    slot = table.acquire_free(stop)
+    assert slot == 0
+    assert table.move(0, SlotState.FILLING, SlotState.READY)
+    assert table.move(0, SlotState.READY, SlotState.LEASED)
+    assert table.acquire_free(stop) == 1  # a leased slot is the trainer's, not prefetch
+
+
+def test_move_checks_the_expected_state() -> None:
+    table = SlotTable(2)
+    assert not table.move(0, SlotState.READY, SlotState.FREE)
+    assert table.states[0] is SlotState.FREE
+
+
+def test_limit_is_clamped_to_the_ring() -> None:
+    table = SlotTable(3)
+    table.set_limit(10)
+    assert table.limit == 3
+    table.set_limit(0)
+    assert table.limit == 1
+
+
+def test_a_waiting_acquire_wakes_when_a_slot_frees() -> None:
+    table = SlotTable(1)
+    stop = threading.Event()
+    assert table.acquire_free(stop) == 0
+    got: list[int | None] = []
+    waiter = threading.Thread(target=lambda: got.append(table.acquire_free(stop)))
+    waiter.start()
+    table.move(0, SlotState.FILLING, SlotState.FREE)
+    waiter.join(10)
+    assert got == [0]
