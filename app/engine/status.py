@@ -8,6 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from pinfeed_server.engine.errors import LoaderFailed
+
 LoaderState = Literal["starting", "ready", "failed", "draining", "closed"]
 
 
@@ -51,7 +53,7 @@ class LoaderStatus(BaseModel):
         gone, the budget lowered): failed, with nothing allocated."""
         return cls(
             state="failed",
-            failure={"type": "loader-failed", "detail": detail},
+            failure=LoaderFailed(detail).info().to_json(),
             batches_per_epoch=0,
             ring_bytes=0,
             slot_bytes=0,

@@ -75,9 +75,11 @@ def test_a_loader_that_could_not_start_has_the_same_status_fields() -> None:
             "batch": None,
         }
     )
+    # The same failure shape as a running loader that failed (fatal for its consumers).
     assert public.state == "failed" and public.failure == {
         "type": "loader-failed",
         "detail": "gone",
+        "fatal": True,
     }
 
 

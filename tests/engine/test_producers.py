@@ -83,8 +83,8 @@ def test_inline_reports_a_failing_sample_as_that_batchs_error(tmp_path: Path) ->
         producer.close()
     error = sink.results[0].error
     assert error is not None
-    assert error["type"] == "sample-error" and error["index"] == 2
-    assert "no sample 2" in error["detail"] and error["error_type"] == "KeyError"
+    assert error.slug == "sample-error" and error.extra["index"] == 2
+    assert "no sample 2" in error.detail and error.extra["error_type"] == "KeyError"
 
 
 def test_inline_cannot_grow_workers(tmp_path: Path) -> None:
