@@ -38,6 +38,13 @@ from pinfeed._errors import (
     ServerUnavailable,
     error_from_slug,
 )
+from pinfeed._info import (
+    RemoteBatchSampler,
+    RemoteDataset,
+    RemoteSampler,
+    read_attached,
+    seeded_generator,
+)
 from pinfeed._ring import RingMapping
 
 PIN_WARNING = (
@@ -112,6 +119,12 @@ class Loader:
     ``reconnect_timeout`` seconds) and continue from this loader's ``state_dict()``.
     """
 
+    # Accelerate: ``accelerator.prepare_data_loader(loader)`` hands back an object marked
+    # prepared as it is and tracks it; ``save_state``/``load_state`` then store and
+    # restore ``state_dict()`` of a tracked loader marked stateful (as StatefulDataLoader).
+    _is_accelerate_prepared = True
+    use_stateful_dataloader = True
+
     def __init__(
         self,
         name: str,
@@ -136,8 +149,8 @@ class Loader:
         self._timeout = timeout
         self._timeout_ms = -1 if timeout is None else max(0, math.ceil(timeout * 1000))
         self._pos = (0, 0)  # (epoch, index) of the next batch this loader will yield
-        self._resume = False  # load_state_dict/set_epoch placed us: no skip at __iter__
-        self._want_epoch: int | None = None
+        self._want_epoch: int | None = None  # set_epoch's, applied at an epoch's first next()
+        self._loaded_epoch: int | None = None  # load_state_dict placed us inside this epoch
         self._epoch_batches = 0  # batches received in the epoch being iterated
         self._ahead = False  # a NEXT is in flight (see _next)
         self._wait_us = 0  # how long the last batch kept the trainer waiting
@@ -181,15 +194,15 @@ class Loader:
             for fd in fds:
                 os.close(fd)
             self._raise(n)
-        meta = p.decode_json(self._view[:n])
-        self.meta = meta
-        self.member = int(meta["member"])
-        self._pos = (int(meta["epoch"]), int(meta["position"]))
-        self._ring = RingMapping(fds[0], int(meta["ring_bytes"]))
-        self.nslots = int(meta["nslots"])
-        self.slot_bytes = int(meta["slot_bytes"])
-        self.pin_memory = bool(meta["pin_memory"])
-        layout = meta["layout"]
+        self.meta = p.decode_json(self._view[:n])
+        info = self._info = read_attached(self.meta)
+        self.member = info.member
+        self._pos = (info.epoch, info.position)
+        self._ring = RingMapping(fds[0], info.ring_bytes)
+        self.nslots = info.nslots
+        self.slot_bytes = info.slot_bytes
+        self._sampler = RemoteSampler(info, self.set_epoch)
+        layout = info.layout
         self._leaves = [
             (
                 leaf["offset"],
@@ -277,15 +290,28 @@ class Loader:
     # -- iteration ---------------------------------------------------------------------
     def __len__(self) -> int:
         """Batches per epoch."""
-        return int(self.meta["batches_per_epoch"])
+        return self._info.batches_per_epoch
 
     def __iter__(self) -> Epoch:
-        """Start an epoch and return its iterator. If the last one was left unfinished,
-        its rest is skipped (and its iterator ends), so every ``for`` loop is a fresh
-        epoch, as with DataLoader. The iterator is an iterator: ``it = iter(loader);
-        next(it); for batch in it:`` continues the same epoch."""
+        """An iterator over the next epoch; it costs nothing until its first ``next()``,
+        which starts the epoch. An iterator that is never consumed (Lightning's
+        ``iter()`` probe) starts nothing and skips nothing.
+
+        Every ``for`` loop is a fresh epoch, as with DataLoader: a newer ``iter()`` ends
+        the older iterators, and if the last epoch was left unfinished, its rest is
+        skipped when the new one starts. The iterator is an iterator: ``it =
+        iter(loader); next(it); for batch in it:`` continues the same epoch."""
         if self._closed:
             raise RuntimeError("this Loader is closed")
+        self._epoch_id += 1
+        return Epoch(self, self._epoch_id)
+
+    def _begin_epoch(self, epoch_id: int) -> None:
+        """An iterator's first ``next()``: move to the epoch it iterates."""
+        if self._closed:
+            raise RuntimeError("this Loader is closed")
+        if epoch_id != self._epoch_id:
+            raise StopIteration  # a newer iter(loader) exists
         try:
             self._start_epoch()
         except ServerUnavailable:
@@ -293,11 +319,9 @@ class Loader:
                 raise
             self._reconnect()
             self._start_epoch()
-        self._resume = False
+        self._loaded_epoch = None
         self._in_epoch = True
         self._epoch_batches = 0
-        self._epoch_id += 1
-        return Epoch(self, self._epoch_id)
 
     def _start_epoch(self) -> None:
         if self._want_epoch is not None:
@@ -305,18 +329,22 @@ class Loader:
             if self._in_epoch or self._pos != (epoch, 0):
                 self._seek(epoch, 0)
             self._want_epoch = None
-        elif self._in_epoch and not self._resume:
+        elif self._in_epoch:
             self._skip_epoch()
 
     # -- epochs and resume ---------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
-        """The next ``for`` loop iterates ``epoch`` (as ``DistributedSampler.set_epoch``).
+        """The next epoch to start iterates ``epoch`` (as ``DistributedSampler.set_epoch``):
+        called before or after ``iter(loader)``, it applies to that iterator if its first
+        ``next()`` has not come yet. ``loader.sampler.set_epoch`` is the same call.
 
         Free when the loader is already there (the usual loop): prefetched batches stay.
+        After ``load_state_dict`` into epoch e, ``set_epoch(e)`` keeps the loaded
+        position (Lightning and Accelerate call it after restoring a checkpoint).
         """
         if epoch < 0:
             raise ValueError("epoch must be >= 0")
-        self._want_epoch = epoch
+        self._want_epoch = None if epoch == self._loaded_epoch else epoch
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader is: a new Loader that loads it yields the next batch on.
@@ -334,11 +362,11 @@ class Loader:
         if state.get("loader") not in (None, self.name):
             raise ValueError(f"state is for loader {state.get('loader')!r}, not {self.name!r}")
         self._seek(int(state["epoch"]), int(state["index"]))
-        self._resume = True
+        self._loaded_epoch = self._pos[0]
         self._want_epoch = None
 
     def _check_resumable(self) -> None:
-        if self.meta.get("group_mode") == "split" and int(self.meta["group_size"]) > 1:
+        if self._info.group_mode == "split" and self._info.group_size > 1:
             raise RuntimeError(
                 "state_dict/load_state_dict need a plain or broadcast loader; split groups "
                 "resume at epoch boundaries with set_epoch"
@@ -549,6 +577,63 @@ class Loader:
         self._seek(*position)
         self._in_epoch = in_epoch
 
+    # -- DataLoader's attributes (read-only, from the config the server sent at attach) --
+    @property
+    def batch_size(self) -> int:
+        return int(self._info.config["batch_size"])
+
+    @property
+    def drop_last(self) -> bool:
+        return bool(self._info.config["drop_last"])
+
+    @property
+    def num_workers(self) -> int:
+        """The server's worker processes for this loader (at attach)."""
+        return int(self._info.config["num_workers"])
+
+    @property
+    def prefetch_factor(self) -> int | None:
+        """Batches ahead per worker; None without workers, as with DataLoader."""
+        return int(self._info.config["prefetch_factor"]) if self.num_workers else None
+
+    @property
+    def persistent_workers(self) -> bool:
+        """The server's workers outlive every epoch."""
+        return self.num_workers > 0
+
+    @property
+    def pin_memory(self) -> bool:
+        return bool(self._info.config["pin_memory"])
+
+    @property
+    def timeout(self) -> float:
+        """Seconds to wait for a batch before TimeoutError (0: forever, as DataLoader)."""
+        return 0.0 if self._timeout is None else float(self._timeout)
+
+    @property
+    def dataset(self) -> RemoteDataset:
+        info = self._info
+        return RemoteDataset(str(info.config["dataset"]), info.dataset_length, info.sample)
+
+    @property
+    def sampler(self) -> RemoteSampler:
+        return self._sampler
+
+    @property
+    def batch_sampler(self) -> RemoteBatchSampler:
+        return RemoteBatchSampler(self._sampler, self.batch_size, len(self))
+
+    @property
+    def collate_fn(self) -> Callable[[list[Any]], Any]:
+        """What the server applies (collating straight into the slot)."""
+        return torch.utils.data.default_collate
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        """A generator that makes DataLoader shuffle as this loader does (a new one each
+        time); None where DataLoader's would not matter."""
+        return seeded_generator(self._info.config)
+
     # -- lifecycle -----------------------------------------------------------------------
     @property
     def cuda_registered(self) -> bool:
@@ -598,19 +683,23 @@ class Loader:
 
 class Epoch:
     """One epoch of a ``Loader``: what ``iter(loader)`` returns. Its ``__iter__`` is
-    itself (the iterator protocol); it ends at the epoch's end, or when a newer
-    ``iter(loader)`` has started the next epoch."""
+    itself (the iterator protocol); it starts its epoch at its first ``next()`` and ends
+    at the epoch's end, or once a newer ``iter(loader)`` exists."""
 
-    __slots__ = ("_id", "_loader")
+    __slots__ = ("_id", "_loader", "_started")
 
     def __init__(self, loader: Loader, epoch_id: int) -> None:
         self._loader = loader
         self._id = epoch_id
+        self._started = False
 
     def __iter__(self) -> Epoch:
         return self
 
     def __next__(self) -> Any:
+        if not self._started:
+            self._loader._begin_epoch(self._id)
+            self._started = True
         return self._loader._next_in_epoch(self._id)
 
     def __len__(self) -> int:

@@ -9,6 +9,7 @@ returned when it closes, however it closes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
@@ -226,6 +227,11 @@ class DataPlaneServer:
             "group_mode": cfg.group_mode,
             "epoch": epoch,
             "position": index,
+            # What the trainer reports as DataLoader's attributes (pinfeed._info).
+            "config": dataclasses.asdict(cfg),
+            "dataset_length": engine.sampler.length,
+            "sampler_length": engine.sampler.samples,
+            "sample": engine.layout.describe(),
         }
         try:
             conn.sendmsg(

@@ -1,0 +1,146 @@
+"""What a trainer knows about its loader: the ATTACHED reply, read in one place, and
+the objects that stand for DataLoader's ``dataset``, ``sampler`` and ``batch_sampler``.
+
+The dataset and the sampler live in the server; these objects report what they are
+(name, lengths, shuffle, seed, sharding, epoch) with DataLoader's meaning, and
+``sampler.set_epoch`` reaches the loader, so tools that call it (Lightning,
+Accelerate) drive pinfeed's epochs. They cannot hand out samples or indices: the
+trainer's process has neither.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import torch
+from torch.utils.data import Dataset, Sampler
+
+
+@dataclass(frozen=True)
+class LoaderInfo:
+    """The ATTACHED reply: the ring, the batch layout, where the member is, and the
+    loader's config."""
+
+    loader: str
+    member: int
+    epoch: int
+    position: int
+    ring_bytes: int
+    nslots: int
+    slot_bytes: int
+    layout: dict[str, Any]
+    batches_per_epoch: int
+    group_size: int
+    group_mode: str
+    config: dict[str, Any]  # the server's LoaderConfig: DataLoader's arguments and more
+    dataset_length: int
+    sampler_length: int  # this rank's samples per epoch
+    sample: Any  # one sample's structure: {"dtype", "shape"} per tensor
+
+
+def read_attached(meta: dict[str, Any]) -> LoaderInfo:
+    """The one reader of the ATTACHED metadata."""
+    return LoaderInfo(
+        loader=str(meta["loader"]),
+        member=int(meta["member"]),
+        epoch=int(meta["epoch"]),
+        position=int(meta["position"]),
+        ring_bytes=int(meta["ring_bytes"]),
+        nslots=int(meta["nslots"]),
+        slot_bytes=int(meta["slot_bytes"]),
+        layout=dict(meta["layout"]),
+        batches_per_epoch=int(meta["batches_per_epoch"]),
+        group_size=int(meta["group_size"]),
+        group_mode=str(meta["group_mode"]),
+        config=dict(meta["config"]),
+        dataset_length=int(meta["dataset_length"]),
+        sampler_length=int(meta["sampler_length"]),
+        sample=meta["sample"],
+    )
+
+
+def _server_side(what: str) -> NoReturn:
+    raise TypeError(
+        f"pinfeed's {what} lives in the server: a trainer cannot read it here. Iterate "
+        "the Loader; to start an epoch at batch n (what skip_first_batches does), call "
+        "loader.load_state_dict({'epoch': e, 'index': n})"
+    )
+
+
+class RemoteDataset(Dataset[Any]):
+    """``loader.dataset``: the server's dataset by name, length and sample structure."""
+
+    def __init__(self, name: str, length: int, sample: Any) -> None:
+        self.name = name
+        self.sample = sample
+        self._length = length
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index: int) -> NoReturn:
+        _server_side(f"dataset {self.name!r}")
+
+    def __repr__(self) -> str:
+        return f"RemoteDataset(name={self.name!r}, length={self._length}, sample={self.sample})"
+
+
+class RemoteSampler(Sampler[int]):
+    """``loader.sampler``: what the server's sampler is, with the attributes of the
+    sampler DataLoader would have (``SequentialSampler``, ``RandomSampler`` with a
+    seeded generator, or ``DistributedSampler``). ``set_epoch`` is ``loader.set_epoch``.
+    """
+
+    def __init__(self, info: LoaderInfo, set_epoch: Callable[[int], None]) -> None:
+        config = info.config
+        self.shuffle = bool(config["shuffle"])
+        self.seed = int(config["seed"])
+        self.drop_last = bool(config["drop_last"])
+        self.num_replicas: int | None = config["world_size"]
+        self.rank = int(config["rank"])
+        self.epoch = info.epoch
+        self.num_samples = info.sampler_length
+        self._set_epoch = set_epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        self._set_epoch(epoch)
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __iter__(self) -> Iterator[int]:
+        _server_side("sampler")
+
+    def __repr__(self) -> str:
+        kind = "Random" if self.shuffle else "Sequential"
+        if self.num_replicas is not None:
+            kind = f"Distributed(rank={self.rank}, num_replicas={self.num_replicas})"
+        return f"RemoteSampler({kind}, seed={self.seed}, samples={self.num_samples})"
+
+
+class RemoteBatchSampler(Sampler[list[int]]):
+    """``loader.batch_sampler``: ``BatchSampler(loader.sampler, batch_size, drop_last)``."""
+
+    def __init__(self, sampler: RemoteSampler, batch_size: int, batches: int) -> None:
+        self.sampler = sampler
+        self.batch_size = batch_size
+        self.drop_last = sampler.drop_last
+        self._batches = batches
+
+    def __len__(self) -> int:
+        return self._batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        _server_side("batch sampler")
+
+
+def seeded_generator(config: dict[str, Any]) -> torch.Generator | None:
+    """The generator that makes DataLoader shuffle as this loader does (a new one each
+    call: drawing from it changes nothing in the server), or None where DataLoader
+    would have none (no shuffle, or DistributedSampler's seed)."""
+    if not config["shuffle"] or config["world_size"] is not None:
+        return None
+    return torch.Generator().manual_seed(int(config["seed"]))
