@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from torch.utils.data import Dataset, Sampler
@@ -137,10 +137,78 @@ class RemoteBatchSampler(Sampler[list[int]]):
         _server_side("batch sampler")
 
 
-def seeded_generator(config: dict[str, Any]) -> torch.Generator | None:
+def _seeded_generator(config: dict[str, Any]) -> torch.Generator | None:
     """The generator that makes DataLoader shuffle as this loader does (a new one each
     call: drawing from it changes nothing in the server), or None where DataLoader
     would have none (no shuffle, or DistributedSampler's seed)."""
     if not config["shuffle"] or config["world_size"] is not None:
         return None
     return torch.Generator().manual_seed(int(config["seed"]))
+
+
+class DataLoaderAttributes:
+    """DataLoader's attributes, read-only, from the config the server sent at attach."""
+
+    _info: LoaderInfo
+    _sampler: RemoteSampler
+    _timeout: float | None
+
+    if TYPE_CHECKING:
+
+        def __len__(self) -> int: ...
+
+    @property
+    def batch_size(self) -> int:
+        return int(self._info.config["batch_size"])
+
+    @property
+    def drop_last(self) -> bool:
+        return bool(self._info.config["drop_last"])
+
+    @property
+    def num_workers(self) -> int:
+        """The server's worker processes for this loader (at attach)."""
+        return int(self._info.config["num_workers"])
+
+    @property
+    def prefetch_factor(self) -> int | None:
+        """Batches ahead per worker; None without workers, as with DataLoader."""
+        return int(self._info.config["prefetch_factor"]) if self.num_workers else None
+
+    @property
+    def persistent_workers(self) -> bool:
+        """The server's workers outlive every epoch."""
+        return self.num_workers > 0
+
+    @property
+    def pin_memory(self) -> bool:
+        return bool(self._info.config["pin_memory"])
+
+    @property
+    def timeout(self) -> float:
+        """Seconds to wait for a batch before TimeoutError (0: forever, as DataLoader)."""
+        return 0.0 if self._timeout is None else float(self._timeout)
+
+    @property
+    def dataset(self) -> RemoteDataset:
+        info = self._info
+        return RemoteDataset(str(info.config["dataset"]), info.dataset_length, info.sample)
+
+    @property
+    def sampler(self) -> RemoteSampler:
+        return self._sampler
+
+    @property
+    def batch_sampler(self) -> RemoteBatchSampler:
+        return RemoteBatchSampler(self._sampler, self.batch_size, len(self))
+
+    @property
+    def collate_fn(self) -> Callable[[list[Any]], Any]:
+        """What the server applies (collating straight into the slot)."""
+        return torch.utils.data.default_collate
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        """A generator that makes DataLoader shuffle as this loader does (a new one each
+        time); None where DataLoader's would not matter."""
+        return _seeded_generator(self._info.config)
