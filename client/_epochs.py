@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 
 from pinfeed import _protocol as p
 from pinfeed._errors import DataPlaneError, ServerUnavailable, error_from_slug
-from pinfeed._info import LoaderInfo
+from pinfeed._info import LoaderInfo, RemoteSampler
 from pinfeed._transport import Transport
 from pinfeed._views import BatchViews, Delivery
 
@@ -37,6 +37,7 @@ class Epochs:
     _t: Transport
     _buf: bytearray
     _info: LoaderInfo
+    _sampler: RemoteSampler
     _views: BatchViews
     _delivery: Delivery
     _state: State
@@ -220,6 +221,7 @@ class Epochs:
         if epoch < 0:
             raise ValueError("epoch must be >= 0")
         self._want_epoch = None if epoch == self._loaded_epoch else epoch
+        self._sampler.epoch = epoch
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader is: a new Loader that loads it yields the next batch on.

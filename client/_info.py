@@ -105,8 +105,7 @@ class RemoteSampler(Sampler[int]):
         self._set_epoch = set_epoch
 
     def set_epoch(self, epoch: int) -> None:
-        self._set_epoch(epoch)
-        self.epoch = epoch
+        self._set_epoch(epoch)  # loader.set_epoch, which sets self.epoch
 
     def __len__(self) -> int:
         return self.num_samples
