@@ -10,9 +10,8 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 from pinfeed import Client, Loader
-from pinfeed_server.datasets import DatasetContext, build_dataset
 from tests.conftest import Server
-from tests.helpers import unique
+from tests.helpers import register_synthetic, unique
 
 PARAMS: dict[str, Any] = {
     "length": 30,
@@ -23,10 +22,7 @@ PARAMS: dict[str, Any] = {
 
 @pytest.fixture(scope="module")
 def dataset(server: Server) -> tuple[str, Any]:
-    name = unique("attrs")
-    with server.client() as c:
-        c.create_dataset(name, "synthetic", PARAMS)
-    return name, build_dataset("synthetic", PARAMS, DatasetContext(server.data_root))
+    return register_synthetic(server, PARAMS, "attrs")
 
 
 @pytest.mark.parametrize(

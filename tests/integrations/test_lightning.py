@@ -18,9 +18,8 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from pinfeed import Client, Loader
-from pinfeed_server.datasets import DatasetContext, build_dataset
 from tests.conftest import REPO, Server
-from tests.helpers import unique
+from tests.helpers import register_synthetic, unique
 from tests.integrations.lightning_module import Recorder, Validating, trainer
 
 PARAMS: dict[str, Any] = {
@@ -39,10 +38,7 @@ pytestmark = pytest.mark.filterwarnings(
 
 @pytest.fixture(scope="module")
 def dataset(server: Server) -> tuple[str, Any]:
-    name = unique("pl")
-    with server.client() as c:
-        c.create_dataset(name, "synthetic", PARAMS)
-    return name, build_dataset("synthetic", PARAMS, DatasetContext(server.data_root))
+    return register_synthetic(server, PARAMS, "pl")
 
 
 def _epochs(ds: Any, n: int) -> list[list[list[torch.Tensor]]]:
