@@ -141,17 +141,17 @@ class Delivery:
         self.pending: list[tuple[int, torch.cuda.Event]] = []  # (slot, copy done)
         self._hold = max(1, nslots - 1)
         if device is not None and device.type == "cuda":
-            self._stream: torch.cuda.Stream | None = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            self.stream: torch.cuda.Stream | None = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         else:
-            self._stream = None
+            self.stream = None
 
     def deliver(self, slot: int, batch: Any) -> Any:
-        if self._stream is not None:
+        if self.stream is not None:
             current = torch.cuda.current_stream(self.device)
-            with torch.cuda.stream(self._stream):
+            with torch.cuda.stream(self.stream):
                 out = _map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                event.record(self._stream)
+                event.record(self.stream)
             current.wait_event(event)
             for t in _tensors(out):
                 # The trainer uses these on its own stream: keep the allocator from
