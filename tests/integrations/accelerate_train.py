@@ -5,9 +5,10 @@
 ROUTE: how Accelerate learns of the loader: ``register`` (``prepare`` hands a Loader
 back as it is, so ``accelerator.register_for_checkpointing(loader)``) or ``prepare``
 (``accelerator.prepare_data_loader(loader)``, which tracks it like a stateful
-DataLoader). Without ``--resume`` it trains 3 batches, ``save_state``s, and trains 2
-more (consumed after the checkpoint); with ``--resume`` a new process ``load_state``s
-and trains the rest of the epoch. OUT gets the batches trained on.
+DataLoader; test_accelerate runs that route in one process). Without ``--resume`` it
+trains 3 batches, ``save_state``s, and trains 2 more (consumed after the checkpoint);
+with ``--resume`` a new process ``load_state``s and trains the rest of the epoch. OUT
+gets the batches trained on.
 """
 
 from __future__ import annotations
