@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from pinfeed import _protocol as p
+from pinfeed._transport import lost
 
 ROWS = 2  # samples per batch
 SLOT_BYTES = 64
@@ -35,6 +36,7 @@ class FakeServer:
         self.leased: set[int] = set()
         self.late = False  # True: the next try_recv finds nothing (the batch is not ready)
         self.attaches = 0
+        self.crash = False  # True: the next recv finds the connection gone
         self._replies: deque[bytes] = deque()
         self._fd = os.memfd_create("pinfeed-fake")
         os.ftruncate(self._fd, nslots * SLOT_BYTES)
@@ -98,11 +100,18 @@ class FakeServer:
             self._replies.append(p.POSITION_BODY.pack(p.POSITION, epoch, index))
 
     def recv(self) -> int:
+        if self.crash:
+            self.crash = False
+            self._replies.clear()
+            self.leased.clear()  # a restarted server: nothing leased, position kept
+            raise lost("it closed the connection")
         if not self._replies:
             raise TimeoutError("the loader waits for a reply the fake server never sends")
         return self._put(self._replies.popleft())
 
     def try_recv(self) -> int | None:
+        if self.crash:
+            return self.recv()
         if self.late or not self._replies:
             self.late = False
             return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pinfeed import Loader, SampleError
+from pinfeed import Loader, SampleError, ServerUnavailable
 from tests.client.fake_server import FakeServer, first, labels
 
 
@@ -122,3 +122,26 @@ def test_copy_releases_each_slot_with_the_next_message() -> None:
     loader = Loader("fake", transport=fake, copy=True)
     kept = list(loader)  # owned tensors: they outlive their slots
     assert [labels(b)[0] for b in kept] == [first(0, i) for i in range(6)]
+
+
+def test_reconnect_re_attaches_and_seeks_to_where_the_loader_was() -> None:
+    fake = FakeServer(batches=4)
+    loader = Loader("fake", transport=fake, reconnect=True, reconnect_timeout=5)
+    it = iter(loader)
+    got = [labels(next(it))[0], labels(next(it))[0]]
+    fake.pos = (7, 0)  # the restarted server forgot this member's position
+    fake.crash = True
+    got += [labels(b)[0] for b in it]
+    assert got == [first(0, i) for i in range(4)]
+    assert fake.attaches == 2 and fake.sent.count("SEEK") == 1
+    assert loader.state == "idle" and loader.state_dict()["epoch"] == 1
+
+
+def test_without_reconnect_a_lost_server_is_an_error() -> None:
+    fake = FakeServer()
+    loader = _loader(fake)
+    it = iter(loader)
+    next(it)
+    fake.crash = True
+    with pytest.raises(ServerUnavailable, match="restarted or stopped"):
+        next(it)
