@@ -231,6 +231,13 @@ class Attached:
     group_mode: str
     epoch: int
     position: int
+    # The loader's config (DataLoader's arguments and pinfeed's own), the dataset's
+    # length, this rank's samples per epoch and one sample's structure: what Loader
+    # reports as DataLoader's attributes.
+    config: dict[str, Any]
+    dataset_length: int
+    sampler_length: int
+    sample: Any
     version: int = PROTOCOL_VERSION
 
     def encode(self) -> bytes:

@@ -48,3 +48,13 @@ def assert_same(got: Any, want: Any, where: str = "batch") -> None:
             assert_same(g, w, f"{where}[{i}]")
     else:
         assert got == want, f"{where}: {got!r} != {want!r}"
+
+
+def register_synthetic(server: Any, params: dict[str, Any], prefix: str = "syn") -> tuple[str, Any]:
+    """Register a synthetic dataset on ``server``; (its name, the same dataset built here)."""
+    from pinfeed_server.datasets import DatasetContext, build_dataset
+
+    name = unique(prefix)
+    with server.client() as c:
+        c.create_dataset(name, "synthetic", params)
+    return name, build_dataset("synthetic", params, DatasetContext(server.data_root))

@@ -207,6 +207,11 @@ class DataPlaneServer:
             group_mode=cfg.group_mode,
             epoch=epoch,
             position=index,
+            # What the trainer reports as DataLoader's attributes (pinfeed._info).
+            config=cfg.model_dump(),
+            dataset_length=engine.sampler.length,
+            sampler_length=engine.sampler.samples,
+            sample=engine.layout.describe(),
         )
         try:
             conn.sendmsg(

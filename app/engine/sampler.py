@@ -29,6 +29,9 @@ class BatchPlan(Protocol):
     yields ``None`` (the producer draws each batch from its iterators, and ends the
     epoch when they run out: see ``producers/base.py``)."""
 
+    length: int  # the dataset's samples
+    samples: int  # this rank's samples per epoch
+
     def __len__(self) -> int: ...
 
     def batches(self, epoch: int, start: int = 0) -> Iterator[list[int] | None]: ...

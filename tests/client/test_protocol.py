@@ -40,6 +40,10 @@ ATTACHED = p.Attached(
     group_mode="split",
     epoch=3,
     position=7,
+    config={"dataset": "demo", "batch_size": 4, "shuffle": True, "seed": 5},
+    dataset_length=100,
+    sampler_length=50,
+    sample=[{"dtype": "uint8", "shape": [3, 32, 32]}, {"dtype": "int64", "shape": []}],
 )
 
 

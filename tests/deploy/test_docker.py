@@ -45,7 +45,7 @@ from pinfeed import Loader
 st = os.statvfs("/dev/shm")
 out = {"shm_bytes": st.f_blocks * st.f_frsize, "batches": 0, "uid": os.getuid()}
 with Loader(sys.argv[1], timeout=120) as loader:
-    out["ring_bytes"] = int(loader.meta["ring_bytes"])
+    out["ring_bytes"] = loader.meta.ring_bytes
     for epoch in range(2):
         for i, (x,) in enumerate(loader):
             for row in range(x.shape[0]):

@@ -1,0 +1,141 @@
+"""The data-plane connection a ``Loader`` talks through: one Unix socket to the server.
+
+``Transport`` is the seam: ``Loader(name, transport=...)`` takes any object with these
+methods, so the loader's state machine runs in tests against an in-process fake
+(as httpx clients take a mock transport). Every reply lands in ``buf``; a method
+returns its length.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import select
+import socket
+from pathlib import Path
+from typing import Protocol
+
+from pinfeed import _protocol as p
+from pinfeed._errors import ServerUnavailable
+
+
+class Transport(Protocol):
+    buf: bytearray  # the last reply; p.MAX_MESSAGE bytes
+
+    def attach(self, request: bytes) -> tuple[int, list[int]]:
+        """Connect (again, after ``close``), send ATTACH, and wait for the reply:
+        (length, fds it carried)."""
+
+    def send(self, message: bytes) -> None: ...
+
+    def recv(self) -> int:
+        """Wait, up to the loader's timeout, for one reply."""
+
+    def try_recv(self) -> int | None:
+        """A reply if one is already here, else None (never waits)."""
+
+    def close(self) -> None: ...
+
+
+def lost(reason: str | None) -> ServerUnavailable:
+    """The one error for a data-plane connection that broke, however it broke."""
+    return ServerUnavailable(
+        f"lost the pinfeed server ({reason or 'connection lost'}): it restarted or "
+        "stopped; create a new Loader, or use Loader(reconnect=True)"
+    )
+
+
+class SocketTransport:
+    """A ``SOCK_SEQPACKET`` connection to the server's data-plane socket.
+
+    The socket is blocking without a Python timeout (which would add a poll before
+    every recv and send): a reply already here takes one non-blocking recv; else
+    ``recv`` polls with the loader's timeout, then receives.
+    """
+
+    def __init__(self, path: Path, timeout: float | None, loader: str) -> None:
+        self.path = path
+        self.buf = bytearray(p.MAX_MESSAGE)
+        self._loader = loader
+        self._timeout = timeout
+        self._timeout_ms = -1 if timeout is None else max(0, math.ceil(timeout * 1000))
+        self._sock: socket.socket | None = None
+        self._readable = select.poll()
+
+    def attach(self, request: bytes) -> tuple[int, list[int]]:
+        self.close()
+        sock = self._sock = p.new_socket()
+        try:
+            sock.connect(str(self.path))
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            sock.close()
+            raise ServerUnavailable(
+                f"no pinfeed server at {self.path} ({exc.strerror}); start one with "
+                "`pinfeed serve` or set PINFEED_SOCKET"
+            ) from None
+        sock.settimeout(None)
+        self._readable = select.poll()
+        self._readable.register(sock, select.POLLIN)
+        try:
+            self.send(request)
+            self._wait()
+            n, fds = p.recv_message(sock, self.buf)
+        except OSError as exc:
+            sock.close()
+            raise lost(exc.strerror) from None
+        except BaseException:
+            sock.close()
+            raise
+        return self._check_eof(n), fds
+
+    def send(self, message: bytes) -> None:
+        assert self._sock is not None
+        try:
+            self._sock.send(message)
+        except OSError as exc:
+            raise lost(exc.strerror) from None
+
+    def recv(self) -> int:
+        assert self._sock is not None
+        self._wait()
+        try:
+            n = self._sock.recv_into(self.buf)
+        except OSError as exc:
+            raise lost(exc.strerror) from None
+        return self._check_eof(n)
+
+    def try_recv(self) -> int | None:
+        assert self._sock is not None
+        try:
+            n = self._sock.recv_into(self.buf, 0, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return None
+        except OSError as exc:
+            raise lost(exc.strerror) from None
+        return self._check_eof(n)
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+
+    def _wait(self) -> None:
+        try:
+            ready = self._readable.poll(self._timeout_ms)
+        except OSError as exc:
+            raise lost(exc.strerror) from None
+        if not ready:
+            raise TimeoutError(
+                f"no batch from loader {self._loader!r} within {self._timeout} s; check "
+                "its stats (GET /v1/loaders/{name}/stats) or raise Loader(timeout=...)"
+            )
+
+    @staticmethod
+    def _check_eof(n: int) -> int:
+        if n == 0:
+            raise lost("it closed the connection")
+        return n
+
+
+def close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)

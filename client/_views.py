@@ -1,0 +1,181 @@
+"""From a BATCH message to the trainer's batch: tensor views over a ring slot
+(``BatchViews``), then as views, owned copies or a CUDA copy (``Delivery``), and which
+slots can go back to the server.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pinfeed import _protocol as p
+from pinfeed._ring import RingMapping
+
+Builder = Callable[[list[Any]], Any]
+
+
+def builder(node: list[Any]) -> Builder:
+    """Turn a treedef into a function from flat leaves to the nested batch."""
+    tag, body = node
+    if tag == "leaf":
+        j = int(body)
+        return lambda leaves: leaves[j]
+    if tag == "dict":
+        keys = [k for k, _ in body]
+        subs = [builder(c) for _, c in body]
+        return lambda leaves: {k: f(leaves) for k, f in zip(keys, subs, strict=True)}
+    if tag == "namedtuple":
+        typename, fields, children = body
+        cls = collections.namedtuple(typename, fields)  # type: ignore[misc]
+        nsubs = [builder(c) for c in children]
+        return lambda leaves: cls(*(f(leaves) for f in nsubs))
+    subs = [builder(c) for c in body]
+    if tag == "list":
+        return lambda leaves: [f(leaves) for f in subs]
+    return lambda leaves: tuple(f(leaves) for f in subs)
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, dict):
+        return [t for v in batch.values() for t in _tensors(v)]
+    if isinstance(batch, (list, tuple)):
+        return [t for v in batch for t in _tensors(v)]
+    return []
+
+
+def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, dict):
+        return {k: _map_tensors(v, fn) for k, v in batch.items()}
+    if isinstance(batch, list):
+        return [_map_tensors(v, fn) for v in batch]
+    if isinstance(batch, tuple):
+        return tuple(_map_tensors(v, fn) for v in batch)
+    return batch
+
+
+class BatchViews:
+    """The batch a BATCH message announces, as tensor views into the ring."""
+
+    def __init__(self, ring: RingMapping, layout: p.Layout, nslots: int, slot_bytes: int):
+        self._ring = ring
+        self._nslots = nslots
+        self._slot_bytes = slot_bytes
+        self._leaves = [
+            (
+                leaf.offset,
+                getattr(torch, leaf.dtype) if leaf.kind == "tensor" else None,
+                len(leaf.shape) + 1,
+            )
+            for leaf in layout.leaves
+        ]
+        self._dims = p.dims_struct(layout)
+        self._build = builder(layout.treedef)
+        self._strides: dict[tuple[int, ...], tuple[int, ...]] = {}
+        # Per (slot, dims): the batch's leaf views, built once. Each batch hands out
+        # detach()ed aliases of them: new tensor objects (a trainer may reshape its own
+        # in place), for a quarter of the cost of as_strided, and far less when the
+        # trainer's step has left the caches cold.
+        self._views: dict[tuple[int, tuple[int, ...]], list[torch.Tensor]] = {}
+
+    def batch(self, buf: bytearray, slot: int, nstr: int) -> Any:
+        """The nested batch of the BATCH message in ``buf`` (its head already read)."""
+        dims = self._dims.unpack_from(buf, p.BATCH_HEAD.size)
+        if not nstr:
+            key = (slot, dims)
+            views = self._views.get(key)
+            if views is None:
+                if len(self._views) >= 4 * self._nslots:
+                    self._views.clear()  # many batch lengths: keep the cache bounded
+                views = self._views[key] = self._make_leaves(slot, dims, None)
+            return self._build([v.detach() for v in views])
+        start = p.BATCH_HEAD.size + self._dims.size
+        strings = iter(json.loads(bytes(buf[start : start + nstr])))
+        return self._build(self._make_leaves(slot, dims, strings))
+
+    def _make_leaves(self, slot: int, dims: tuple[int, ...], strings: Any) -> list[Any]:
+        out: list[Any] = []
+        base = slot * self._slot_bytes
+        d = 0
+        for offset, dtype, ndim in self._leaves:
+            if dtype is None:
+                out.append(next(strings))
+                continue
+            shape = dims[d : d + ndim]
+            d += ndim
+            stride = self._strides.get(shape)
+            if stride is None:
+                stride = self._strides[shape] = tuple(
+                    math.prod(shape[i + 1 :]) for i in range(len(shape))
+                )
+            typed = self._ring.typed(dtype)
+            out.append(torch.as_strided(typed, shape, stride, (base + offset) // dtype.itemsize))
+        return out
+
+    def clear(self) -> None:
+        self._views.clear()
+
+
+class Delivery:
+    """Hands a slot's batch to the trainer and says when the slot can go back.
+
+    Views: the slot is released with the next message (the view lives until then).
+    ``copy``: owned CPU tensors, the slot released at once. ``device`` (CUDA): a
+    ``non_blocking`` copy on a side stream; the slot is released once its event is done.
+    """
+
+    def __init__(self, device: torch.device | None, copy: bool, nslots: int) -> None:
+        self.device = device
+        self.copy = copy
+        self.release: list[int] = []  # slots to hand back with the next message
+        self.pending: list[tuple[int, torch.cuda.Event]] = []  # (slot, copy done)
+        self._hold = max(1, nslots - 1)
+        if device is not None and device.type == "cuda":
+            self.stream: torch.cuda.Stream | None = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        else:
+            self.stream = None
+
+    def deliver(self, slot: int, batch: Any) -> Any:
+        if self.stream is not None:
+            current = torch.cuda.current_stream(self.device)
+            with torch.cuda.stream(self.stream):
+                out = _map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(self.stream)
+            current.wait_event(event)
+            for t in _tensors(out):
+                # The trainer uses these on its own stream: keep the allocator from
+                # recycling them until that stream is done with them.
+                t.record_stream(current)
+            self.pending.append((slot, event))
+            return out
+        self.release.append(slot)
+        if self.copy:
+            return _map_tensors(batch, torch.Tensor.clone)
+        return batch
+
+    def collect_copies(self) -> None:
+        """Release slots whose device copy has finished; block on the oldest only when
+        we would otherwise hold so many slots that the server could not prefetch."""
+        while self.pending:
+            done = self.pending[0][1].query()  # type: ignore[no-untyped-call]
+            if not done and len(self.pending) < self._hold:
+                break
+            slot, event = self.pending.pop(0)
+            event.synchronize()
+            self.release.append(slot)
+
+    def finish_copies(self) -> None:
+        """Wait for every device copy; their slots join ``release``."""
+        for slot, event in self.pending:
+            event.synchronize()
+            self.release.append(slot)
+        self.pending.clear()

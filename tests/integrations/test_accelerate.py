@@ -1,0 +1,108 @@
+"""Accelerate: ``save_state`` mid-epoch in one process, ``load_state`` in a new one, and
+the new one continues with the next batch (DataLoader's epoch, batch for batch)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from pinfeed import Client, Loader
+from pinfeed_server.datasets import DatasetContext, build_dataset
+from tests.conftest import REPO, Server
+from tests.helpers import unique
+
+PARAMS: dict[str, Any] = {
+    "length": 32,
+    "seed": 9,
+    "fields": [{"shape": [2], "dtype": "float32"}, {"shape": [], "dtype": "int64", "high": 5}],
+}
+SCRIPT = REPO / "tests" / "integrations" / "accelerate_train.py"
+
+
+def _run(server: Server, name: str, ckpt: Path, out: Path, route: str, *extra: str) -> None:
+    cmd = [sys.executable, str(SCRIPT), name, str(server.socket), str(ckpt), str(out), route]
+    subprocess.run([*cmd, *extra], cwd=REPO, timeout=120, check=True)
+
+
+def _shuffled(admin: Client, server: Server) -> tuple[str, list[list[torch.Tensor]]]:
+    """A new shuffled loader (8 batches, one worker) and DataLoader's epoch 0 of it."""
+    ds_name, name = unique("acc"), unique("acc")
+    admin.create_dataset(ds_name, "synthetic", PARAMS)
+    admin.create_loader(name, dataset=ds_name, batch_size=4, shuffle=True, seed=3, num_workers=1)
+    ds = build_dataset("synthetic", PARAMS, DatasetContext(server.data_root))
+    gen = torch.Generator().manual_seed(3)
+    return name, [list(b) for b in DataLoader(ds, batch_size=4, shuffle=True, generator=gen)]
+
+
+def _same(got: list[list[torch.Tensor]], want: list[list[torch.Tensor]]) -> None:
+    assert len(got) == len(want) == 8
+    for g, w in zip(got, want, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(g, w, strict=True))
+
+
+def test_save_state_mid_epoch_then_load_state_in_a_new_process(
+    admin: Client, server: Server, tmp_path: Path
+) -> None:
+    """``register_for_checkpointing(loader)``, the route for a loader ``prepare`` returns."""
+    name, want = _shuffled(admin, server)
+    ckpt = tmp_path / "ckpt"
+    _run(server, name, ckpt, tmp_path / "a.pt", "register")
+    _run(server, name, ckpt, tmp_path / "b.pt", "register", "--resume")
+    first, second = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
+    assert len(first) == 5  # batches 3 and 4 came after the checkpoint: they come again
+    _same(first[:3] + second, want)
+    admin.delete_loader(name)
+
+
+def test_prepare_data_loader_tracks_the_loader_for_save_and_load_state(
+    admin: Client, server: Server, tmp_path: Path
+) -> None:
+    """``accelerator.prepare_data_loader(loader)`` hands the Loader back and tracks it
+    as a stateful loader: ``save_state`` stores its position, ``load_state`` restores
+    it into a new Loader (here in the same process; the script above shows a new one)."""
+    from accelerate import Accelerator
+
+    name, want = _shuffled(admin, server)
+    accelerator = Accelerator(cpu=True)
+    with Loader(name, socket=server.socket, copy=True) as loader:
+        assert accelerator.prepare_data_loader(loader) is loader
+        it = iter(loader)
+        got = [next(it) for _ in range(3)]
+        accelerator.save_state(tmp_path / "ckpt")
+        next(it)  # consumed after the checkpoint: comes again
+    accelerator = Accelerator(cpu=True)
+    with Loader(name, socket=server.socket, copy=True) as loader:
+        assert accelerator.prepare_data_loader(loader) is loader
+        accelerator.load_state(tmp_path / "ckpt")
+        got += list(loader)
+    _same(got, want)
+    admin.delete_loader(name)
+
+
+def test_skip_first_batches_says_what_to_do_instead(admin: Client, server: Server) -> None:
+    """``accelerate.skip_first_batches`` rebuilds a local DataLoader over the loader's
+    dataset, which lives in the server: iterating it says how to start at batch n."""
+    from accelerate import skip_first_batches
+
+    ds_name, name = unique("acc"), unique("acc")
+    admin.create_dataset(ds_name, "synthetic", PARAMS)
+    admin.create_loader(name, dataset=ds_name, batch_size=4)
+    want = list(DataLoader(build_dataset("synthetic", PARAMS, DatasetContext(server.data_root)), 4))
+    # timeout=None: DataLoader without workers refuses a timeout before it gets there.
+    with Loader(name, socket=server.socket, timeout=None, copy=True) as loader:
+        skipped = skip_first_batches(loader, 2)
+        assert len(skipped) == len(loader) - 2
+        with pytest.raises(TypeError, match="load_state_dict"):
+            next(iter(skipped))
+        loader.load_state_dict({"epoch": 0, "index": 2})  # what it says to do
+        got = list(loader)
+    assert len(got) == len(want) - 2
+    for g, w in zip(got, want[2:], strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(g, w, strict=True))
+    admin.delete_loader(name)

@@ -1,0 +1,180 @@
+"""PyTorch Lightning's ``Trainer.fit`` on pinfeed loaders, checked batch for batch
+against DataLoader: Lightning's ``iter()`` probe and its ``sampler.set_epoch`` calls
+shift no epoch; validation sees DataLoader's validation batches every time; DDP on two
+CPU processes trains on DistributedSampler's shards; a mid-epoch checkpoint resumes
+with the rest of that epoch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from pinfeed import Client, Loader
+from tests.conftest import REPO, Server
+from tests.helpers import register_synthetic, unique
+from tests.integrations.lightning_module import Recorder, Validating, trainer
+
+PARAMS: dict[str, Any] = {
+    "length": 24,
+    "seed": 2,
+    "fields": [{"shape": [2], "dtype": "float32"}, {"shape": [], "dtype": "int64", "high": 7}],
+}
+SEED = 4
+BATCH = 4  # 6 batches per epoch
+
+# Lightning 2.6 itself calls a torch pytree API that torch 2.13 deprecates.
+pytestmark = pytest.mark.filterwarnings(
+    r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated:FutureWarning"
+)
+
+
+@pytest.fixture(scope="module")
+def dataset(server: Server) -> tuple[str, Any]:
+    return register_synthetic(server, PARAMS, "pl")
+
+
+def _epochs(ds: Any, n: int) -> list[list[list[torch.Tensor]]]:
+    """DataLoader's epochs 0..n-1, shuffled with the loaders' seed."""
+    dl = DataLoader(
+        ds, batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(SEED)
+    )
+    return [[list(b) for b in dl] for _ in range(n)]
+
+
+def _check(
+    seen: list[tuple[int, list[torch.Tensor]]], want: list[list[list[torch.Tensor]]]
+) -> None:
+    """``seen``'s batches of epoch e are ``want[e]``, in order, every one of them."""
+    by_epoch: dict[int, list[list[torch.Tensor]]] = {}
+    for epoch, batch in seen:
+        by_epoch.setdefault(epoch, []).append(batch)
+    assert sorted(by_epoch) == list(range(len(want)))
+    for epoch, batches in by_epoch.items():
+        assert len(batches) == len(want[epoch]), f"epoch {epoch}"
+        for i, (g, w) in enumerate(zip(batches, want[epoch], strict=True)):
+            assert all(torch.equal(a, b) for a, b in zip(g, w, strict=True)), f"{epoch}/{i}"
+
+
+def _loader(admin: Client, dataset: str, **kw: Any) -> str:
+    name = unique("pl")
+    admin.create_loader(name, dataset=dataset, batch_size=BATCH, seed=SEED, **kw)
+    return name
+
+
+class Hidden:
+    """An iterable that shows Lightning only ``__iter__`` and ``__len__``: no sampler,
+    so Lightning calls no ``set_epoch`` (as with a user's own wrapper)."""
+
+    def __init__(self, loader: Loader) -> None:
+        self.loader = loader
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.loader)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+
+@pytest.mark.parametrize("set_epoch", [True, False], ids=["set_epoch", "no_set_epoch"])
+def test_fit_two_epochs_with_validation_is_dataloaders(
+    admin: Client, server: Server, dataset: tuple[str, Any], set_epoch: bool
+) -> None:
+    name, ds = dataset
+    train = _loader(admin, name, shuffle=True)
+    val = _loader(admin, name)
+    model = Validating()
+    with (
+        Loader(train, socket=server.socket) as train_loader,
+        Loader(val, socket=server.socket) as val_loader,
+    ):
+        loaders: tuple[Any, Any] = (train_loader, val_loader)
+        if not set_epoch:
+            loaders = (Hidden(train_loader), Hidden(val_loader))
+        # Validation: a 2-batch sanity check first, then a full pass after each epoch.
+        trainer(max_epochs=2, num_sanity_val_steps=2).fit(model, *loaders)
+    _check(model.train_seen, _epochs(ds, 2))
+    val_want = [list(b) for b in DataLoader(ds, batch_size=BATCH)]
+    assert len(model.val_seen) == 2 + 2 * len(val_want)
+    # An unshuffled loader: every validation epoch is the same. With set_epoch, the
+    # first full run restarts epoch 0 after the sanity check broke it off; without, it
+    # is the next epoch.
+    _check(model.val_seen[:2], [val_want[:2]])
+    _check(model.val_seen[2:], [val_want, val_want])
+    admin.delete_loader(train)
+    admin.delete_loader(val)
+
+
+class _SaveAt(pl.Callback):
+    """Save a checkpoint after training batch ``index`` of epoch 0."""
+
+    def __init__(self, path: Path, index: int) -> None:
+        self.path, self.index = path, index
+
+    def on_train_batch_end(self, trainer: Any, module: Any, out: Any, batch: Any, i: int) -> None:
+        if trainer.current_epoch == 0 and i == self.index:
+            trainer.save_checkpoint(self.path)
+
+
+def test_resume_from_a_mid_epoch_checkpoint(
+    admin: Client, server: Server, dataset: tuple[str, Any], tmp_path: Path
+) -> None:
+    name, ds = dataset
+    want = _epochs(ds, 2)
+    train = _loader(admin, name, shuffle=True, num_workers=1)
+    ckpt = tmp_path / "mid.ckpt"
+    first = Recorder()
+    with Loader(train, socket=server.socket) as loader:
+        trainer(max_epochs=2, callbacks=[_SaveAt(ckpt, 2)]).fit(first, loader)
+    _check(first.train_seen, want)  # the run goes on past its checkpoint
+    assert torch.load(ckpt, weights_only=False)["loops"]["fit_loop"]["state_dict"][
+        "combined_loader"
+    ] == [{"version": 1, "loader": train, "epoch": 0, "index": 3}]
+    resumed = Recorder()
+    with Loader(train, socket=server.socket) as loader:  # a new trainer, a new Loader
+        trainer(max_epochs=2).fit(resumed, loader, ckpt_path=ckpt)
+    # Batches 0-2 were trained before the checkpoint: the resumed run has the rest.
+    assert [e for e, _ in resumed.train_seen] == [0] * 3 + [1] * 6
+    _check([(0, b) for _, b in first.train_seen[:3]] + resumed.train_seen, want)
+    admin.delete_loader(train)
+
+
+def test_ddp_on_two_cpu_processes_trains_on_distributed_shards(
+    admin: Client, server: Server, dataset: tuple[str, Any], tmp_path: Path
+) -> None:
+    name, ds = dataset
+    prefix = unique("pl-ddp")
+    for rank in range(2):
+        admin.create_loader(
+            f"{prefix}-{rank}",
+            dataset=name,
+            batch_size=BATCH,
+            shuffle=True,
+            seed=SEED,
+            rank=rank,
+            world_size=2,
+            num_workers=rank,
+        )
+    script = REPO / "tests" / "integrations" / "lightning_ddp.py"
+    subprocess.run(
+        [sys.executable, str(script), prefix, str(server.socket), str(tmp_path)],
+        cwd=REPO,
+        timeout=180,
+        check=True,
+    )
+    for rank in range(2):
+        sampler = DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=True, seed=SEED)
+        ref = DataLoader(ds, batch_size=BATCH, sampler=sampler)
+        want = []
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            want.append([list(b) for b in ref])
+        _check(torch.load(tmp_path / f"rank{rank}.pt"), want)
+        admin.delete_loader(f"{prefix}-{rank}")
