@@ -7,33 +7,24 @@ HTTP request is otherwise refused.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from pydantic import Field
 
 from pinfeed_server.datasets.base import DatasetContext, DatasetError, Kind, Params
+from pinfeed_server.plugins import SPEC, PluginError, resolve
 
 
 class PythonParams(Params):
-    factory: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    factory: str = Field(pattern=SPEC)
     kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
-def _allowed(module: str, prefixes: tuple[str, ...]) -> bool:
-    return any(module == p or module.startswith(p + ".") for p in prefixes)
-
-
 def build(p: PythonParams, ctx: DatasetContext) -> Any:
-    module_name, attr = p.factory.split(":")
-    if not _allowed(module_name, ctx.allowed_plugins):
-        raise DatasetError(
-            f"module {module_name!r} is not allowed; add its package to PINFEED_ALLOWED_PLUGINS"
-        )
     try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise DatasetError(f"cannot import {p.factory}: {exc}") from None
+        factory = resolve(p.factory, ctx.allowed_plugins, what="factory")
+    except PluginError as exc:
+        raise DatasetError(str(exc)) from None
     try:
         dataset = factory(**p.kwargs)
     except Exception as exc:
