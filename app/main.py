@@ -56,7 +56,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         openapi_tags=TAGS,
     )
     app.state.settings = settings
-    app.state.metrics = metrics.build_registry(lambda: app.state.service)
+    app.state.metrics = metrics.build_registry()
     app.dependency_overrides[get_settings] = lambda: settings
     app.add_middleware(RequestGuard, settings=settings)
     install_handlers(app)

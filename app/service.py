@@ -210,6 +210,7 @@ class Service:
             raise errors.InvalidRequest(
                 f"reading sample {first} to size the ring raised {type(exc).__name__}: {exc}"
             ) from None
+        self.settings.check_workers(cfg.name, cfg.num_workers, self.workers_used(cfg.name))
         need = ring_slots(cfg) * layout.slot_bytes
         free = max(0, self.settings.max_shm_bytes - self.shm_used())
         if need > free:
@@ -234,6 +235,9 @@ class Service:
 
     def starting_loaders(self) -> list[str]:
         return sorted(n for n, e in list(self.loaders.items()) if e.state == "starting")
+
+    def workers_used(self, but: str | None = None) -> int:
+        return sum(e.config.num_workers for n, e in list(self.loaders.items()) if n != but)
 
     def shm_used(self) -> int:
         return sum(e.nslots * e.layout.slot_bytes for e in list(self.loaders.values()))
@@ -297,6 +301,7 @@ class Service:
                     "batch_size": engine.config.batch_size,
                     **engine.public_status(),
                     **engine.stats_snapshot(),
+                    "num_workers": engine.config.num_workers,
                     "bytes_consumed": engine.stats.bytes_consumed,
                     "consumer_wait_s": engine.stats.wait_s,
                 }
@@ -322,6 +327,7 @@ class Service:
             cfg = engine.config
             num_workers = cfg.num_workers if body.num_workers is None else body.num_workers
             prefetch = cfg.prefetch_factor if body.prefetch_factor is None else body.prefetch_factor
+            self.settings.check_workers(name, num_workers, self.workers_used(name))
             try:
                 engine.reconfigure(num_workers, prefetch)
             except ValueError as exc:

@@ -21,6 +21,7 @@ from pinfeed._errors import (
     ServerUnavailable,
     Unauthorized,
     UnsupportedMediaType,
+    WorkerLimit,
 )
 from pinfeed._loader import Loader
 
@@ -46,4 +47,5 @@ __all__ = [
     "ServerUnavailable",
     "Unauthorized",
     "UnsupportedMediaType",
+    "WorkerLimit",
 ]

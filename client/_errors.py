@@ -11,6 +11,7 @@ or over the Unix socket.
     │   ├── NotFound            404: no such dataset, loader or route
     │   ├── MethodNotAllowed    405: the route does not take this method
     │   ├── Conflict            409: exists already, or still in use
+    │   │   └── WorkerLimit     409: more worker processes than the server's PINFEED_MAX_WORKERS
     │   ├── PayloadTooLarge     413: the body exceeds the server's PINFEED_MAX_BODY_BYTES
     │   ├── UnsupportedMediaType 415: the body is not application/json
     │   ├── InternalError       500: a bug in the server (details in its log)
@@ -77,6 +78,10 @@ class MethodNotAllowed(ProblemError):
 class Conflict(ProblemError):
     slug = "conflict"
     status = 409
+
+
+class WorkerLimit(Conflict):
+    slug = "worker-limit"
 
 
 class PayloadTooLarge(ProblemError):

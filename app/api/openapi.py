@@ -16,7 +16,8 @@ from fastapi.openapi.utils import get_openapi
 from pinfeed_server.errors import PROBLEM_JSON, PROBLEM_TYPES, AppError
 from pinfeed_server.schemas import Problem
 
-_BY_STATUS: dict[int, type[AppError]] = {cls.status: cls for cls in PROBLEM_TYPES}
+# A base class before its subclasses (409 is Conflict, not WorkerLimit).
+_BY_STATUS: dict[int, type[AppError]] = {cls.status: cls for cls in reversed(PROBLEM_TYPES)}
 MUTATING = frozenset({"post", "put", "patch", "delete"})
 WHEN = {
     401: "PINFEED_TOKEN is set and the request lacks 'Authorization: Bearer <token>'",

@@ -45,7 +45,20 @@ def test_metrics_follow_a_loader(admin: Client, server: Server) -> None:
     assert m[("pinfeed_loader_ring_bytes", lo)] == status["ring_bytes"]
     assert m[("pinfeed_loader_page_locked", lo)] == float(status["page_locked"])
     assert 0 <= m[("pinfeed_loader_consumer_wait_share", lo)] <= 1
-    assert 0 <= m[("pinfeed_loader_consumer_wait_share_total", lo)] <= 1
+    assert 0 <= m[("pinfeed_loader_consumer_wait_share_since_start", lo)] <= 1
+    assert m[("pinfeed_loader_worker_busy_seconds_total", lo)] >= 0
+    assert m[("pinfeed_loader_workers", lo)] == 1
+    assert m[("pinfeed_workers", ())] >= 1
+    assert m[("pinfeed_workers_max", ())] >= m[("pinfeed_workers", ())]
+    # One histogram observation per next() the trainer reported (the first one's wait
+    # arrives with the second NEXT): cumulative buckets, +Inf equal to the count.
+    waits = m[("pinfeed_loader_next_wait_seconds_count", lo)]
+    assert waits >= 1
+    assert m[("pinfeed_loader_next_wait_seconds_bucket", (("le", "+Inf"), *lo))] == waits
+    assert (
+        m[("pinfeed_loader_next_wait_seconds_sum", lo)]
+        == m[("pinfeed_loader_consumer_wait_seconds_total", lo)]
+    )
     assert m[("pinfeed_loader_skipped_total", lo)] == 0
     assert m[("pinfeed_loader_position", lo)] == consumed
     assert m[("pinfeed_loader_batches_per_epoch", lo)] == 10
