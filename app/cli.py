@@ -11,6 +11,8 @@ import typer
 
 from pinfeed_server.cli_admin import console, datasets_app, loaders_app, status
 
+HTTP_MAX_CONCURRENCY = 512
+
 app = typer.Typer(
     help="pinfeed: DataLoader batches served from page-locked shared memory.", no_args_is_help=True
 )
@@ -74,6 +76,9 @@ def serve(
         port=settings.port,
         log_level=settings.log_level.lower(),
         timeout_graceful_shutdown=8,
+        # A backstop behind PINFEED_HTTP_MAX_RPS: past this many connections and
+        # requests in flight uvicorn answers 503 at once instead of queueing more.
+        limit_concurrency=HTTP_MAX_CONCURRENCY,
     )
 
 

@@ -13,6 +13,7 @@ and ``pinfeed._errors`` maps it back to the same-named client exception.
     ├── PayloadTooLarge           413 body larger than PINFEED_MAX_BODY_BYTES
     ├── UnsupportedMediaType      415 a body that is not application/json
     ├── NotReady                  503 /readyz while a loader is still starting
+    ├── Overloaded                503 more requests than PINFEED_HTTP_MAX_RPS can pace
     └── InsufficientMemory        507 ring larger than the free memory budget
 """
 
@@ -97,6 +98,12 @@ class NotReady(AppError):
     slug = "not-ready"
     status = 503
     title = "Not ready"
+
+
+class Overloaded(AppError):
+    slug = "overloaded"
+    status = 503
+    title = "Overloaded"
 
 
 class InsufficientMemory(AppError):

@@ -104,6 +104,19 @@ class Settings(BaseSettings):
         f"least 8); a loader over it gets 409 worker-limit; one loader may have at most "
         f"min(this, {MAX_WORKERS_PER_LOADER})",
     )
+    http_max_rps: float = Field(
+        100.0,
+        ge=0,
+        description="requests a second the HTTP control plane serves; more wait their "
+        "turn, so a client polling flat out cannot take the trainers' CPU (0: no pace)",
+    )
+    metrics_max_age_s: float = Field(
+        1.0,
+        ge=0,
+        le=60,
+        description="GET /metrics serves a body rendered at most this long ago (0: render "
+        "every scrape)",
+    )
     max_body_bytes: int = Field(
         1 << 20, ge=1024, le=1 << 30, description="largest request body accepted (413 above)"
     )

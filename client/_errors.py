@@ -16,6 +16,7 @@ or over the Unix socket.
     │   ├── UnsupportedMediaType 415: the body is not application/json
     │   ├── InternalError       500: a bug in the server (details in its log)
     │   ├── NotReady            503: /readyz while a loader is still starting
+    │   ├── Overloaded          503: the server's control plane is at PINFEED_HTTP_MAX_RPS
     │   └── InsufficientMemory  507: the ring would exceed the memory budget
     └── DataPlaneError          errors on the Unix socket
         ├── ServerUnavailable   cannot connect, or the server closed the connection
@@ -101,6 +102,11 @@ class InternalError(ProblemError):
 
 class NotReady(ProblemError):
     slug = "not-ready"
+    status = 503
+
+
+class Overloaded(ProblemError):
+    slug = "overloaded"
     status = 503
 
 
