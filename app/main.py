@@ -63,7 +63,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # Outermost: every request is paced, before the token check reads its headers.
     app.add_middleware(Throttle, rps=settings.http_max_rps)
     install_handlers(app)
-    install_openapi(app)
+    install_openapi(app, token=settings.token is not None)
     app.include_router(health.router)
     app.include_router(metrics.router)
     app.include_router(datasets.router)

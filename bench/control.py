@@ -5,7 +5,8 @@ One trainer reads a W1-like loader (``tensors`` kind, uint8 3x64x64, batch 256,
 sample count every 0.1 s. Meanwhile a load process (its own process too, as a scraper
 or a prober would be) talks HTTP to the same server, phase by phase:
 
-- nothing (the trainer alone; measured before and after, the share uses their mean),
+- nothing (the trainer alone: a window before and after every phase; a phase's share
+  is against the mean of the two windows either side of it),
 - ``GET /metrics`` paced at 1, 10 and 50 scrapes per second,
 - 16 connections flooding ``/healthz``, ``/v1/loaders/{name}/stats`` or ``/metrics``
   (closed loop: each sends its next request when the last one is answered),
@@ -49,7 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description="A trainer's samples/s under HTTP load on the same server, and the "
         "control plane's latency under full data-plane load. Writes docs/control.json.",
     )
-    ap.add_argument("--seconds", type=float, default=8.0, help="length of each phase")
+    ap.add_argument("--seconds", type=float, default=6.0, help="length of each phase")
     ap.add_argument("--loaders", default="1,50", help="loader counts (the trainer's + idle)")
     ap.add_argument("--scale", type=float, default=0.2, help="W1 sample-count scale")
     ap.add_argument("--request-timeout", type=float, default=10.0, help="a hang after this")
@@ -325,10 +326,44 @@ def _idle_loaders(srv: BenchServer, total: int) -> None:
                 c.create_loader(name, dataset="idle", batch_size=4, num_workers=0)
 
 
+def _alone(trainer: Trainer, seconds: float) -> float:
+    t = time.monotonic()
+    time.sleep(seconds)
+    return trainer.rate((t, time.monotonic()))
+
+
+def _measure(
+    srv: BenchServer, args: argparse.Namespace, trainer: Trainer, count: int
+) -> list[dict[str, Any]]:
+    """Every phase between two windows of the trainer alone (A B A B ... A): its share
+    is against the mean of the windows either side, so a machine that others load
+    and unload while this runs moves the baseline along with the phase."""
+    alone = [_alone(trainer, args.seconds)]
+    rows = []
+    for label, spec in _phases(args):
+        res = _load(srv, args, **spec)
+        rate = trainer.rate(tuple(res["window"]))
+        alone.append(_alone(trainer, args.seconds))
+        base = statistics.fmean(alone[-2:])
+        rows.append(
+            {
+                "loaders": count,
+                "traffic": label,
+                "samples_per_s": rate,
+                "share": rate / base,
+                "alone_either_side": alone[-2:],
+                "http": res["paths"],
+            }
+        )
+    head = {"loaders": count, "traffic": "none (alone)", "samples_per_s": statistics.fmean(alone)}
+    return [head | {"alone_windows": alone}, *rows]
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     args.data_dir.mkdir(parents=True, exist_ok=True)
     w = data.make_w1(args.data_dir, args.scale)
     rows: list[dict[str, Any]] = []
+    load = os.getloadavg()
     with BenchServer(args.data_dir) as srv:
         _setup(srv, w)
         trainer = Trainer(srv)
@@ -336,35 +371,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             time.sleep(min(2.0, args.seconds))  # past the first epoch's start-up
             for count in args.loader_counts:
                 _idle_loaders(srv, count)
-                t = time.monotonic()
-                time.sleep(args.seconds)
-                alone = [trainer.rate((t, time.monotonic()))]
-                measured = []
-                for label, spec in _phases(args):
-                    res = _load(srv, args, **spec)
-                    measured.append((label, res, trainer.rate(tuple(res["window"]))))
-                t = time.monotonic()
-                time.sleep(args.seconds)
-                alone.append(trainer.rate((t, time.monotonic())))
-                base = statistics.fmean(alone)
-                rows.append({"loaders": count, "traffic": "none (alone)", "samples_per_s": base})
-                for label, res, rate in measured:
-                    rows.append(
-                        {
-                            "loaders": count,
-                            "traffic": label,
-                            "samples_per_s": rate,
-                            "share": rate / base,
-                            "alone_before_after": alone,
-                            "http": res["paths"],
-                        }
-                    )
+                rows.extend(_measure(srv, args, trainer, count))
         finally:
             trainer.stop()
     return {
         "meta": {
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "cpus": os.cpu_count(),
+            "loadavg_start": load,
             "loadavg_end": os.getloadavg(),
             "seconds_per_phase": args.seconds,
             "workload": w.describe() | {"num_workers": 2},
@@ -372,6 +386,53 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "rows": rows,
     }
+
+
+def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 19's must-show numbers, from the rows (the most loaders measured)."""
+    rows = result["rows"]
+    most = max(r["loaders"] for r in rows)
+    out: list[dict[str, Any]] = []
+
+    def add(name: str, value: float | None, goal: str, ok: bool) -> None:
+        out.append({"target": name, "value": value, "goal": goal, "ok": ok})
+
+    def row(count: int, traffic: str) -> dict[str, Any]:
+        return next(r for r in rows if r["loaders"] == count and r["traffic"] == traffic)
+
+    for rate, goal in ((10, 0.95), (50, 0.9)):
+        share = row(most, f"/metrics {rate}/s")["share"]
+        add(
+            f"/metrics {rate}/s, {most} loaders: trainer share", share, f">= {goal}x", share >= goal
+        )
+    for r in rows:
+        if r["traffic"].startswith("flood"):
+            h = next(iter(r["http"].values()))
+            add(
+                f"{r['traffic']}, {r['loaders']} loaders: share",
+                r["share"],
+                ">= 0.6x",
+                r["share"] >= 0.6,
+            )
+            bad = h["errors_5xx"] + h["hangs"] + h["conn_errors"]
+            add(f"{r['traffic']}, {r['loaders']} loaders: 5xx + hangs", bad, "0", bad == 0)
+    probes = row(most, "probes /healthz /readyz /metrics")["http"]
+    for path in ("/healthz", "/readyz"):
+        p99 = probes[path]["p99_ms"]
+        add(
+            f"{path} p99 under full load, {most} loaders (ms)",
+            p99,
+            "< 50",
+            p99 is not None and p99 < 50,
+        )
+    p50 = probes["/metrics"]["p50_ms"]
+    add(
+        f"/metrics scrape p50 under full load, {most} loaders (ms)",
+        p50,
+        "<= 5",
+        p50 is not None and p50 <= 5,
+    )
+    return out
 
 
 def _f(x: float | None, fmt: str = "{:.1f}") -> str:
@@ -409,10 +470,14 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     result = run(args)
     result["meta"]["wall_s"] = round(time.monotonic() - t0, 1)
+    result["targets"] = targets(result)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "control.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     print_table(result)
+    for t in result["targets"]:
+        mark = "ok  " if t["ok"] else "MISS"
+        print(f"{mark} {t['target']}: {_f(t['value'], '{:.2f}')} ({t['goal']})")
     print(f"wrote {path} in {result['meta']['wall_s']:.0f} s (shared machine: numbers are noisy)")
     return 0
 

@@ -23,7 +23,8 @@ LoaderName = Annotated[str, Path(description="the loader's name", examples=["dem
         422,
         507,
         d404="no such dataset",
-        d409="a loader with this name exists",
+        d409="a loader with this name exists, or its num_workers would take the server "
+        "past PINFEED_MAX_WORKERS (worker-limit)",
         d422="invalid body, or the dataset's samples cannot be batched",
     ),
 )
@@ -55,7 +56,13 @@ async def get_loader_stats(name: LoaderName, service: ServiceDep) -> Any:
 @router.patch(
     "/{name}",
     response_model=LoaderPublic,
-    responses=problems(404, 409, 422, d409="the change needs a new ring (recreate the loader)"),
+    responses=problems(
+        404,
+        409,
+        422,
+        d409="the change needs a new ring (recreate the loader), or more workers than "
+        "PINFEED_MAX_WORKERS has free (worker-limit)",
+    ),
 )
 def patch_loader(name: LoaderName, body: LoaderPatch, service: ServiceDep) -> Any:
     """Change ``num_workers`` or ``prefetch_factor`` live: position and batches are kept.
