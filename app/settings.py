@@ -105,7 +105,7 @@ class Settings(BaseSettings):
         f"min(this, {MAX_WORKERS_PER_LOADER})",
     )
     http_max_rps: float = Field(
-        100.0,
+        50.0,
         ge=0,
         description="requests a second the HTTP control plane serves; more wait their "
         "turn, so a client polling flat out cannot take the trainers' CPU (0: no pace)",
