@@ -90,7 +90,8 @@ def serve(
     },
 )
 def bench(ctx: typer.Context) -> None:
-    """Benchmarks against torch DataLoader, from a source checkout (--help: its options)."""
+    """Benchmarks against torch DataLoader, from a source checkout (--help: its options);
+    ``bench control``: a trainer's throughput under HTTP load on the same server."""
     import importlib
     import sys
 
@@ -103,8 +104,12 @@ def bench(ctx: typer.Context) -> None:
         raise typer.Exit(2)
     if str(checkout) not in sys.path:
         sys.path.insert(0, str(checkout))
+    args = list(ctx.args)
+    if args[:1] == ["control"]:  # the control plane against the data plane (issue 19)
+        control = importlib.import_module("bench.control")
+        raise typer.Exit(control.main(args[1:]))
     suite = importlib.import_module("bench.suite")
-    raise typer.Exit(suite.main(list(ctx.args)))
+    raise typer.Exit(suite.main(args))
 
 
 def main() -> None:
