@@ -54,6 +54,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--loaders", default="1,50", help="loader counts (the trainer's + idle)")
     ap.add_argument("--scale", type=float, default=0.2, help="W1 sample-count scale")
     ap.add_argument("--request-timeout", type=float, default=10.0, help="a hang after this")
+    ap.add_argument("--only", default="", help="run only the phases whose label has this text")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 1 s phases, 1 and 3 loaders")
     ap.add_argument(
         "--data-dir",
@@ -343,6 +344,8 @@ def _measure(
     alone = [_alone(trainer, args.seconds)]
     rows = []
     for label, spec in _phases(args):
+        if args.only not in label:
+            continue
         res = _load(srv, args, **spec)
         rate = trainer.rate(tuple(res["window"]))
         alone.append(_alone(trainer, args.seconds))
@@ -472,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     result = run(args)
     result["meta"]["wall_s"] = round(time.monotonic() - t0, 1)
-    result["targets"] = targets(result)
+    result["targets"] = [] if args.only else targets(result)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "control.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
