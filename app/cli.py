@@ -11,6 +11,8 @@ import typer
 
 from pinfeed_server.cli_admin import console, datasets_app, loaders_app, status
 
+HTTP_MAX_CONCURRENCY = 512
+
 app = typer.Typer(
     help="pinfeed: DataLoader batches served from page-locked shared memory.", no_args_is_help=True
 )
@@ -74,6 +76,9 @@ def serve(
         port=settings.port,
         log_level=settings.log_level.lower(),
         timeout_graceful_shutdown=8,
+        # A backstop behind PINFEED_HTTP_MAX_RPS: past this many connections and
+        # requests in flight uvicorn answers 503 at once instead of queueing more.
+        limit_concurrency=HTTP_MAX_CONCURRENCY,
     )
 
 
@@ -85,7 +90,8 @@ def serve(
     },
 )
 def bench(ctx: typer.Context) -> None:
-    """Benchmarks against torch DataLoader, from a source checkout (--help: its options)."""
+    """Benchmarks against torch DataLoader, from a source checkout (--help: its options);
+    ``bench control``: a trainer's throughput under HTTP load on the same server."""
     import importlib
     import sys
 
@@ -98,8 +104,12 @@ def bench(ctx: typer.Context) -> None:
         raise typer.Exit(2)
     if str(checkout) not in sys.path:
         sys.path.insert(0, str(checkout))
+    args = list(ctx.args)
+    if args[:1] == ["control"]:  # the control plane against the data plane (issue 19)
+        control = importlib.import_module("bench.control")
+        raise typer.Exit(control.main(args[1:]))
     suite = importlib.import_module("bench.suite")
-    raise typer.Exit(suite.main(list(ctx.args)))
+    raise typer.Exit(suite.main(args))
 
 
 def main() -> None:

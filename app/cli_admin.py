@@ -211,8 +211,13 @@ def loaders_show(name: str, url: UrlOpt = None, token: TokenOpt = None) -> None:
         _json({"loader": c.loader(name), "stats": c.loader_stats(name)})
 
 
+def _ms(seconds: float | None) -> str:
+    """A wait from the histogram's buckets (interpolated), in milliseconds."""
+    return "-" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
 def status(url: UrlOpt = None, token: TokenOpt = None, as_json: JsonOpt = False) -> None:
-    """A table of loaders: state, queue fill, throughput, consumer wait share."""
+    """A table of loaders: state, queue fill, throughput, consumer wait share and p99."""
     with _client(url, token) as c:
         rows = [(lo, c.loader_stats(lo["name"])) for lo in c.loaders()]
     if as_json:
@@ -226,6 +231,7 @@ def status(url: UrlOpt = None, token: TokenOpt = None, as_json: JsonOpt = False)
         "samples/s",
         "MB/s",
         "wait share",
+        "wait p99",
         "consumer",
     )
     for lo, st in rows:
@@ -238,6 +244,7 @@ def status(url: UrlOpt = None, token: TokenOpt = None, as_json: JsonOpt = False)
             f"{st['samples_per_s']:.0f}",
             _mb(int(st["bytes_per_s"])),
             f"{st['consumer_wait_share']:.0%}",
+            _ms(st["consumer_wait_p99_s"]),
             "attached" if lo["consumer_attached"] else "-",
         )
     console.print(table)

@@ -9,9 +9,11 @@ and ``pinfeed._errors`` maps it back to the same-named client exception.
     ├── NotFound                  404 no such dataset, loader or route
     ├── MethodNotAllowed          405 the route exists, the method does not
     ├── Conflict                  409 name exists, or resource still in use
+    │   └── WorkerLimit           409 more worker processes than PINFEED_MAX_WORKERS
     ├── PayloadTooLarge           413 body larger than PINFEED_MAX_BODY_BYTES
     ├── UnsupportedMediaType      415 a body that is not application/json
     ├── NotReady                  503 /readyz while a loader is still starting
+    ├── Overloaded                503 more requests than PINFEED_HTTP_MAX_RPS can pace
     └── InsufficientMemory        507 ring larger than the free memory budget
 
 Errors on the data-plane socket are a tree of their own, ``pinfeed_server.engine.errors``
@@ -78,6 +80,11 @@ class Conflict(AppError):
     title = "Conflict"
 
 
+class WorkerLimit(Conflict):
+    slug = "worker-limit"
+    title = "Worker limit reached"
+
+
 class PayloadTooLarge(AppError):
     slug = "payload-too-large"
     status = 413
@@ -96,6 +103,12 @@ class NotReady(AppError):
     title = "Not ready"
 
 
+class Overloaded(AppError):
+    slug = "overloaded"
+    status = 503
+    title = "Overloaded"
+
+
 class InsufficientMemory(AppError):
     slug = "insufficient-memory"
     status = 507
@@ -107,7 +120,7 @@ def _tree(cls: type[AppError]) -> list[type[AppError]]:
 
 
 PROBLEM_TYPES: tuple[type[AppError], ...] = tuple(_tree(AppError))
-_BY_STATUS = {cls.status: cls for cls in PROBLEM_TYPES}
+_BY_STATUS = {cls.status: cls for cls in reversed(PROBLEM_TYPES)}  # a base before its subclass
 
 
 def problem(

@@ -12,6 +12,7 @@ from pinfeed_server import __version__
 from pinfeed_server.api.guards import RequestGuard
 from pinfeed_server.api.openapi import install_openapi
 from pinfeed_server.api.routes import datasets, health, loaders, metrics
+from pinfeed_server.api.throttle import Throttle
 from pinfeed_server.errors import install_handlers
 from pinfeed_server.service import Service
 from pinfeed_server.settings import Settings, get_settings
@@ -56,11 +57,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         openapi_tags=TAGS,
     )
     app.state.settings = settings
-    app.state.metrics = metrics.build_registry(lambda: app.state.service)
+    app.state.metrics = metrics.MetricsCache(lambda: app.state.service, settings.metrics_max_age_s)
     app.dependency_overrides[get_settings] = lambda: settings
     app.add_middleware(RequestGuard, settings=settings)
+    # Outermost: every request is paced, before the token check reads its headers.
+    app.add_middleware(Throttle, rps=settings.http_max_rps)
     install_handlers(app)
-    install_openapi(app)
+    install_openapi(app, token=settings.token is not None)
     app.include_router(health.router)
     app.include_router(metrics.router)
     app.include_router(datasets.router)

@@ -219,6 +219,7 @@ class Service:
     ) -> None:
         """Refuse a loader (new, or ``replaces``'s new config) that the server-wide
         limits cannot take: the one place for them, at create, restart and PATCH."""
+        self.settings.check_workers(cfg.name, cfg.num_workers, self.workers_used(cfg.name))
         need = nslots * slot_bytes
         used = self.shm_used() - (replaces.nslots * replaces.layout.slot_bytes if replaces else 0)
         free = max(0, self.settings.max_shm_bytes - used)
@@ -240,6 +241,9 @@ class Service:
 
     def starting_loaders(self) -> list[str]:
         return sorted(n for n, e in list(self.loaders.items()) if e.state == "starting")
+
+    def workers_used(self, but: str | None = None) -> int:
+        return sum(e.config.num_workers for n, e in list(self.loaders.items()) if n != but)
 
     def shm_used(self) -> int:
         return sum(e.nslots * e.layout.slot_bytes for e in list(self.loaders.values()))
@@ -291,6 +295,7 @@ class Service:
                     "batch_size": engine.config.batch_size,
                     **engine.status().model_dump(),
                     **engine.stats_snapshot(),
+                    "num_workers": engine.config.num_workers,
                     "bytes_consumed": engine.stats.bytes_consumed,
                     "consumer_wait_s": engine.stats.wait_s,
                 }

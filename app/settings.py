@@ -19,6 +19,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pinfeed._protocol import DEFAULT_SOCKET_NAME, default_run_dir
+from pinfeed_server.errors import WorkerLimit
 
 log = logging.getLogger("pinfeed")
 
@@ -46,6 +47,21 @@ def _default_state_dir() -> Path:
 
 def physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+# A loader may not have more workers than this, whatever the server-wide bound: the
+# same bound LoaderCreate.num_workers has.
+MAX_WORKERS_PER_LOADER = 256
+
+
+def default_max_workers() -> int:
+    """Four worker processes per CPU the server may use (8 at least): room for every
+    trainer's DataLoader-sized pool, far from the hundreds a runaway client could ask."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cpus = os.cpu_count() or 1
+    return max(8, 4 * cpus)
 
 
 class Settings(BaseSettings):
@@ -79,6 +95,27 @@ class Settings(BaseSettings):
         gt=0,
         description="memory budget for all rings together (default: half the RAM); "
         "more than the RAM is refused",
+    )
+    max_workers: int = Field(
+        default_factory=default_max_workers,
+        ge=0,
+        le=4096,
+        description="worker processes of all loaders together (default: 4 per CPU, at "
+        f"least 8); a loader over it gets 409 worker-limit; one loader may have at most "
+        f"min(this, {MAX_WORKERS_PER_LOADER})",
+    )
+    http_max_rps: float = Field(
+        50.0,
+        ge=0,
+        description="requests a second the HTTP control plane serves; more wait their "
+        "turn, so a client polling flat out cannot take the trainers' CPU (0: no pace)",
+    )
+    metrics_max_age_s: float = Field(
+        1.0,
+        ge=0,
+        le=60,
+        description="GET /metrics serves a body rendered at most this long ago (0: render "
+        "every scrape)",
     )
     max_body_bytes: int = Field(
         1 << 20, ge=1024, le=1 << 30, description="largest request body accepted (413 above)"
@@ -160,6 +197,20 @@ class Settings(BaseSettings):
             return ipaddress.ip_address(self.host).is_loopback
         except ValueError:
             return False
+
+    def check_workers(self, loader: str, asked: int, used: int) -> None:
+        """Refuse (409 worker-limit) a loader whose ``asked`` worker processes, with the
+        ``used`` ones of the other loaders, exceed PINFEED_MAX_WORKERS."""
+        cap = self.max_workers
+        if used + asked > cap:
+            free = max(0, cap - used)
+            raise WorkerLimit(
+                f"loader {loader!r} asks for {asked} worker processes; {free} of "
+                f"PINFEED_MAX_WORKERS={cap} are free ({used} held by other loaders). Lower "
+                "num_workers, delete a loader, or raise PINFEED_MAX_WORKERS",
+                max_workers=cap,
+                free_workers=free,
+            )
 
     def check_safe(self) -> None:
         """Refuse unsafe settings at start-up (ValueError); warn loudly on risky ones."""

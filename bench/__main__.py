@@ -1,3 +1,9 @@
+import sys
+
+if sys.argv[1:2] == ["control"]:
+    from bench.control import main
+
+    raise SystemExit(main(sys.argv[2:]))
 from bench.suite import main
 
 raise SystemExit(main())

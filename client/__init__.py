@@ -16,6 +16,7 @@ from pinfeed._errors import (
     MethodNotAllowed,
     NotFound,
     NotReady,
+    Overloaded,
     PayloadTooLarge,
     PinfeedError,
     ProblemError,
@@ -24,6 +25,7 @@ from pinfeed._errors import (
     ServerUnavailable,
     Unauthorized,
     UnsupportedMediaType,
+    WorkerLimit,
 )
 from pinfeed._loader import Loader
 
@@ -44,6 +46,7 @@ __all__ = [
     "MethodNotAllowed",
     "NotFound",
     "NotReady",
+    "Overloaded",
     "PayloadTooLarge",
     "PinfeedError",
     "ProblemError",
@@ -52,4 +55,5 @@ __all__ = [
     "ServerUnavailable",
     "Unauthorized",
     "UnsupportedMediaType",
+    "WorkerLimit",
 ]

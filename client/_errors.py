@@ -11,10 +11,12 @@ or over the Unix socket.
     │   ├── NotFound            404: no such dataset, loader or route
     │   ├── MethodNotAllowed    405: the route does not take this method
     │   ├── Conflict            409: exists already, or still in use
+    │   │   └── WorkerLimit     409: more worker processes than the server's PINFEED_MAX_WORKERS
     │   ├── PayloadTooLarge     413: the body exceeds the server's PINFEED_MAX_BODY_BYTES
     │   ├── UnsupportedMediaType 415: the body is not application/json
     │   ├── InternalError       500: a bug in the server (details in its log)
     │   ├── NotReady            503: /readyz while a loader is still starting
+    │   ├── Overloaded          503: the server's control plane is at PINFEED_HTTP_MAX_RPS
     │   └── InsufficientMemory  507: the ring would exceed the memory budget
     ├── ServerUnavailable       cannot reach the server, or it went away (HTTP or socket)
     └── DataPlaneError          errors on the Unix socket (``pinfeed._protocol.ERROR_KINDS``)
@@ -88,6 +90,10 @@ class Conflict(ProblemError):
     status = 409
 
 
+class WorkerLimit(Conflict):
+    slug = "worker-limit"
+
+
 class PayloadTooLarge(ProblemError):
     slug = "payload-too-large"
     status = 413
@@ -105,6 +111,11 @@ class InternalError(ProblemError):
 
 class NotReady(ProblemError):
     slug = "not-ready"
+    status = 503
+
+
+class Overloaded(ProblemError):
+    slug = "overloaded"
     status = 503
 
 

@@ -9,7 +9,8 @@ from fastapi import Depends, Request
 from pinfeed_server.service import Service
 
 
-def get_service(request: Request) -> Service:
+async def get_service(request: Request) -> Service:
+    # async: resolved on the event loop, so an ``async def`` route needs no thread hop.
     service: Service = request.app.state.service
     return service
 

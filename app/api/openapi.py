@@ -13,10 +13,11 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from pinfeed_server.errors import PROBLEM_JSON, PROBLEM_TYPES, AppError
+from pinfeed_server.errors import PROBLEM_JSON, PROBLEM_TYPES, AppError, Overloaded
 from pinfeed_server.schemas import Problem
 
-_BY_STATUS: dict[int, type[AppError]] = {cls.status: cls for cls in PROBLEM_TYPES}
+# A base class before its subclasses (409 is Conflict, not WorkerLimit).
+_BY_STATUS: dict[int, type[AppError]] = {cls.status: cls for cls in reversed(PROBLEM_TYPES)}
 MUTATING = frozenset({"post", "put", "patch", "delete"})
 WHEN = {
     401: "PINFEED_TOKEN is set and the request lacks 'Authorization: Bearer <token>'",
@@ -28,15 +29,19 @@ WHEN = {
     503: "a loader is still starting",
     507: "the ring would exceed the free part of PINFEED_MAX_SHM_BYTES",
 }
+OVERLOADED = (
+    "overloaded: the control plane is at PINFEED_HTTP_MAX_RPS and the request would "
+    "wait too long (Retry-After)"
+)
 
 
-def _example(status: int) -> dict[str, Any]:
-    cls = _BY_STATUS[status]
+def _example(status: int, description: str) -> dict[str, Any]:
+    cls = Overloaded if description.startswith(OVERLOADED[:10]) else _BY_STATUS[status]
     return {
         "type": f"urn:pinfeed:problem:{cls.slug}",
         "title": cls.title,
         "status": status,
-        "detail": WHEN.get(status, cls.title),
+        "detail": OVERLOADED if cls is Overloaded else WHEN.get(status, cls.title),
         "instance": "/v1/...",
     }
 
@@ -55,18 +60,23 @@ def _problem_response(status: int, description: str) -> dict[str, Any]:
         "content": {
             PROBLEM_JSON: {
                 "schema": {"$ref": "#/components/schemas/Problem"},
-                "example": _example(status),
+                "example": _example(status, description),
             }
         },
     }
 
 
-def _fix_operation(method: str, op: dict[str, Any]) -> None:
+def _fix_operation(method: str, op: dict[str, Any], token: bool) -> None:
     responses: dict[str, Any] = op["responses"]
     if method in MUTATING:
-        op["security"] = [{"bearer": []}]
-        responses.setdefault("401", _problem_response(401, WHEN[401]))
+        if token:
+            op["security"] = [{"bearer": []}]
+            responses.setdefault("401", _problem_response(401, WHEN[401]))
         responses.setdefault("413", _problem_response(413, WHEN[413]))
+    if "503" in responses:
+        responses["503"]["description"] += "; or " + OVERLOADED
+    else:
+        responses["503"] = {"description": OVERLOADED}
     if "requestBody" in op:
         responses.setdefault("415", _problem_response(415, WHEN[415]))
     for code, response in list(responses.items()):
@@ -75,7 +85,9 @@ def _fix_operation(method: str, op: dict[str, Any]) -> None:
             responses[code] = _problem_response(int(code), description)
 
 
-def install_openapi(app: FastAPI) -> None:
+def install_openapi(app: FastAPI, token: bool) -> None:
+    """``token``: PINFEED_TOKEN is set, so mutating routes need the bearer token."""
+
     def openapi() -> dict[str, Any]:
         if app.openapi_schema:
             return app.openapi_schema
@@ -88,7 +100,7 @@ def install_openapi(app: FastAPI) -> None:
         )
         for path_item in schema.get("paths", {}).values():
             for method, op in path_item.items():
-                _fix_operation(method, op)
+                _fix_operation(method, op, token)
         components = schema.setdefault("components", {})
         schemas = components.setdefault("schemas", {})
         schemas.setdefault(
@@ -96,13 +108,14 @@ def install_openapi(app: FastAPI) -> None:
         )
         for unused in ("HTTPValidationError", "ValidationError"):
             schemas.pop(unused, None)
-        components["securitySchemes"] = {
-            "bearer": {
-                "type": "http",
-                "scheme": "bearer",
-                "description": "PINFEED_TOKEN, needed on mutating requests when set",
+        if token:
+            components["securitySchemes"] = {
+                "bearer": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "PINFEED_TOKEN, needed on mutating requests",
+                }
             }
-        }
         app.openapi_schema = schema
         return schema
 

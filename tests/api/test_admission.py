@@ -1,11 +1,12 @@
-"""A loader whose ring would exceed PINFEED_MAX_SHM_BYTES is refused with 507."""
+"""A loader whose ring would exceed PINFEED_MAX_SHM_BYTES is refused with 507; one whose
+worker processes would take the server past PINFEED_MAX_WORKERS with 409 worker-limit."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
 
-from pinfeed import InsufficientMemory
+from pinfeed import Conflict, InsufficientMemory, WorkerLimit
 from tests.api.conftest import MakeServer, synthetic
 from tests.api.test_datasets import _problem
 
@@ -44,3 +45,29 @@ def test_rings_over_the_budget_get_507_with_free_and_needed_bytes(
             "starting",
             "ready",
         )
+
+
+def test_worker_processes_past_the_server_bound_get_409_worker_limit(
+    make_server: MakeServer,
+) -> None:
+    server = make_server(PINFEED_MAX_WORKERS="3")
+    with server.client() as c:
+        c.create_dataset("d", "synthetic", synthetic(16))
+        c.create_loader("two", dataset="d", batch_size=4, num_workers=2)
+        r = httpx.post(
+            f"{server.url}/v1/loaders",
+            json={"name": "more", "dataset": "d", "batch_size": 4, "num_workers": 2},
+        )
+        problem = _problem(r, 409, "worker-limit")
+        assert (problem["max_workers"], problem["free_workers"]) == (3, 1)
+        assert "PINFEED_MAX_WORKERS=3" in str(problem["detail"])
+        with pytest.raises(WorkerLimit) as info:  # also a Conflict, for old callers
+            c.create_loader("alone", dataset="d", batch_size=4, num_workers=4)
+        assert isinstance(info.value, Conflict) and info.value.status == 409
+        c.create_loader("one", dataset="d", batch_size=4, num_workers=1)  # exactly the bound
+        with pytest.raises(WorkerLimit):
+            c.patch_loader("two", num_workers=3)
+        c.patch_loader("two", num_workers=1)  # fewer is always allowed
+        assert {lo["name"] for lo in c.loaders()} == {"two", "one"}
+        c.delete_loader("one")
+        assert c.create_loader("more", dataset="d", batch_size=4, num_workers=2)["num_workers"] == 2

@@ -70,3 +70,15 @@ def test_client_sends_the_token_and_raises_unauthorized(
             anonymous.delete_dataset(name)
     assert info.value.status == 401
     token_admin.delete_dataset(name)
+
+
+def test_openapi_declares_the_bearer_scheme_where_it_is_enforced(token_server: Server) -> None:
+    schema = httpx.get(f"{token_server.url}/openapi.json").json()
+    assert schema["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+    for path, item in schema["paths"].items():
+        for method, op in item.items():
+            if method in ("post", "patch", "put", "delete"):
+                assert op["security"] == [{"bearer": []}], (method, path)
+                assert "401" in op["responses"], (method, path)
+            else:  # reads and probes stay open (test_reads_and_probes_stay_open)
+                assert "security" not in op and "401" not in op["responses"], (method, path)

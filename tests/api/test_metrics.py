@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from pinfeed import Client, Loader
-from tests.api.conftest import synthetic
+from tests.api.conftest import MakeServer, synthetic
 from tests.conftest import Server
 from tests.helpers import unique
 
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
-def _samples(server: Server) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+
+def _samples(server: Server) -> Samples:
     r = httpx.get(f"{server.url}/metrics")
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/plain")
@@ -20,6 +25,14 @@ def _samples(server: Server) -> dict[tuple[str, tuple[tuple[str, str], ...]], fl
         for family in text_string_to_metric_families(r.text)
         for s in family.samples
     }
+
+
+def _fresh(server: Server, ready: Callable[[Samples], bool]) -> Samples:
+    """Scrape until ``ready`` holds: a body is up to PINFEED_METRICS_MAX_AGE_S (1 s) old."""
+    deadline = time.monotonic() + 10
+    while not ready(m := _samples(server)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return m
 
 
 def test_metrics_follow_a_loader(admin: Client, server: Server) -> None:
@@ -31,7 +44,7 @@ def test_metrics_follow_a_loader(admin: Client, server: Server) -> None:
         it = iter(loader)
         next(it)
         next(it)
-        m = _samples(server)
+        m = _fresh(server, lambda m: m.get(("pinfeed_loader_consumer_attached", lo)) == 1)
         assert m[("pinfeed_loader_consumer_attached", lo)] == 1
     status = admin.loader(name)
     consumed = m[("pinfeed_loader_batches_consumed_total", lo)]
@@ -45,7 +58,20 @@ def test_metrics_follow_a_loader(admin: Client, server: Server) -> None:
     assert m[("pinfeed_loader_ring_bytes", lo)] == status["ring_bytes"]
     assert m[("pinfeed_loader_page_locked", lo)] == float(status["page_locked"])
     assert 0 <= m[("pinfeed_loader_consumer_wait_share", lo)] <= 1
-    assert 0 <= m[("pinfeed_loader_consumer_wait_share_total", lo)] <= 1
+    assert 0 <= m[("pinfeed_loader_consumer_wait_share_since_start", lo)] <= 1
+    assert m[("pinfeed_loader_worker_busy_seconds_total", lo)] >= 0
+    assert m[("pinfeed_loader_workers", lo)] == 1
+    assert m[("pinfeed_workers", ())] >= 1
+    assert m[("pinfeed_workers_max", ())] >= m[("pinfeed_workers", ())]
+    # One histogram observation per next() the trainer reported (the first one's wait
+    # arrives with the second NEXT): cumulative buckets, +Inf equal to the count.
+    waits = m[("pinfeed_loader_next_wait_seconds_count", lo)]
+    assert waits >= 1
+    assert m[("pinfeed_loader_next_wait_seconds_bucket", (("le", "+Inf"), *lo))] == waits
+    assert (
+        m[("pinfeed_loader_next_wait_seconds_sum", lo)]
+        == m[("pinfeed_loader_consumer_wait_seconds_total", lo)]
+    )
     assert m[("pinfeed_loader_skipped_total", lo)] == 0
     assert m[("pinfeed_loader_position", lo)] == consumed
     assert m[("pinfeed_loader_batches_per_epoch", lo)] == 10
@@ -61,7 +87,24 @@ def test_metrics_follow_a_loader(admin: Client, server: Server) -> None:
     assert m[("pinfeed_shm_budget_bytes", ())] > 0
     assert ("process_resident_memory_bytes", ()) in m
 
-    m = _samples(server)
+    m = _fresh(server, lambda m: m.get(("pinfeed_loader_consumer_attached", lo)) == 0)
     assert m[("pinfeed_loader_consumer_attached", lo)] == 0
     admin.delete_loader(name)
-    assert ("pinfeed_loader_ring_bytes", lo) not in _samples(server)
+    assert ("pinfeed_loader_ring_bytes", lo) not in _fresh(
+        server, lambda m: ("pinfeed_loader_ring_bytes", lo) not in m
+    )
+
+
+def test_scrapes_within_the_max_age_share_one_body(make_server: MakeServer) -> None:
+    server = make_server(PINFEED_METRICS_MAX_AGE_S="30")
+    first = httpx.get(f"{server.url}/metrics").text
+    with server.client() as admin:
+        admin.create_dataset("d", "synthetic", synthetic(8))
+        admin.create_loader("l", dataset="d", batch_size=4)
+    assert httpx.get(f"{server.url}/metrics").text == first  # the cached body
+    fresh = make_server(PINFEED_METRICS_MAX_AGE_S="0")
+    with fresh.client() as admin:
+        admin.create_dataset("d", "synthetic", synthetic(8))
+        assert "pinfeed_loaders 0" in httpx.get(f"{fresh.url}/metrics").text
+        admin.create_loader("l", dataset="d", batch_size=4)
+        assert "pinfeed_loaders 1" in httpx.get(f"{fresh.url}/metrics").text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,9 @@ def test_every_setting_reads_its_env_var(monkeypatch: pytest.MonkeyPatch, tmp_pa
         "SOCKET_GROUP": "0",
         "DEMO": "true",
         "LOG_LEVEL": "DEBUG",
+        "MAX_WORKERS": "12",
+        "HTTP_MAX_RPS": "20.5",
+        "METRICS_MAX_AGE_S": "0",
     }
     assert {f"PINFEED_{k.upper()}" for k in Settings.model_fields} == {f"PINFEED_{k}" for k in env}
     for key, value in env.items():
@@ -56,6 +60,7 @@ def test_every_setting_reads_its_env_var(monkeypatch: pytest.MonkeyPatch, tmp_pa
         "debug",
     )
     assert s.torch_threads == 2 and s.socket_gid == 0
+    assert (s.max_workers, s.http_max_rps, s.metrics_max_age_s) == (12, 20.5, 0.0)
     assert TOKEN not in repr(s)
     s.check_safe()
 
@@ -129,3 +134,9 @@ def test_serve_refuses_to_start(tmp_path: Path, env: dict[str, str], needle: str
     )
     assert result.exit_code == 2, result.output
     assert "refusing to start" in result.output and needle in result.output
+
+
+def test_max_workers_defaults_from_the_cpus(tmp_path: Path) -> None:
+    assert _settings(tmp_path).max_workers == max(8, 4 * len(os.sched_getaffinity(0)))
+    with pytest.raises(ValidationError):
+        _settings(tmp_path, max_workers=-1)

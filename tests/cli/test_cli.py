@@ -89,7 +89,7 @@ def test_loaders_add_ls_show_set_rm_and_status(server: Server) -> None:
     assert json.loads(ok(server, "loaders", "show", name))["loader"]["num_workers"] == 1
 
     status = ok(server, "status")
-    assert name in status and "wait share" in status
+    assert name in status and "wait share" in status and "wait p99" in status
     [row] = [r for r in json.loads(ok(server, "status", "--json")) if r["loader"]["name"] == name]
     assert "consumer_wait_share" in row["stats"]
 

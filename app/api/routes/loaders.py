@@ -23,7 +23,8 @@ LoaderName = Annotated[str, Path(description="the loader's name", examples=["dem
         422,
         507,
         d404="no such dataset",
-        d409="a loader with this name exists",
+        d409="a loader with this name exists, or its num_workers would take the server "
+        "past PINFEED_MAX_WORKERS (worker-limit)",
         d422="invalid body, or the dataset's samples cannot be batched",
     ),
 )
@@ -46,15 +47,22 @@ def get_loader(name: LoaderName, service: ServiceDep) -> Any:
 
 
 @router.get("/{name}/stats", response_model=LoaderStatsPublic, responses=problems(404))
-def get_loader_stats(name: LoaderName, service: ServiceDep) -> Any:
-    """Throughput, consumer wait (p50, p99, share: is training input-bound?), errors."""
+async def get_loader_stats(name: LoaderName, service: ServiceDep) -> Any:
+    """Throughput, consumer wait (p50, p99 from the wait histogram's buckets, share: is
+    training input-bound?), errors. Lock-free O(1) statistics, read on the event loop."""
     return service.loader_stats(name)
 
 
 @router.patch(
     "/{name}",
     response_model=LoaderPublic,
-    responses=problems(404, 409, 422, d409="the change needs a new ring (recreate the loader)"),
+    responses=problems(
+        404,
+        409,
+        422,
+        d409="the change needs a new ring (recreate the loader), or more workers than "
+        "PINFEED_MAX_WORKERS has free (worker-limit)",
+    ),
 )
 def patch_loader(name: LoaderName, body: LoaderPatch, service: ServiceDep) -> Any:
     """Change ``num_workers`` or ``prefetch_factor`` live: position and batches are kept.

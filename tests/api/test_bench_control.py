@@ -1,0 +1,40 @@
+"""``python -m bench control --quick``: the control-plane benchmark runs end to end.
+
+A smoke run (1 s phases, 1 and 3 loaders): it checks the table is complete and that
+every request was answered or refused cleanly, never how fast anything was.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import REPO
+
+
+def test_bench_control_quick(tmp_path: Path) -> None:
+    args = ["--quick", "--request-timeout", "60", "--out", str(tmp_path)]
+    out = subprocess.run(
+        [sys.executable, "-m", "bench", "control", *args, "--data-dir", str(tmp_path / "data")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "flood 16 /metrics" in out.stdout and "wrote" in out.stdout
+    result = json.loads((tmp_path / "control.json").read_text())
+    rows = result["rows"]
+    assert {r["loaders"] for r in rows} == {1, 3}
+    assert len(rows) == 2 * 8  # alone + 3 scrape rates + 3 floods + probes, per count
+    for r in rows:
+        assert r["samples_per_s"] > 0, r["traffic"]
+        for path, h in r.get("http", {}).items():
+            assert h["requests"] > 0, (r["traffic"], path)
+            assert h["errors_5xx"] == h["hangs"] == h["conn_errors"] == 0, (r["traffic"], h)
+    assert {t["target"].split(":")[0] for t in result["targets"]} >= {
+        "/metrics 10/s, 3 loaders",
+        "/healthz p99 under full load, 3 loaders (ms)",
+    }
