@@ -14,8 +14,7 @@ neither pickles nor parses JSON::
     SEEK    K  POSITION_BODY                 ERROR    X  JSON ErrorInfo
     CUDA    C  (no body, no reply)
 
-Errors: ``ERROR_KINDS`` (slug -> fatal for the connection). Imports neither pinfeed
-nor torch: ``tests/reliability/rawclient.py`` loads it by path."""
+Errors: ``ERROR_KINDS`` (slug -> fatal). Imports neither pinfeed nor torch."""
 
 from __future__ import annotations
 
@@ -225,16 +224,11 @@ class Attached:
     slot_bytes: int
     layout: Layout
     batches_per_epoch: int
-    batch_size: int
-    pin_memory: bool
     group_size: int
     group_mode: str
     epoch: int
     position: int
-    # The loader's config (DataLoader's arguments and pinfeed's own), the dataset's
-    # length, this rank's samples per epoch and one sample's structure: what Loader
-    # reports as DataLoader's attributes.
-    config: dict[str, Any]
+    config: dict[str, Any]  # the loader's config: DataLoader's attributes (pinfeed._info)
     dataset_length: int
     sampler_length: int
     sample: Any

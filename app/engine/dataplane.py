@@ -201,8 +201,6 @@ class DataPlaneServer:
             slot_bytes=engine.ring.slot_bytes,
             layout=engine.layout,
             batches_per_epoch=engine.batches_per_epoch,
-            batch_size=cfg.batch_size,
-            pin_memory=cfg.pin_memory,
             group_size=cfg.group_size,
             group_mode=cfg.group_mode,
             epoch=epoch,

@@ -57,8 +57,6 @@ class FakeServer:
             slot_bytes=SLOT_BYTES,
             layout=p.Layout(["tuple", [["leaf", 0]]], (leaf,), ROWS, SLOT_BYTES),
             batches_per_epoch=self.batches,
-            batch_size=ROWS,
-            pin_memory=False,
             group_size=1,
             group_mode="broadcast",
             epoch=self.pos[0],
