@@ -22,6 +22,7 @@ from pinfeed_server import errors
 from pinfeed_server.datasets import DatasetContext, DatasetError, build_dataset
 from pinfeed_server.engine.collate import LayoutError, probe
 from pinfeed_server.engine.config import LoaderConfig, make_sampler, ring_slots
+from pinfeed_server.engine.custom_sampler import SamplerError
 from pinfeed_server.engine.dataplane import DataPlaneServer
 from pinfeed_server.engine.loader import LoaderEngine
 from pinfeed_server.engine.producers import configure_forkserver
@@ -189,15 +190,20 @@ class Service:
         row = self._dataset_row(dataset_name)
         ds = self._open(dataset_name, row["kind"], row["params"])
         cfg = LoaderConfig.model_validate({**config, "dataset": dataset_name})
-        sampler = make_sampler(cfg, len(ds))
+        try:
+            sampler = make_sampler(cfg, ds, self.context.allowed_plugins)
+        except SamplerError as exc:
+            raise errors.InvalidRequest(str(exc)) from None
         if len(sampler) == 0:
             raise errors.InvalidRequest(
                 f"dataset {dataset_name!r} has {len(ds)} samples: batch_size {cfg.batch_size} "
                 "with drop_last yields no batch"
             )
-        first = next(sampler.batches(0))[0]
+        indices = next(sampler.batches(0))
+        assert indices is not None  # a map-style dataset's plan yields index lists
+        first = indices[0]
         try:
-            layout = probe(ds[first], cfg.batch_size)
+            layout = probe(ds[first], sampler.max_rows)
         except LayoutError as exc:
             raise errors.InvalidRequest(f"sample {first}: {exc}") from None
         except Exception as exc:
@@ -205,7 +211,9 @@ class Service:
                 f"reading sample {first} to size the ring raised {type(exc).__name__}: {exc}"
             ) from None
         self._admit(cfg, ring_slots(cfg), layout.slot_bytes)
-        engine = LoaderEngine(cfg, ds, row["kind"], row["params"], self.context, layout)
+        engine = LoaderEngine(
+            cfg, ds, row["kind"], row["params"], self.context, layout, plan=sampler
+        )
         self.loaders[cfg.name] = engine
         engine.start()
         return engine

@@ -10,11 +10,12 @@ field is one line here.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pinfeed_server.engine.sampler import EpochSampler
+from pinfeed_server.engine.custom_sampler import BatchSamplerSpec, SamplerSpec, custom_plan
+from pinfeed_server.engine.sampler import BatchPlan, EpochSampler
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 Name = Field(
@@ -71,6 +72,17 @@ class LoaderFields(BaseModel):
     on_error: Literal["raise", "skip"] = Field(
         "raise", description="a sample that raises: raise in the trainer, or skip its batch"
     )
+    sampler: SamplerSpec | None = Field(
+        None,
+        description="DataLoader's sampler: {factory, kwargs}, factory(dataset, **kwargs) "
+        "returns a Sampler of indices; excludes shuffle",
+    )
+    batch_sampler: BatchSamplerSpec | None = Field(
+        None,
+        description="DataLoader's batch_sampler: {factory, kwargs, max_batch_size}, "
+        "factory(dataset, **kwargs) returns a Sampler of index lists; excludes "
+        "batch_size, shuffle, sampler and drop_last",
+    )
 
     @model_validator(mode="after")
     def _rank_in_world(self) -> LoaderFields:
@@ -78,6 +90,36 @@ class LoaderFields(BaseModel):
             raise ValueError(f"rank {self.rank} must be < world_size {self.world_size}")
         if self.world_size is None and self.rank != 0:
             raise ValueError("rank needs world_size")
+        return self
+
+    @model_validator(mode="after")
+    def _sampler_exclusions(self) -> LoaderFields:
+        # DataLoader's own rules and wording (DataLoader.__init__).
+        if self.sampler is not None and self.shuffle:
+            raise ValueError("sampler option is mutually exclusive with shuffle")
+        if self.batch_sampler is not None:
+            given = [
+                f"{name}={value}"
+                for name, value, default in (
+                    ("batch_size", self.batch_size, 1),
+                    ("shuffle", self.shuffle, False),
+                    ("sampler", self.sampler, None),
+                    ("drop_last", self.drop_last, False),
+                )
+                if value != default
+            ]
+            if given:
+                raise ValueError(
+                    "batch_sampler option is mutually exclusive with batch_size, shuffle, "
+                    f"sampler, and drop_last (got {', '.join(given)})"
+                )
+        custom = "batch_sampler" if self.batch_sampler is not None else "sampler"
+        if self.world_size is not None and getattr(self, custom) is not None:
+            raise ValueError(
+                f"world_size shards as DistributedSampler does, which a {custom} replaces: "
+                f"a {custom} shards itself (as with DataLoader: e.g. its factory returns a "
+                "DistributedSampler given num_replicas and rank in its kwargs)"
+            )
         return self
 
 
@@ -101,9 +143,21 @@ def ring_slots(config: LoaderConfig) -> int:
     return prefetch_depth(config) + 2 * config.group_size
 
 
-def make_sampler(config: LoaderConfig, length: int) -> EpochSampler:
+def make_sampler(config: LoaderConfig, dataset: Any, allowed: tuple[str, ...] = ()) -> BatchPlan:
+    """The loader's batch plan; ``SamplerError`` when its sampler cannot be used."""
+    for field in ("batch_sampler", "sampler"):
+        spec = getattr(config, field)
+        if spec is not None:
+            return custom_plan(
+                field,
+                spec,
+                dataset,
+                allowed,
+                batch_size=config.batch_size,
+                drop_last=config.drop_last,
+            )
     return EpochSampler(
-        length,
+        len(dataset),
         config.batch_size,
         shuffle=config.shuffle,
         seed=config.seed,

@@ -23,6 +23,7 @@ from pinfeed_server.datasets import DatasetContext
 from pinfeed_server.engine.collate import Layout
 from pinfeed_server.engine.config import LoaderConfig, make_sampler, prefetch_depth, ring_slots
 from pinfeed_server.engine.consumers import BatchItem, Consumers, EndItem, ErrorItem, Item
+from pinfeed_server.engine.custom_sampler import oversize
 from pinfeed_server.engine.errors import (
     GroupMemberLost,
     InvalidPosition,
@@ -63,11 +64,16 @@ class LoaderEngine:
         context: DatasetContext,
         layout: Layout,
         producers: ProducerFactory = make_producer,
+        plan: BatchPlan | None = None,
     ) -> None:
         self.config = config
         self.dataset = dataset
         self.layout = layout
-        self.sampler: BatchPlan = make_sampler(config, len(dataset))
+        # The service hands over the plan it sized the ring with (a custom sampler's
+        # first epoch is iterated once, at creation).
+        self.sampler: BatchPlan = (
+            plan if plan is not None else make_sampler(config, dataset, context.allowed_plugins)
+        )
         self.batches_per_epoch = len(self.sampler)
         self.state = "starting"
         self.failure: ErrorInfo | None = None
@@ -201,6 +207,10 @@ class LoaderEngine:
                     rows = 0 if indices is None else len(indices)
                     seq = self.publisher.add(epoch, i, slot, rows, last)
                     self._cursor = (epoch, i + 1)
+                error = oversize(indices, self.layout.batch_size)
+                if error is not None:  # a batch_sampler's batch larger than the slots
+                    self._on_result(Result(seq, error=error))
+                    continue
                 self.producer.submit(Task(seq, epoch, i, slot, indices))
             epoch, index = epoch + 1, 0
             with self._cond:

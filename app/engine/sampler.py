@@ -11,6 +11,9 @@ Distributed (``world_size`` W, ``rank`` r): epoch e's batches equal those of
 ``DataLoader(ds, batch_size, drop_last=..., sampler=DistributedSampler(ds, W, r,
 shuffle, seed, drop_last))`` after ``sampler.set_epoch(e)``: each rank's shard is
 disjoint (up to DistributedSampler's padding) with no coordination between servers.
+
+Custom (``sampler`` / ``batch_sampler`` fields): ``custom_sampler.CustomPlan``
+iterates the user's sampler once per epoch as DataLoader does.
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ import torch
 
 class BatchPlan(Protocol):
     """What the engine iterates: an epoch's batches from a position on, as index
-    lists. ``EpochSampler`` is the one plan today; a plan for an iterable dataset
-    yields ``None`` (the producer draws each batch from its iterators, and ends the
-    epoch when they run out: see ``producers/base.py``)."""
+    lists: ``EpochSampler`` (DataLoader's own samplers) or ``custom_sampler.CustomPlan``
+    (a user's ``sampler``/``batch_sampler``); a plan for an iterable dataset yields
+    ``None`` (the producer draws each batch from its iterators, and ends the epoch when
+    they run out: see ``producers/base.py``)."""
 
     length: int  # the dataset's samples
-    samples: int  # this rank's samples per epoch
+    samples: int  # this rank's samples per epoch (len(DataLoader.sampler))
+    max_rows: int  # the largest batch: a slot's capacity in samples
 
     def __len__(self) -> int: ...
 
@@ -63,6 +68,7 @@ class EpochSampler:
         self._gen = torch.Generator()
         self._next_epoch = 0
         self._gen.manual_seed(seed)
+        self.max_rows = batch_size
         if world_size is None:
             self.samples = length
         elif drop_last and length % world_size:
