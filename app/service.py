@@ -27,6 +27,7 @@ from pinfeed_server.engine.loader import LoaderEngine
 from pinfeed_server.engine.producers import configure_forkserver
 from pinfeed_server.engine.stats import LoaderStats
 from pinfeed_server.engine.status import LoaderStatus
+from pinfeed_server.plugins import PluginError, resolve
 from pinfeed_server.registry import DuplicateName, Registry
 from pinfeed_server.schemas import DEMO_PARAMS, DatasetCreate, LoaderCreate, LoaderPatch
 from pinfeed_server.settings import Settings
@@ -189,6 +190,11 @@ class Service:
         row = self._dataset_row(dataset_name)
         ds = self._open(dataset_name, row["kind"], row["params"])
         cfg = LoaderConfig.model_validate({**config, "dataset": dataset_name})
+        if cfg.worker_init_fn is not None:
+            try:
+                resolve(cfg.worker_init_fn, self.context.allowed_plugins, what="worker_init_fn")
+            except PluginError as exc:
+                raise errors.InvalidRequest(str(exc)) from None
         sampler = make_sampler(cfg, len(ds))
         if len(sampler) == 0:
             raise errors.InvalidRequest(
