@@ -45,6 +45,14 @@ class InlineProducer:
         if task.indices is None:
             raise ValueError("the in-process producer makes batches from index lists")
         t0 = time.perf_counter()
+        if self.streams.replay:
+            result = self._make_with_own_rngs(task, task.indices)
+        else:  # a built-in kind: it draws nothing from the global RNGs
+            result = self._make(task.seq, task.slot, task.indices)
+        self._busy_s += time.perf_counter() - t0
+        self._on_result(result)
+
+    def _make_with_own_rngs(self, task: Task, indices: list[int]) -> Result:
         with _GLOBAL_RNG:
             server = capture()
             try:
@@ -53,14 +61,16 @@ class InlineProducer:
                     apply(reseed, self._dataset, worker=False)
                 elif self._rng is not None:
                     restore(self._rng)
-                result = Result(task.seq, self._writer.write(task.slot, task.indices))
-            except Exception as exc:
-                result = Result(task.seq, error=error_info(exc))
+                return self._make(task.seq, task.slot, indices)
             finally:
                 self._rng = capture()
                 restore(server)
-        self._busy_s += time.perf_counter() - t0
-        self._on_result(result)
+
+    def _make(self, seq: int, slot: int, indices: list[int]) -> Result:
+        try:
+            return Result(seq, self._writer.write(slot, indices))
+        except Exception as exc:
+            return Result(seq, error=error_info(exc))
 
     def resize(self, num_workers: int) -> None:
         if num_workers != 0:
