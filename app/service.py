@@ -25,6 +25,7 @@ from pinfeed_server.engine.config import LoaderConfig, make_sampler, ring_slots
 from pinfeed_server.engine.dataplane import DataPlaneServer
 from pinfeed_server.engine.loader import LoaderEngine
 from pinfeed_server.engine.producers import configure_forkserver
+from pinfeed_server.engine.producers.inline import GLOBAL_RNG
 from pinfeed_server.engine.stats import LoaderStats
 from pinfeed_server.engine.status import LoaderStatus
 from pinfeed_server.plugins import PluginError, resolve
@@ -150,7 +151,8 @@ class Service:
         row = self._dataset_row(name)
         try:
             ds = self._open(name, row["kind"], row["params"])
-            row |= {"length": len(ds), "sample": probe(ds[0], 1).describe()}
+            with GLOBAL_RNG:  # not while an inline loader has its RNGs swapped in
+                row |= {"length": len(ds), "sample": probe(ds[0], 1).describe()}
         except (errors.AppError, LayoutError, Exception) as exc:
             row |= {"error": f"{type(exc).__name__}: {exc}"}
         return row
@@ -203,7 +205,8 @@ class Service:
             )
         first = next(sampler.batches(0))[0]
         try:
-            layout = probe(ds[first], cfg.batch_size)
+            with GLOBAL_RNG:  # not while an inline loader has its RNGs swapped in
+                layout = probe(ds[first], cfg.batch_size)
         except LayoutError as exc:
             raise errors.InvalidRequest(f"sample {first}: {exc}") from None
         except Exception as exc:

@@ -24,8 +24,10 @@ SWITCH = (
     "loader recreated; carry the position with Loader.state_dict()"
 )
 
-# The global RNGs are the process's: one inline batch at a time may have them swapped.
-_GLOBAL_RNG = threading.Lock()
+# The global RNGs are the process's: one inline batch at a time may have them swapped,
+# and other dataset code run in the server (the service's probe of a first sample)
+# holds this too, so that it never draws from an inline loader's RNGs.
+GLOBAL_RNG = threading.Lock()
 
 
 class InlineProducer:
@@ -53,7 +55,7 @@ class InlineProducer:
         self._on_result(result)
 
     def _make_with_own_rngs(self, task: Task, indices: list[int]) -> Result:
-        with _GLOBAL_RNG:
+        with GLOBAL_RNG:
             server = capture()
             try:
                 reseed = self.streams.prepare(task.epoch, task.index)
