@@ -26,8 +26,10 @@ from pinfeed_server.engine.custom_sampler import SamplerError
 from pinfeed_server.engine.dataplane import DataPlaneServer
 from pinfeed_server.engine.loader import LoaderEngine
 from pinfeed_server.engine.producers import configure_forkserver
+from pinfeed_server.engine.producers.inline import GLOBAL_RNG
 from pinfeed_server.engine.stats import LoaderStats
 from pinfeed_server.engine.status import LoaderStatus
+from pinfeed_server.plugins import PluginError, resolve
 from pinfeed_server.registry import DuplicateName, Registry
 from pinfeed_server.schemas import DEMO_PARAMS, DatasetCreate, LoaderCreate, LoaderPatch
 from pinfeed_server.settings import Settings
@@ -150,7 +152,8 @@ class Service:
         row = self._dataset_row(name)
         try:
             ds = self._open(name, row["kind"], row["params"])
-            row |= {"length": len(ds), "sample": probe(ds[0], 1).describe()}
+            with GLOBAL_RNG:  # not while an inline loader has its RNGs swapped in
+                row |= {"length": len(ds), "sample": probe(ds[0], 1).describe()}
         except (errors.AppError, LayoutError, Exception) as exc:
             row |= {"error": f"{type(exc).__name__}: {exc}"}
         return row
@@ -190,6 +193,11 @@ class Service:
         row = self._dataset_row(dataset_name)
         ds = self._open(dataset_name, row["kind"], row["params"])
         cfg = LoaderConfig.model_validate({**config, "dataset": dataset_name})
+        if cfg.worker_init_fn is not None:
+            try:
+                resolve(cfg.worker_init_fn, self.context.allowed_plugins, what="worker_init_fn")
+            except PluginError as exc:
+                raise errors.InvalidRequest(str(exc)) from None
         try:
             sampler = make_sampler(cfg, ds, self.context.allowed_plugins)
         except SamplerError as exc:
@@ -203,7 +211,8 @@ class Service:
         assert indices is not None  # a map-style dataset's plan yields index lists
         first = indices[0]
         try:
-            layout = probe(ds[first], sampler.max_rows)
+            with GLOBAL_RNG:  # not while an inline loader has its RNGs swapped in
+                layout = probe(ds[first], sampler.max_rows)
         except LayoutError as exc:
             raise errors.InvalidRequest(f"sample {first}: {exc}") from None
         except Exception as exc:

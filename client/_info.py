@@ -135,8 +135,9 @@ class DataLoaderAttributes:
 
     @property
     def persistent_workers(self) -> bool:
-        """The server's workers outlive every epoch."""
-        return self.num_workers > 0
+        """The loader's ``persistent_workers``: one base seed, worker RNGs carried across
+        epochs (the server's worker processes outlive every epoch either way)."""
+        return bool(self._info.config.get("persistent_workers", False))
 
     @property
     def pin_memory(self) -> bool:

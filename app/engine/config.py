@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pinfeed_server.engine.custom_sampler import BatchSamplerSpec, SamplerSpec, custom_plan
 from pinfeed_server.engine.sampler import BatchPlan, EpochSampler
+from pinfeed_server.plugins import SPEC
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 Name = Field(
@@ -83,6 +84,24 @@ class LoaderFields(BaseModel):
         "factory(dataset, **kwargs) returns a Sampler of index lists; excludes "
         "batch_size, shuffle, sampler and drop_last",
     )
+
+    persistent_workers: bool = Field(
+        False,
+        description="DataLoader's: the base seed is drawn once and each worker's RNG "
+        "carries on across epochs (needs num_workers > 0)",
+    )
+    worker_init_fn: str | None = Field(
+        None,
+        pattern=SPEC,
+        description="'package.module:callable' called in each worker with its id after "
+        "seeding, as DataLoader calls it (modules under PINFEED_ALLOWED_PLUGINS)",
+    )
+
+    @model_validator(mode="after")
+    def _persistent_needs_workers(self) -> LoaderFields:
+        if self.persistent_workers and self.num_workers == 0:
+            raise ValueError("persistent_workers option needs num_workers > 0")  # DataLoader's
+        return self
 
     @model_validator(mode="after")
     def _rank_in_world(self) -> LoaderFields:
@@ -164,4 +183,5 @@ def make_sampler(config: LoaderConfig, dataset: Any, allowed: tuple[str, ...] = 
         drop_last=config.drop_last,
         rank=config.rank,
         world_size=config.world_size,
+        persistent=config.persistent_workers and config.num_workers > 0,
     )

@@ -53,6 +53,7 @@ class EpochSampler:
         drop_last: bool,
         rank: int = 0,
         world_size: int | None = None,
+        persistent: bool = False,
     ) -> None:
         if length <= 0 or batch_size <= 0:
             raise ValueError("length and batch_size must be positive")
@@ -65,6 +66,7 @@ class EpochSampler:
         self.drop_last = drop_last
         self.rank = rank
         self.world_size = world_size
+        self.persistent = persistent  # persistent workers: one base seed, at epoch 0
         self._gen = torch.Generator()
         self._next_epoch = 0
         self._gen.manual_seed(seed)
@@ -91,7 +93,8 @@ class EpochSampler:
             self._next_epoch = 0
         perm: list[int] = []
         while self._next_epoch <= epoch:
-            torch.empty((), dtype=torch.int64).random_(generator=self._gen)
+            if not (self.persistent and self._next_epoch > 0):
+                torch.empty((), dtype=torch.int64).random_(generator=self._gen)  # base seed
             perm = torch.randperm(self.length, generator=self._gen).tolist()
             torch.randperm(self.length, generator=self._gen)
             self._next_epoch += 1

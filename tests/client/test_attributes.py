@@ -30,6 +30,7 @@ def dataset(server: Server) -> tuple[str, Any]:
     [
         {},
         {"shuffle": True, "seed": 5, "num_workers": 2, "prefetch_factor": 3, "drop_last": True},
+        {"num_workers": 1, "persistent_workers": True},
         {"shuffle": True, "seed": 5, "rank": 1, "world_size": 4, "batch_size": 4},
     ],
 )
@@ -54,7 +55,7 @@ def test_dataloader_attributes(
         drop_last=kw.get("drop_last", False),
         num_workers=workers,
         prefetch_factor=kw.get("prefetch_factor") if workers else None,
-        persistent_workers=workers > 0,
+        persistent_workers=kw.get("persistent_workers", False),
     )
     with Loader(loader_name, socket=server.socket, timeout=None) as loader:
         for attr in ("batch_size", "drop_last", "num_workers", "prefetch_factor"):

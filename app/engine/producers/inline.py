@@ -1,18 +1,33 @@
 """``num_workers=0``: batches made in the engine's producer thread, in the server
-process, as DataLoader's main process makes them."""
+process, as DataLoader's main process makes them.
+
+Augmentations draw from RNGs owned by the loader: around each batch the process's
+global ``torch``/``random``/numpy states are swapped for the loader's and back, under
+one process-wide lock, so loaders in the same server never disturb each other. The
+loader's RNGs are seeded as DataLoader seeds the one worker of a
+``num_workers=1, persistent_workers=False`` loader (``seeding.py``), each epoch afresh:
+the batches equal that DataLoader's, and a resume replays at most one epoch.
+"""
 
 from __future__ import annotations
 
+import threading
 import time
 
 from pinfeed_server.engine.collate import SlotWriter
 from pinfeed_server.engine.errors import error_info
 from pinfeed_server.engine.producers.base import ProducerContext, Result, Task
+from pinfeed_server.engine.producers.seeding import RngState, Streams, apply, capture, restore
 
 SWITCH = (
     "switching between num_workers=0 (in-server) and worker processes needs the "
     "loader recreated; carry the position with Loader.state_dict()"
 )
+
+# The global RNGs are the process's: one inline batch at a time may have them swapped,
+# and other dataset code run in the server (the service's probe of a first sample)
+# holds this too, so that it never draws from an inline loader's RNGs.
+GLOBAL_RNG = threading.Lock()
 
 
 class InlineProducer:
@@ -23,18 +38,46 @@ class InlineProducer:
         self._writer = SlotWriter(ctx.dataset, ctx.layout, ctx.ring.base, ctx.ring.slot_bytes)
         self._busy_s = 0.0
         self._closed = False
+        self._dataset = ctx.dataset
+        self.streams = Streams(
+            ctx.config,
+            ctx.dataset,
+            replay=ctx.kind == "python",
+            allowed=ctx.datasets.allowed_plugins,
+        )
+        self._rng: RngState | None = None  # the loader's RNGs between its batches
 
     def submit(self, task: Task) -> None:
         """Make the batch now, in the caller's thread, and report it before returning."""
         if task.indices is None:
             raise ValueError("the in-process producer makes batches from index lists")
         t0 = time.perf_counter()
-        try:
-            result = Result(task.seq, self._writer.write(task.slot, task.indices))
-        except Exception as exc:
-            result = Result(task.seq, error=error_info(exc))
+        if self.streams.replay:
+            result = self._make_with_own_rngs(task, task.indices)
+        else:  # a built-in kind: it draws nothing from the global RNGs
+            result = self._make(task.seq, task.slot, task.indices)
         self._busy_s += time.perf_counter() - t0
         self._on_result(result)
+
+    def _make_with_own_rngs(self, task: Task, indices: list[int]) -> Result:
+        with GLOBAL_RNG:
+            server = capture()
+            try:
+                reseed = self.streams.prepare(task.epoch, task.index)
+                if reseed is not None:
+                    apply(reseed, self._dataset, worker=False)
+                elif self._rng is not None:
+                    restore(self._rng)
+                return self._make(task.seq, task.slot, indices)
+            finally:
+                self._rng = capture()
+                restore(server)
+
+    def _make(self, seq: int, slot: int, indices: list[int]) -> Result:
+        try:
+            return Result(seq, self._writer.write(slot, indices))
+        except Exception as exc:
+            return Result(seq, error=error_info(exc))
 
     def resize(self, num_workers: int) -> None:
         if num_workers != 0:

@@ -2,16 +2,21 @@
 
 Workers are forked from a forkserver that has already imported torch and the dataset
 kinds (``forkserver.py``), so starting one costs milliseconds and never forks the
-server's threads. Tasks go to the least loaded worker over its pipe; results come back
-to one collector thread, which hands them to ``on_result`` (``codec.py`` is the pipe's
-format, ``worker.py`` the process's side).
+server's threads. Batch ``i`` of an epoch goes to worker ``i % num_workers`` over its
+pipe, as DataLoader's round-robin has it, and each worker makes its batches in order,
+so its RNG stream is DataLoader's worker's (``seeding.py``: a task that does not follow
+on from the worker's last one comes with a reseed). Results come back to one collector
+thread, which hands them to ``on_result`` (``codec.py`` is the pipe's format,
+``worker.py`` the process's side).
 
-A worker that dies is replaced and its outstanding tasks are sent to the new one; a
-task that kills workers repeatedly comes back as an error for that batch.
+A worker that dies is replaced (same worker id, reseeded and replayed to where its
+RNG was) and its outstanding tasks are sent to the new one; a task that kills workers
+repeatedly comes back as an error for that batch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import threading
@@ -25,6 +30,13 @@ from pinfeed_server.engine.errors import SampleError
 from pinfeed_server.engine.producers.base import ProducerContext, Result, Task
 from pinfeed_server.engine.producers.codec import STOP, decode_result, encode_task
 from pinfeed_server.engine.producers.inline import SWITCH
+from pinfeed_server.engine.producers.seeding import (
+    SNAPSHOT_TAG,
+    TASK_TAG,
+    Streams,
+    decode_snapshot,
+    encode_reseed,
+)
 from pinfeed_server.engine.producers.worker import WorkerSpec, worker_main
 
 log = logging.getLogger("pinfeed.workers")
@@ -38,7 +50,8 @@ class _Worker:
     wid: int
     process: Any
     conn: Connection
-    send_lock: threading.Lock = field(default_factory=threading.Lock)
+    # Reentrant: the collector holds a replacement's while re-sending through _give.
+    send_lock: threading.RLock = field(default_factory=threading.RLock)
     outstanding: dict[int, Task] = field(default_factory=dict)
     busy_s: float = 0.0
     started: dict[int, float] = field(default_factory=dict)
@@ -57,14 +70,23 @@ class WorkerPool:
             ctx.layout.to_json(),
             ctx.ring.size,
             ctx.ring.slot_bytes,
-            ctx.config.seed,
+            ctx.config.worker_init_fn,
+            ctx.config.num_workers,
+            # Built-in kinds draw nothing from the global RNGs: no replay, no snapshots.
+            snapshots=ctx.kind == "python",
+        )
+        self.streams = Streams(
+            ctx.config,
+            ctx.dataset,
+            replay=self.spec.snapshots,
+            allowed=ctx.datasets.allowed_plugins,
         )
         self._ring_fd = ctx.ring.fd
         self._ctx = mp.get_context("forkserver")
         self._on_result = ctx.on_result
         self._on_fatal = ctx.on_fatal
         self._lock = threading.Lock()
-        self._workers: list[_Worker] = []
+        self._workers: list[_Worker] = []  # position = DataLoader's worker id
         self._retiring: list[_Worker] = []  # finish their tasks, then exit (a live shrink)
         self._retries: dict[int, int] = {}
         self._stop = threading.Event()
@@ -103,7 +125,7 @@ class WorkerPool:
             for w in started:
                 if not w.conn.poll(max(0.0, deadline - time.monotonic())):
                     raise RuntimeError(f"worker {w.wid} did not start within {START_TIMEOUT_S} s")
-                error = decode_result(w.conn.recv_bytes()).error
+                error = decode_result(w.conn.recv_bytes()[1:]).error
                 if error is not None:
                     raise RuntimeError(f"worker {w.wid} failed to start: {error.detail}")
         except BaseException:
@@ -119,15 +141,21 @@ class WorkerPool:
         finish what they hold, so no batch is lost or produced twice."""
         if num_workers < 1:
             raise ValueError(SWITCH)
-        if len(self._workers) < num_workers:
-            new = self._spawn(num_workers - len(self._workers))
-            with self._lock:
-                self._workers.extend(new)
+        new = (
+            self._spawn(num_workers - len(self._workers))
+            if len(self._workers) < num_workers
+            else []
+        )
         with self._lock:
+            before = len(self._workers)
+            self._workers.extend(new)
             while len(self._workers) > num_workers:
-                worker = min(self._workers, key=lambda w: len(w.outstanding))
-                self._workers.remove(worker)
-                self._retiring.append(worker)
+                self._retiring.append(self._workers.pop())
+            # The RNG streams stay the loader's num_workers as created (DataLoader's
+            # worker ids); those now served by another process move there.
+            for stream in range(self.streams.num_workers):
+                if stream % before != stream % num_workers:
+                    self.streams.forget(stream)
 
     def _retire_idle(self) -> None:
         with self._lock:
@@ -143,23 +171,40 @@ class WorkerPool:
             w.conn.close()
 
     def submit(self, task: Task) -> None:
-        self._give(None, task)
+        self._give(task)
 
-    def _give(self, worker: _Worker | None, task: Task) -> None:
-        """Make the task ``worker``'s (the least loaded one's if None) and send it."""
-        with self._lock:
-            if worker is None:
-                worker = min(self._workers, key=lambda w: len(w.outstanding))
-            worker.outstanding[task.seq] = task
-            worker.started.setdefault(task.seq, time.perf_counter())
-        self._send(worker, encode_task(task))
+    def _process_of(self, task: Task) -> _Worker:
+        """Batch ``i``'s worker is ``i % num_workers`` (DataLoader's id, fixed at
+        creation); after a live resize, process ``id % processes`` serves it."""
+        return self._workers[self.streams.worker_of(task.index) % len(self._workers)]
+
+    def _give(self, task: Task) -> None:
+        """Send the task to its worker, after the reseed it needs. The worker's send
+        lock is held from ``prepare`` to the send, so that its pipe carries tasks in the
+        order ``streams`` saw them."""
+        while True:
+            with self._lock:
+                worker = self._process_of(task)
+            with worker.send_lock:
+                with self._lock:
+                    if self._process_of(task) is not worker:
+                        continue  # replaced or resized meanwhile: pick again
+                    reseed = self.streams.prepare(task.epoch, task.index)
+                    worker.outstanding[task.seq] = task
+                    worker.started.setdefault(task.seq, time.perf_counter())
+                if reseed is not None:
+                    self._send_locked(worker, encode_reseed(reseed))
+                self._send_locked(worker, TASK_TAG + encode_task(task))
+                return
 
     def _send(self, worker: _Worker, message: bytes) -> None:
-        try:
-            with worker.send_lock:
-                worker.conn.send_bytes(message)
-        except (BrokenPipeError, ConnectionResetError, OSError):
-            pass  # the collector sees the death and re-sends the worker's tasks
+        with worker.send_lock:
+            self._send_locked(worker, message)
+
+    def _send_locked(self, worker: _Worker, message: bytes) -> None:
+        # A dead worker: the collector sees its death and re-sends its tasks.
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError, OSError):
+            worker.conn.send_bytes(message)
 
     def busy_seconds(self) -> float:
         with self._lock:
@@ -183,7 +228,13 @@ class WorkerPool:
     def _receive(self, worker: _Worker) -> None:
         try:
             while worker.conn.poll():
-                result = decode_result(worker.conn.recv_bytes())
+                message = worker.conn.recv_bytes()
+                if message[:1] == SNAPSHOT_TAG:
+                    epoch, index, state = decode_snapshot(message)
+                    with self._lock:
+                        self.streams.snapshot(epoch, index, state)
+                    continue
+                result = decode_result(message[1:])
                 with self._lock:
                     worker.outstanding.pop(result.seq, None)
                     t0 = worker.started.pop(result.seq, None)
@@ -220,12 +271,22 @@ class WorkerPool:
                     f"start: {exc}"
                 )
                 return
-        with self._lock:
-            (self._retiring if retiring else self._workers).remove(dead)
-            self._workers.extend(new)
-            target = new[0] if new else min(self._workers, key=lambda w: len(w.outstanding))
-            tasks = sorted(dead.outstanding.items())
-        dead.conn.close()
+        # The replacement's send lock is held until the dead worker's tasks are re-sent,
+        # so that a newer task does not overtake them (and cost a second replay).
+        with new[0].send_lock if new else contextlib.nullcontext():
+            with self._lock:
+                if retiring:
+                    self._retiring.remove(dead)
+                else:
+                    position = self._workers.index(dead)
+                    self._workers[position] = new[0]  # the same streams, fresh RNGs
+                    for stream in range(position, self.streams.num_workers, len(self._workers)):
+                        self.streams.forget(stream)
+                tasks = sorted(dead.outstanding.items())
+            dead.conn.close()
+            self._resend(tasks, code)
+
+    def _resend(self, tasks: list[tuple[int, Task]], code: int | None) -> None:
         for i, (seq, task) in enumerate(tasks):
             if i == 0:
                 # Workers take tasks in order: only the oldest was being made when it
@@ -234,9 +295,11 @@ class WorkerPool:
                 tries = self._retries.get(seq, 0) + 1
                 self._retries[seq] = tries
                 if tries > MAX_TASK_RETRIES:
+                    with self._lock:
+                        self.streams.poison(task.epoch, task.index)
                     self._on_result(_worker_died(task, code, tries))
                     continue
-            self._give(target, task)
+            self._give(task)
 
     def close(self, timeout: float = 5.0) -> None:
         self._stop.set()

@@ -9,13 +9,11 @@ so what it imports (torch, the dataset kinds) is already in every worker.
 from __future__ import annotations
 
 import os
-import random
 from dataclasses import dataclass
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from typing import Any
 
-import numpy as np
 import torch
 
 from pinfeed_server.datasets import DatasetContext, build_dataset
@@ -28,7 +26,15 @@ from pinfeed_server.engine.producers.codec import (
     decode_task,
     encode_result,
 )
+from pinfeed_server.engine.producers.seeding import (
+    RESEED_TAG,
+    RESULT_TAG,
+    WorkerRngs,
+    decode_reseed,
+    encode_snapshot,
+)
 from pinfeed_server.engine.ring import map_ring
+from pinfeed_server.plugins import resolve
 
 
 @dataclass(frozen=True)
@@ -42,26 +48,31 @@ class WorkerSpec:
     layout: dict[str, Any]
     ring_size: int
     slot_bytes: int
-    seed: int
+    worker_init_fn: str | None = None
+    num_workers: int = 1  # DataLoader's, as created: the RNG streams (seeding.py)
+    snapshots: bool = False  # send the RNG state after each batch
 
 
 def worker_main(worker_id: int, conn: Connection, spec: WorkerSpec) -> None:
     """Entry point of a worker process."""
-    torch.set_num_threads(1)
-    seed = spec.seed + worker_id
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
+    torch.set_num_threads(1)  # as DataLoader's workers
     try:
         fd = reduction.recv_handle(conn)
         mm, base = map_ring(fd, spec.ring_size)
         os.close(fd)
         dataset = build_dataset(spec.kind, spec.params, spec.context)
         writer = SlotWriter(dataset, Layout.from_json(spec.layout), base, spec.slot_bytes)
+        init_fn = None
+        if spec.worker_init_fn is not None:
+            init_fn = resolve(
+                spec.worker_init_fn, spec.context.allowed_plugins, what="worker_init_fn"
+            )
     except BaseException as exc:
-        conn.send_bytes(encode_result(Result(STARTUP_SEQ, error=error_info(exc))))
+        conn.send_bytes(RESULT_TAG + encode_result(Result(STARTUP_SEQ, error=error_info(exc))))
         return
-    conn.send_bytes(encode_result(Result(STARTUP_SEQ)))  # ready
+    conn.send_bytes(RESULT_TAG + encode_result(Result(STARTUP_SEQ)))  # ready
+    failed: Exception | None = None  # the last reseed's error, until the next one
+    rngs = WorkerRngs(dataset, spec.num_workers, init_fn)
     while True:
         try:
             message = conn.recv_bytes()
@@ -69,13 +80,29 @@ def worker_main(worker_id: int, conn: Connection, spec: WorkerSpec) -> None:
             break  # the server went away
         if message == STOP:
             break
-        task = decode_task(message)
+        if message[:1] == RESEED_TAG:
+            # Seeding (and worker_init_fn) failing fails the batch it is for.
+            try:
+                rngs.reseed(decode_reseed(message))
+                failed = None
+            except Exception as exc:
+                failed = exc
+            continue
+        task = decode_task(message[1:])
         assert task.indices is not None
+        seeded = False  # the global RNGs are this batch's stream's
         try:
+            if failed is not None:
+                raise failed
+            rngs.enter(task.index)
+            writer.dataset = rngs.dataset
+            seeded = True
             result = Result(task.seq, writer.write(task.slot, task.indices))
         except Exception as exc:
             result = Result(task.seq, error=error_info(exc))
-        conn.send_bytes(encode_result(result))
+        if spec.snapshots and seeded:
+            conn.send_bytes(encode_snapshot(task.epoch, task.index))
+        conn.send_bytes(RESULT_TAG + encode_result(result))
     writer.close()
     del base
     mm.close()

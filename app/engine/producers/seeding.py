@@ -1,0 +1,294 @@
+"""DataLoader's RNG seeding, reproduced, and the replay that rebuilds a worker's state.
+
+DataLoader (``torch/utils/data/dataloader.py``, ``_utils/worker.py``) draws a *base
+seed* from its generator at the start of each epoch's iterator (once, for persistent
+workers), before the sampler's draws; worker ``w`` then seeds ``random`` and ``torch``
+with ``base + w`` and numpy with ``_generate_state(base, w)``, sets its ``WorkerInfo``,
+calls ``worker_init_fn(w)``, and makes batches ``w, w + N, w + 2N, ...`` of each epoch
+in order (the round-robin of ``_try_put_index``). With persistent workers its RNG
+carries on from one epoch to the next.
+
+So the RNG state of worker ``w`` before batch ``(epoch, i)`` is a function of the base
+seed, ``w`` and the batches it made before in that epoch (since epoch 0 with persistent
+workers). ``Streams`` keeps, for each worker, the batch its state is positioned
+before; a task that is not that batch (a replaced worker, a seek, a resume, a new
+server, a resize) comes with a ``Reseed``: seed as DataLoader does, then *replay* the
+worker's earlier batches (``__getitem__`` called, output dropped) to reach the state.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data._utils import worker as torch_worker
+
+from pinfeed_server.engine.collate import _fetch_samples
+from pinfeed_server.engine.config import LoaderConfig, make_sampler
+from pinfeed_server.engine.sampler import BatchPlan
+
+
+@dataclass
+class Reseed:
+    """Put a worker's RNGs where DataLoader's worker ``worker_id`` has them before a
+    batch: seeded from ``base_seed``, then ``replay`` (index batches made and dropped)."""
+
+    worker_id: int
+    num_workers: int
+    base_seed: int
+    replay: list[list[int]] = field(default_factory=list)
+    state: bytes | None = None  # a snapshot to restore (``dump_state``) before the replay
+
+
+class BaseSeeds:
+    """The base seed of each epoch: the ``random_`` draw DataLoader's iterator makes from
+    ``Generator().manual_seed(seed)`` before the sampler draws (``sampler.py``)."""
+
+    def __init__(self, config: LoaderConfig, length: int) -> None:
+        self._gen = torch.Generator().manual_seed(config.seed)
+        # RandomSampler draws from the same generator: randperm(n), then a second one
+        # once it is exhausted; a sequential or distributed sampler draws nothing.
+        self._perm = length if config.shuffle and config.world_size is None else 0
+        self._persistent = config.persistent_workers and config.num_workers > 0
+        self._seeds: list[int] = []
+
+    def __call__(self, epoch: int) -> int:
+        if self._persistent:
+            epoch = 0
+        while len(self._seeds) <= epoch:
+            draw = torch.empty((), dtype=torch.int64).random_(generator=self._gen)
+            self._seeds.append(int(draw.item()))
+            if self._perm:
+                torch.randperm(self._perm, generator=self._gen)
+                torch.randperm(self._perm, generator=self._gen)
+        return self._seeds[epoch]
+
+
+SNAPSHOTS_KEPT = 32  # per worker: RNG states after its latest batches (~10 KB each)
+
+
+class Streams:
+    """Which worker makes a batch (``index % num_workers``) and, when its RNG is not
+    already positioned before that batch, the ``Reseed`` that puts it there: from the
+    nearest snapshot of the worker's RNG state at or before the batch (sent by the
+    worker after each batch), else from the seed; then replay up to the batch."""
+
+    def __init__(
+        self, config: LoaderConfig, dataset: Any, *, replay: bool, allowed: tuple[str, ...] = ()
+    ) -> None:
+        self.num_workers = max(1, config.num_workers)
+        self.persistent = config.persistent_workers and config.num_workers > 0
+        self.base_seed = BaseSeeds(config, len(dataset))
+        self.replay = replay  # False: the dataset draws nothing from the global RNGs
+        # A private copy of the plan (a custom sampler's factory called again), for replay.
+        self._plan: BatchPlan = make_sampler(config, dataset, allowed)
+        self._batches = len(self._plan)
+        self._next: dict[int, tuple[int, int]] = {}  # worker -> the batch it is ready for
+        # worker -> {the batch its RNG state is ready for: that state}, oldest first
+        self._snapshots: dict[int, dict[tuple[int, int], bytes]] = {}
+        self._poison: set[tuple[int, int]] = set()  # batches that kill workers: not replayed
+        self.replayed = 0  # batches replayed, for tests and the docs' cost figures
+
+    def worker_of(self, index: int) -> int:
+        return index % self.num_workers
+
+    def _after(self, w: int, epoch: int, index: int) -> tuple[int, int] | None:
+        """The batch worker ``w`` makes after ``(epoch, index)`` with the RNG state it
+        leaves; None: a new epoch of non-persistent workers, seeded afresh."""
+        if index + self.num_workers < self._batches:
+            return epoch, index + self.num_workers
+        if self.persistent and w < self._batches:
+            return epoch + 1, w
+        return None
+
+    def prepare(self, epoch: int, index: int) -> Reseed | None:
+        """Called for each task, in the order its worker will make them."""
+        w = self.worker_of(index)
+        reseed = None if self._next.get(w) == (epoch, index) else self._reseed(w, epoch, index)
+        after = self._after(w, epoch, index)
+        if after is None:
+            self._next.pop(w, None)
+        else:
+            self._next[w] = after
+        return reseed
+
+    def snapshot(self, epoch: int, index: int, state: bytes) -> None:
+        """The RNG state of batch ``(epoch, index)``'s worker after it made it."""
+        worker = self.worker_of(index)
+        after = self._after(worker, epoch, index)
+        if after is None:
+            return  # the end of a non-persistent epoch: the next one is seeded afresh
+        kept = self._snapshots.setdefault(worker, {})
+        kept.pop(after, None)
+        kept[after] = state
+        if len(kept) > SNAPSHOTS_KEPT:
+            del kept[next(iter(kept))]
+
+    def _reseed(self, w: int, epoch: int, index: int) -> Reseed:
+        start, state = (0 if self.persistent else epoch, w), None
+        if self.replay:
+            kept = self._snapshots.get(w, {})
+            usable = [p for p in kept if start <= p <= (epoch, index)]
+            if usable:
+                start = max(usable)
+                state = kept[start]
+        replay = self._between(w, start, (epoch, index)) if self.replay else []
+        self.replayed += len(replay)
+        return Reseed(w, self.num_workers, self.base_seed(epoch), replay, state)
+
+    def _between(self, w: int, start: tuple[int, int], stop: tuple[int, int]) -> list[list[int]]:
+        """Worker ``w``'s index batches from ``start`` (included) to ``stop`` (not)."""
+        out: list[list[int]] = []
+        for e in range(start[0], stop[0] + 1):
+            first = start[1] if e == start[0] else w
+            last = stop[1] if e == stop[0] else self._batches
+            if first >= last:
+                continue
+            batches = list(self._plan.batches(e))
+            for j in range(first, last, self.num_workers):
+                indices = batches[j]
+                if indices is not None and (e, j) not in self._poison:
+                    out.append(indices)
+        return out
+
+    def forget(self, worker: int) -> None:
+        """Worker ``worker``'s stream moves to a new process: its next batch comes with
+        a reseed (from a snapshot where one is at hand)."""
+        self._next.pop(worker, None)
+
+    def poison(self, epoch: int, index: int) -> None:
+        self._poison.add((epoch, index))
+
+
+def seed_rngs(base_seed: int, worker_id: int) -> int:
+    """Seed ``random``, ``torch`` and numpy as DataLoader's ``_worker_loop`` does."""
+    seed = base_seed + worker_id
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed(torch_worker._generate_state(base_seed, worker_id))  # type: ignore[no-untyped-call]
+    return seed
+
+
+def apply(reseed: Reseed, dataset: Any, init_fn: Any = None, *, worker: bool = True) -> None:
+    """Seed as DataLoader's worker ``reseed.worker_id``; in a worker process also set
+    ``get_worker_info()`` and call ``worker_init_fn``; then replay. A sample that raises
+    in the replay raised in the original run too: its draws up to the raise count."""
+    seed = seed_rngs(reseed.base_seed, reseed.worker_id)
+    if worker:
+        torch_worker._worker_info = torch_worker.WorkerInfo(
+            id=reseed.worker_id, num_workers=reseed.num_workers, seed=seed, dataset=dataset
+        )
+        if init_fn is not None:
+            init_fn(reseed.worker_id)  # also for a snapshot: it may set up the dataset
+    if reseed.state is not None:
+        load_state(reseed.state)
+    for indices in reseed.replay:
+        try:
+            _fetch_samples(dataset, indices)
+        except Exception:  # the original batch raised here too, after the same draws
+            continue
+
+
+RngState = tuple[torch.Tensor, Any, Any]
+
+
+def capture() -> RngState:
+    return torch.get_rng_state(), random.getstate(), np.random.get_state()
+
+
+def restore(state: RngState) -> None:
+    torch.set_rng_state(state[0])
+    random.setstate(state[1])
+    np.random.set_state(state[2])
+
+
+def dump_state() -> bytes:
+    """The global RNG states as bytes: a snapshot a worker sends after each batch."""
+    torch_state, random_state, np_state = capture()
+    return pickle.dumps((torch_state.numpy().tobytes(), random_state, np_state))
+
+
+def load_state(blob: bytes) -> None:
+    torch_state, random_state, np_state = pickle.loads(blob)
+    restore((torch.frombuffer(bytearray(torch_state), dtype=torch.uint8), random_state, np_state))
+
+
+# The pool's pipe carries a reseed before the task it is for, and from the worker a
+# snapshot before the result it follows; a tag tells them apart.
+TASK_TAG, RESEED_TAG = b"T", b"R"
+RESULT_TAG, SNAPSHOT_TAG = b"r", b"s"
+
+
+def encode_reseed(reseed: Reseed) -> bytes:
+    return RESEED_TAG + pickle.dumps(reseed, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def encode_snapshot(epoch: int, index: int) -> bytes:
+    """The worker's RNG state after batch ``(epoch, index)``."""
+    return SNAPSHOT_TAG + pickle.dumps((epoch, index, dump_state()), protocol=5)
+
+
+def decode_snapshot(message: bytes) -> tuple[int, int, bytes]:
+    epoch, index, state = pickle.loads(message[1:])
+    return int(epoch), int(index), state
+
+
+class WorkerRngs:
+    """A worker process's side: the RNG state of each of the streams (DataLoader's
+    worker ids) it makes batches for. One stream per process, unless a live resize
+    left fewer processes than the loader's ``num_workers``: then the global states
+    are swapped between streams, each batch drawing from its own stream's, and each
+    further stream gets its own shallow copy of the dataset (as DataLoader's workers
+    each have theirs), for ``worker_init_fn`` to set up."""
+
+    def __init__(self, dataset: Any, num_workers: int, init_fn: Any) -> None:
+        self.dataset = dataset  # the current stream's
+        try:
+            self._pristine = copy.copy(dataset)  # before any worker_init_fn
+        except Exception:  # not copyable: further streams share it
+            self._pristine = dataset
+        self._datasets: dict[int, Any] = {}
+        self._num_workers = num_workers
+        self._init_fn = init_fn
+        self._current: int | None = None
+        self._saved: dict[int, tuple[RngState, Any]] = {}  # stream -> (state, WorkerInfo)
+
+    def reseed(self, reseed: Reseed) -> None:
+        self._park()
+        w = reseed.worker_id
+        if w not in self._datasets:
+            fresh = self._pristine if self._pristine is self.dataset else copy.copy(self._pristine)
+            self._datasets[w] = fresh if self._datasets else self.dataset
+        self.dataset = self._datasets[w]
+        apply(reseed, self.dataset, self._init_fn)
+        self._current = w
+
+    def enter(self, index: int) -> None:
+        """Make the global RNGs batch ``index``'s stream's."""
+        stream = index % self._num_workers
+        if stream == self._current:
+            return
+        if stream not in self._saved:
+            raise RuntimeError(f"worker stream {stream} was never seeded in this process")
+        self._park()
+        state, info = self._saved.pop(stream)
+        restore(state)
+        torch_worker._worker_info = info
+        self.dataset = self._datasets[stream]
+        self._current = stream
+
+    def _park(self) -> None:
+        if self._current is not None:
+            self._saved[self._current] = (capture(), torch_worker._worker_info)
+            self._current = None
+
+
+def decode_reseed(message: bytes) -> Reseed:
+    reseed = pickle.loads(message[1:])
+    assert isinstance(reseed, Reseed)
+    return reseed

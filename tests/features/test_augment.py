@@ -1,0 +1,234 @@
+"""Random augmentations equal DataLoader's: a dataset that draws from the global
+``torch``, ``random`` and numpy RNGs inside ``__getitem__`` gives the same samples,
+bit for bit, as ``DataLoader(num_workers=N, generator=Generator().manual_seed(seed),
+persistent_workers=P, worker_init_fn=...)``, epoch after epoch; at ``num_workers=0``
+as DataLoader's one non-persistent worker, undisturbed by other loaders; and across
+what DataLoader cannot survive (a worker SIGKILLed, a resume in a new trainer process,
+a server restart)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from pinfeed import Client, InvalidRequest, Loader
+from tests.conftest import REPO, Server
+from tests.fixtures.datasets import Augmented, set_offset
+from tests.fixtures.trainer import command, digest, read_log
+from tests.helpers import assert_same, unique
+from tests.reliability.procs import gone, wait_for, workers_of
+
+FACTORY = "tests.fixtures.datasets:Augmented"
+INIT = "tests.fixtures.datasets:set_offset"
+BATCH = 3  # 22 samples: 8 batches per epoch, the last one short
+SEED = 11
+
+
+def _reference(
+    epochs: int, num_workers: int, *, persistent: bool = False, init: bool = False, **kw: Any
+) -> list[list[Any]]:
+    with warnings.catch_warnings():
+        # 3 workers on a 2-core machine: DataLoader's advice, not a problem here.
+        warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
+        dl = DataLoader(
+            Augmented(**kw),
+            batch_size=BATCH,
+            shuffle=True,
+            num_workers=num_workers,
+            generator=torch.Generator().manual_seed(SEED),
+            persistent_workers=persistent,
+            worker_init_fn=set_offset if init else None,
+        )
+        return [list(dl) for _ in range(epochs)]
+
+
+def _loader(admin: Client, num_workers: int, **kw: Any) -> str:
+    ds = unique("aug")
+    admin.create_dataset(ds, "python", {"factory": FACTORY, "kwargs": kw.pop("kwargs", {})})
+    name = unique("aug")
+    admin.create_loader(
+        name, dataset=ds, batch_size=BATCH, shuffle=True, seed=SEED, num_workers=num_workers, **kw
+    )
+    return name
+
+
+def _copy(batch: Any) -> Any:
+    """A batch that outlives its ring slot (a Loader's views are valid until released)."""
+    return [t.clone() for t in batch]
+
+
+def _epoch(loader: Loader) -> list[Any]:
+    return [_copy(b) for b in loader]
+
+
+def _check(got: list[list[Any]], want: list[list[Any]]) -> None:
+    assert [len(e) for e in got] == [len(e) for e in want]
+    for e, (g, w) in enumerate(zip(got, want, strict=True)):
+        for i, (gb, wb) in enumerate(zip(g, w, strict=True)):
+            assert_same(gb, wb, f"epoch {e} batch {i}")
+
+
+@pytest.mark.parametrize(
+    ("num_workers", "persistent", "init"),
+    [
+        (1, False, False),
+        (2, False, False),
+        (3, False, True),
+        (1, True, False),
+        (2, True, True),
+        (3, True, False),
+    ],
+)
+def test_augmentations_equal_dataloader(
+    admin: Client, server: Server, num_workers: int, persistent: bool, init: bool
+) -> None:
+    want = _reference(3, num_workers, persistent=persistent, init=init)
+    extra: dict[str, Any] = {"persistent_workers": persistent}
+    if init:
+        extra["worker_init_fn"] = INIT
+    name = _loader(admin, num_workers, **extra)
+    with Loader(name, socket=server.socket) as loader:
+        got = [_epoch(loader) for _ in range(3)]
+    _check(got, want)
+    admin.delete_loader(name)
+
+
+def test_num_workers_0_is_one_dataloader_worker_and_undisturbed(
+    admin: Client, server: Server
+) -> None:
+    """Two inline loaders with the same seed, iterated in lockstep in one server, each
+    give DataLoader's batches at ``num_workers=1, persistent_workers=False``."""
+    want = _reference(2, 1, info=False)
+    names = [_loader(admin, 0, kwargs={"info": False}) for _ in range(2)]
+    with Loader(names[0], socket=server.socket) as a, Loader(names[1], socket=server.socket) as b:
+        got_a: list[list[Any]] = []
+        got_b: list[list[Any]] = []
+        for _ in range(2):
+            got_a.append([])
+            got_b.append([])
+            for x, y in zip(a, b, strict=True):
+                got_a[-1].append(_copy(x))
+                got_b[-1].append(_copy(y))
+    _check(got_a, want)
+    _check(got_b, want)
+    for name in names:
+        admin.delete_loader(name)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_sigkilled_worker_keeps_dataloaders_sequence(
+    admin: Client, server: Server, persistent: bool
+) -> None:
+    want = _reference(2, 2, persistent=persistent)
+    name = _loader(admin, 2, persistent_workers=persistent)
+    pid = server.proc.pid  # type: ignore[union-attr]
+    got: list[list[Any]] = []
+    with Loader(name, socket=server.socket) as loader:
+        workers = wait_for(lambda: len(w := workers_of(pid, name)) == 2 and w, "2 workers")
+        for epoch in range(2):
+            got.append([])
+            for index, batch in enumerate(loader):
+                got[-1].append(_copy(batch))
+                if (epoch, index) == (0, 2):
+                    workers[1].send_signal(signal.SIGKILL)
+                    wait_for(lambda: gone([workers[1].pid]), "the killed worker to be reaped")
+                    wait_for(lambda: admin.loader(name)["worker_restarts"] == 1, "a restart")
+    _check(got, want)
+    admin.delete_loader(name)
+
+
+def test_patch_num_workers_changes_no_batch(admin: Client, server: Server) -> None:
+    """The RNG streams stay the 3 workers the loader was created with: fewer or more
+    processes after a PATCH make the same batches as DataLoader(num_workers=3)."""
+    want = _reference(2, 3, init=True)
+    name = _loader(admin, 3, worker_init_fn=INIT)
+    changes: dict[tuple[int, int], dict[str, int]] = {
+        (0, 1): {"num_workers": 1},
+        (0, 4): {"num_workers": 2},
+        (1, 2): {"num_workers": 4, "prefetch_factor": 1},  # more processes than streams
+    }
+    got: list[list[Any]] = []
+    with Loader(name, socket=server.socket) as loader:
+        for epoch in range(2):
+            got.append([])
+            for index, batch in enumerate(loader):
+                got[-1].append(_copy(batch))
+                if (epoch, index) in changes:
+                    admin.patch_loader(name, **changes[(epoch, index)])
+    _check(got, want)
+    admin.delete_loader(name)
+
+
+def _run_trainer(server: Server, name: str, out: Path, *extra: str) -> int:
+    return subprocess.run(
+        command(server.socket, name, out, *extra), cwd=REPO, timeout=60
+    ).returncode
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_resume_in_a_new_trainer_process(
+    admin: Client, server: Server, tmp_path: Path, persistent: bool
+) -> None:
+    want = [digest(b) for epoch in _reference(2, 2, persistent=persistent) for b in epoch]
+    name = _loader(admin, 2, persistent_workers=persistent)
+    state, first, second = tmp_path / "state.json", tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    code = _run_trainer(
+        server, name, first, "--epochs", "2", "--state-at", "10", "--state-file", str(state),
+        "--die-after", "3",
+    )  # fmt: skip
+    assert code == -signal.SIGKILL
+    # The resumed trainer's one epoch is the rest of epoch 1.
+    assert _run_trainer(server, name, second, "--resume", str(state), "--epochs", "1") == 0
+    # Batches 10..12 were consumed after the checkpoint: the server seeks back to 10.
+    got = [r["digest"] for r in read_log(first)][:10] + [r["digest"] for r in read_log(second)]
+    assert got == want
+    admin.delete_loader(name)
+
+
+def test_resume_across_server_restart(tmp_path: Path) -> None:
+    want = _reference(2, 2, persistent=True, init=True)
+    srv = Server(tmp_path / "srv")
+    srv.start()
+    try:
+        with srv.client() as admin:
+            name = _loader(admin, 2, persistent_workers=True, worker_init_fn=INIT)
+        with Loader(name, socket=srv.socket) as loader:
+            it = iter(loader)
+            got = [_copy(next(it)) for _ in range(5)]
+            state = loader.state_dict()
+        assert srv.stop() == 0
+        srv.start()
+        with Loader(name, socket=srv.socket) as loader:
+            loader.load_state_dict(state)
+            got += _epoch(loader)
+            rest = _epoch(loader)
+    finally:
+        srv.stop()
+    _check([got, rest], want)
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"worker_init_fn": "tests.fixtures.nope:f"}, "worker_init_fn .* cannot be imported"),
+        ({"worker_init_fn": "os:getcwd"}, "worker_init_fn .* not allowed"),
+        ({"worker_init_fn": "tests.fixtures.datasets:NOT_CALLABLE"}, "not a callable"),
+        ({"worker_init_fn": "no colon"}, "worker_init_fn"),
+        ({"persistent_workers": True, "num_workers": 0}, "persistent_workers option needs"),
+    ],
+)
+def test_bad_fields_are_422(admin: Client, fields: dict[str, Any], needle: str) -> None:
+    ds = unique("aug")
+    admin.create_dataset(ds, "python", {"factory": FACTORY})
+    with pytest.raises(InvalidRequest, match=needle):
+        admin.create_loader(
+            unique("aug"), dataset=ds, batch_size=BATCH, **{"num_workers": 1, **fields}
+        )
+    admin.delete_dataset(ds)  # nothing was created that uses it
