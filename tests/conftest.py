@@ -15,8 +15,11 @@ __all__ = ["REPO", "Server", "free_port"]  # tests import them from here too
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """One server for the session; tests use unique dataset and loader names."""
-    srv = Server(tmp_path_factory.mktemp("pinfeed"))
+    """One server for the session; tests use unique dataset and loader names. Loaders
+    accumulate over the session (idle workers cost no CPU), so the server-wide worker
+    cap, 8 on a 2-core machine by default, is raised here; tests of the cap use their
+    own servers."""
+    srv = Server(tmp_path_factory.mktemp("pinfeed"), env={"PINFEED_MAX_WORKERS": "1024"})
     srv.start()
     yield srv
     srv.stop()
