@@ -13,6 +13,7 @@ import secrets
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch
 
 from pinfeed_server import errors
 from pinfeed_server.datasets import DatasetContext, DatasetError, build_dataset
-from pinfeed_server.engine.collate import LayoutError, probe
+from pinfeed_server.engine.collate import LayoutError, describe, loader_layout, probe
 from pinfeed_server.engine.config import LoaderConfig, make_sampler, ring_slots
 from pinfeed_server.engine.custom_sampler import SamplerError
 from pinfeed_server.engine.dataplane import DataPlaneServer
@@ -167,7 +168,7 @@ class Service:
         try:
             ds = self._open(name, row["kind"], row["params"])
             with GLOBAL_RNG:  # not while an inline loader has its RNGs swapped in
-                row |= {"length": len(ds), "sample": probe(ds[0], 1).describe()}
+                row |= {"length": len(ds), "sample": describe(probe(ds[0], 1))}
         except (errors.AppError, LayoutError, Exception) as exc:
             row |= {"error": f"{type(exc).__name__}: {exc}"}
         return row
@@ -207,9 +208,16 @@ class Service:
         row = self._dataset_row(dataset_name)
         ds = self._open(dataset_name, row["kind"], row["params"])
         cfg = LoaderConfig.model_validate({**config, "dataset": dataset_name})
-        if cfg.worker_init_fn is not None:
+        plugins: dict[str, Callable[..., Any] | None] = {}
+        for field in ("worker_init_fn", "collate_fn"):
+            spec = getattr(cfg, field)
             try:
-                resolve(cfg.worker_init_fn, self.context.allowed_plugins, what="worker_init_fn")
+                found = (
+                    None
+                    if spec is None
+                    else resolve(spec, self.context.allowed_plugins, what=field)
+                )
+                plugins[field] = found
             except PluginError as exc:
                 raise errors.InvalidRequest(str(exc)) from None
         try:
@@ -224,11 +232,16 @@ class Service:
         indices = next(sampler.batches(0))
         assert indices is not None  # a map-style dataset's plan yields index lists
         first = indices[0]
+        # Without max_batch_bytes, a collate_fn loader's ring takes at most a quarter of
+        # the budget left (collate.per_batch_layout).
+        cap = max(0, self.settings.max_shm_bytes - self.shm_used()) // (4 * ring_slots(cfg))
         try:
             with GLOBAL_RNG:  # not while an inline loader has its RNGs swapped in
-                layout = probe(ds[first], sampler.max_rows)
+                layout = loader_layout(
+                    ds, indices, sampler.max_rows, plugins["collate_fn"], cfg.max_batch_bytes, cap
+                )
         except LayoutError as exc:
-            raise errors.InvalidRequest(f"sample {first}: {exc}") from None
+            raise errors.InvalidRequest(str(exc)) from None
         except Exception as exc:
             raise errors.InvalidRequest(
                 f"reading sample {first} to size the ring raised {type(exc).__name__}: {exc}"
@@ -296,7 +309,7 @@ class Service:
         return {
             **engine.config.model_dump(),
             "created_at": created,
-            "batch": engine.layout.describe(),
+            "batch": describe(engine.layout),
             **engine.status().model_dump(),
         }
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import numpy as np
 import torch
 
 _names = itertools.count()
@@ -32,6 +33,10 @@ def assert_same(got: Any, want: Any, where: str = "batch") -> None:
         assert got.dtype == want.dtype, f"{where}: dtype {got.dtype} != {want.dtype}"
         assert got.shape == want.shape, f"{where}: shape {tuple(got.shape)} != {tuple(want.shape)}"
         assert torch.equal(got, want), f"{where}: values differ"
+        return
+    if isinstance(want, np.ndarray):
+        assert isinstance(got, np.ndarray), f"{where}: {type(got)} is not a numpy array"
+        assert got.dtype == want.dtype and np.array_equal(got, want), f"{where}: arrays differ"
         return
     if isinstance(want, tuple) and hasattr(want, "_fields"):
         assert type(got).__name__ == type(want).__name__, f"{where}: {type(got)} != {type(want)}"

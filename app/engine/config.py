@@ -97,6 +97,23 @@ class LoaderFields(BaseModel):
         "seeding, as DataLoader calls it (modules under PINFEED_ALLOWED_PLUGINS)",
     )
 
+    collate_fn: str | None = Field(
+        None,
+        pattern=SPEC,
+        description="'package.module:callable' called with the list of samples, as "
+        "DataLoader calls it, in the worker (modules under PINFEED_ALLOWED_PLUGINS); its "
+        "output (any nesting, shapes that change per batch) is written into the slot as "
+        "it comes. null: default_collate",
+    )
+    max_batch_bytes: int | None = Field(
+        None,
+        ge=64,
+        le=1 << 40,
+        description="slot capacity in bytes, for batches whose size the first one does not "
+        "tell; null: a collate_fn loader's slots hold 4x its first batch (at least 1 MiB), "
+        "a default-collated loader's batch_size x the first sample",
+    )
+
     @model_validator(mode="after")
     def _persistent_needs_workers(self) -> LoaderFields:
         if self.persistent_workers and self.num_workers == 0:

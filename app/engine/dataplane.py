@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pinfeed import _protocol as p
+from pinfeed_server.engine.collate import describe
 from pinfeed_server.engine.consumers import BatchItem, EndItem, ErrorItem, Item
 from pinfeed_server.engine.errors import (
     DataPlaneError,
@@ -209,7 +210,7 @@ class DataPlaneServer:
             config=cfg.model_dump(),
             dataset_length=engine.sampler.length,
             sampler_length=engine.sampler.samples,
-            sample=engine.layout.describe(),
+            sample=describe(engine.layout),
         )
         try:
             conn.sendmsg(
@@ -316,14 +317,16 @@ class _Session:
         """Send one item; False once the loader itself failed or closed."""
         if isinstance(item, BatchItem):
             self.leased.add(item.slot)
-            dims = self.dims.get(item.rows)
-            if dims is None:
-                dims = self.dims[item.rows] = p.pack_dims(self.engine.layout, item.rows)
+            body = item.strings
+            kind, dims = p.BATCH | p.FLAG_LAYOUT << 8, b""
+            if body[:1] != b"\0":  # else a layout of its own (BATCH_LAYOUT_HEAD's mark)
+                kind = p.BATCH
+                dims = self.dims.get(item.rows) or b""
+                if not dims:
+                    dims = self.dims[item.rows] = p.pack_dims(self.engine.layout, item.rows)
             # BATCH, as p.batch_parts builds it, without the call on the per-batch path.
-            head = p.BATCH_HEAD.pack(
-                p.BATCH, item.slot, item.seq, item.epoch, item.index, len(item.strings)
-            )
-            self.conn.sendmsg([head, dims, item.strings])
+            head = p.BATCH_HEAD.pack(kind, item.slot, item.seq, item.epoch, item.index, len(body))
+            self.conn.sendmsg([head, dims, body])
         elif isinstance(item, EndItem):
             self.conn.send(p.encode_end(item.epoch, item.seq))
         else:

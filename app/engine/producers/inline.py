@@ -18,6 +18,7 @@ from pinfeed_server.engine.collate import SlotWriter
 from pinfeed_server.engine.errors import error_info
 from pinfeed_server.engine.producers.base import ProducerContext, Result, Task
 from pinfeed_server.engine.producers.seeding import RngState, Streams, apply, capture, restore
+from pinfeed_server.plugins import resolve
 
 SWITCH = (
     "switching between num_workers=0 (in-server) and worker processes needs the "
@@ -35,14 +36,16 @@ class InlineProducer:
 
     def __init__(self, ctx: ProducerContext) -> None:
         self._on_result = ctx.on_result
-        self._writer = SlotWriter(ctx.dataset, ctx.layout, ctx.ring.base, ctx.ring.slot_bytes)
+        collate = ctx.config.collate_fn
+        fn = None if collate is None else resolve(collate, ctx.datasets.allowed_plugins)
+        self._writer = SlotWriter(ctx.dataset, ctx.layout, ctx.ring.base, ctx.ring.slot_bytes, fn)
         self._busy_s = 0.0
         self._closed = False
         self._dataset = ctx.dataset
         self.streams = Streams(
             ctx.config,
             ctx.dataset,
-            replay=ctx.kind == "python",
+            replay=ctx.kind == "python" or collate is not None,
             allowed=ctx.datasets.allowed_plugins,
         )
         self._rng: RngState | None = None  # the loader's RNGs between its batches

@@ -72,8 +72,10 @@ class WorkerPool:
             ctx.ring.slot_bytes,
             ctx.config.worker_init_fn,
             ctx.config.num_workers,
-            # Built-in kinds draw nothing from the global RNGs: no replay, no snapshots.
-            snapshots=ctx.kind == "python",
+            # Built-in kinds draw nothing from the global RNGs: no replay, no snapshots
+            # (unless a collate_fn may draw).
+            snapshots=ctx.kind == "python" or ctx.config.collate_fn is not None,
+            collate_fn=ctx.config.collate_fn,
         )
         self.streams = Streams(
             ctx.config,

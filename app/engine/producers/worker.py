@@ -51,6 +51,7 @@ class WorkerSpec:
     worker_init_fn: str | None = None
     num_workers: int = 1  # DataLoader's, as created: the RNG streams (seeding.py)
     snapshots: bool = False  # send the RNG state after each batch
+    collate_fn: str | None = None
 
 
 def worker_main(worker_id: int, conn: Connection, spec: WorkerSpec) -> None:
@@ -61,7 +62,11 @@ def worker_main(worker_id: int, conn: Connection, spec: WorkerSpec) -> None:
         mm, base = map_ring(fd, spec.ring_size)
         os.close(fd)
         dataset = build_dataset(spec.kind, spec.params, spec.context)
-        writer = SlotWriter(dataset, Layout.from_json(spec.layout), base, spec.slot_bytes)
+        collate = None
+        if spec.collate_fn is not None:
+            collate = resolve(spec.collate_fn, spec.context.allowed_plugins, what="collate_fn")
+        layout = Layout.from_json(spec.layout)
+        writer = SlotWriter(dataset, layout, base, spec.slot_bytes, collate)
         init_fn = None
         if spec.worker_init_fn is not None:
             init_fn = resolve(
