@@ -151,7 +151,7 @@ class LoaderPatch(BaseModel):
     model_config = ConfigDict(
         extra="forbid", json_schema_extra={"examples": [{"num_workers": 4, "prefetch_factor": 2}]}
     )
-    num_workers: int | None = Field(None, ge=1, le=MAX_WORKERS)
+    num_workers: int | None = Field(None, ge=0, le=MAX_WORKERS)
     prefetch_factor: int | None = Field(None, ge=1, le=MAX_PREFETCH)
 
 

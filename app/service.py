@@ -238,7 +238,7 @@ class Service:
         limits cannot take: the one place for them, at create, restart and PATCH."""
         self.settings.check_workers(cfg.name, cfg.num_workers, self.workers_used(cfg.name))
         need = nslots * slot_bytes
-        used = self.shm_used() - (replaces.nslots * replaces.layout.slot_bytes if replaces else 0)
+        used = self.shm_used() - (replaces.reserved_bytes() if replaces else 0)
         free = max(0, self.settings.max_shm_bytes - used)
         if need > free:
             raise errors.InsufficientMemory(
@@ -263,7 +263,7 @@ class Service:
         return sum(e.config.num_workers for n, e in list(self.loaders.items()) if n != but)
 
     def shm_used(self) -> int:
-        return sum(e.nslots * e.layout.slot_bytes for e in list(self.loaders.values()))
+        return sum(e.reserved_bytes() for e in list(self.loaders.values()))
 
     def _describe_unstarted(self, row: dict[str, Any]) -> dict[str, Any]:
         return {
@@ -330,7 +330,8 @@ class Service:
         return out
 
     def patch_loader(self, name: str, body: LoaderPatch) -> dict[str, Any]:
-        """Change num_workers/prefetch_factor live: position and batches are kept."""
+        """Change num_workers/prefetch_factor live: position and batches are kept; the
+        ring grows or shrinks to fit (only the memory budget refuses: 507)."""
         with self._lock:
             if name in self._unstarted:
                 raise errors.Conflict(f"loader {name!r} failed to start; delete and recreate it")
@@ -339,11 +340,8 @@ class Service:
             num_workers = cfg.num_workers if body.num_workers is None else body.num_workers
             prefetch = cfg.prefetch_factor if body.prefetch_factor is None else body.prefetch_factor
             new = cfg.model_copy(update={"num_workers": num_workers, "prefetch_factor": prefetch})
-            self._admit(new, engine.nslots, engine.layout.slot_bytes, replaces=engine)
-            try:
-                engine.reconfigure(num_workers, prefetch)
-            except ValueError as exc:
-                raise errors.Conflict(str(exc)) from None
+            self._admit(new, ring_slots(new), engine.layout.slot_bytes, replaces=engine)
+            engine.reconfigure(num_workers, prefetch)
             row = next(r for r in self.registry.loaders() if r["name"] == name)
             self.registry.update_loader(
                 name, row["config"] | {"num_workers": num_workers, "prefetch_factor": prefetch}

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from pinfeed import _protocol as p
-from pinfeed._ring import RingMapping
+from pinfeed._ring import RingSegments
 
 Builder = Callable[[list[Any]], Any]
 
@@ -65,7 +65,7 @@ def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 class BatchViews:
     """The batch a BATCH message announces, as tensor views into the ring."""
 
-    def __init__(self, ring: RingMapping, layout: p.Layout, nslots: int, slot_bytes: int):
+    def __init__(self, ring: RingSegments, layout: p.Layout, nslots: int, slot_bytes: int):
         self._ring = ring
         self._nslots = nslots
         self._slot_bytes = slot_bytes
@@ -103,7 +103,8 @@ class BatchViews:
 
     def _make_leaves(self, slot: int, dims: tuple[int, ...], strings: Any) -> list[Any]:
         out: list[Any] = []
-        base = slot * self._slot_bytes
+        ring, first = self._ring.of(slot)  # the segment holding the slot
+        base = (slot - first) * self._slot_bytes
         d = 0
         for offset, dtype, ndim in self._leaves:
             if dtype is None:
@@ -116,7 +117,7 @@ class BatchViews:
                 stride = self._strides[shape] = tuple(
                     math.prod(shape[i + 1 :]) for i in range(len(shape))
                 )
-            typed = self._ring.typed(dtype)
+            typed = ring.typed(dtype)
             out.append(torch.as_strided(typed, shape, stride, (base + offset) // dtype.itemsize))
         return out
 

@@ -23,6 +23,7 @@ import torch
 from pinfeed._protocol import MAX_MESSAGE, Layout, Leaf, align
 from pinfeed_server.datasets.base import BatchFetcher
 from pinfeed_server.engine.errors import BatchTooLarge, SampleError
+from pinfeed_server.engine.ring import SlotSpace  # a ring of several segments
 
 __all__ = ["Layout", "LayoutError", "Leaf", "SlotWriter", "probe"]
 
@@ -185,7 +186,9 @@ class SlotWriter:
     worked out once: whether the dataset fetches whole batches, and each slot's leaf
     views (a slot holds a full batch or the epoch's last, shorter one)."""
 
-    def __init__(self, dataset: Any, layout: Layout, ring: torch.Tensor, slot_bytes: int) -> None:
+    def __init__(
+        self, dataset: Any, layout: Layout, ring: torch.Tensor | SlotSpace, slot_bytes: int
+    ) -> None:
         self.dataset = dataset
         self.layout = layout
         self._ring = ring

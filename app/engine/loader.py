@@ -40,8 +40,8 @@ from pinfeed_server.engine.producers import (
     make_producer,
     producer_kind,
 )
-from pinfeed_server.engine.producers.inline import SWITCH
 from pinfeed_server.engine.publisher import Publisher
+from pinfeed_server.engine.resize import close_retired, pending, resize_ring
 from pinfeed_server.engine.ring import Ring, SlotState, SlotTable
 from pinfeed_server.engine.sampler import BatchPlan, with_last
 from pinfeed_server.engine.stats import LoaderStats
@@ -79,10 +79,15 @@ class LoaderEngine:
         self.failure: ErrorInfo | None = None
         self.stats = LoaderStats()
         self._kind, self._params, self._context = kind, params, context
-        self.nslots = ring_slots(config)
+        self.nslots = ring_slots(config)  # segment 0's slots (the ring as created)
+        self.target_slots = self.nslots  # what the current config wants (live PATCH)
         self.ring: Ring | None = None
         self._make_producer = producers
         self.producer: Producer | None = None
+        # The RNG streams stay the num_workers the loader was created with (seeding.py).
+        self._streams_config = config
+        self._submit = threading.Lock()  # held around submit: a producer swap waits
+        self._resize = threading.Lock()  # one reconfigure or ring upkeep at a time
         self.slots = SlotTable(self.nslots)
         self.slots.set_limit(prefetch_depth(config))
         self.consumers = Consumers(config.group_size, config.group_mode, self.slots)
@@ -112,19 +117,7 @@ class LoaderEngine:
     def _boot(self) -> None:
         try:
             self.ring = Ring(self.config.name, self.nslots, self.layout.slot_bytes)
-            self.producer = self._make_producer(
-                ProducerContext(
-                    self.config,
-                    self._kind,
-                    self._params,
-                    self._context,
-                    self.dataset,
-                    self.layout,
-                    self.ring,
-                    self._on_result,
-                    self._fail,
-                )
-            )
+            self.producer = self._new_producer(self.config.num_workers)
         except Exception as exc:
             log.exception("loader %s failed to start", self.config.name)
             self._fail(f"{type(exc).__name__}: {exc}")
@@ -138,6 +131,23 @@ class LoaderEngine:
                 self.state = "ready"
             self._cond.notify_all()
         producer.start()
+
+    def _new_producer(self, processes: int) -> Producer:
+        assert self.ring is not None
+        return self._make_producer(
+            ProducerContext(
+                self._streams_config,
+                self._kind,
+                self._params,
+                self._context,
+                self.dataset,
+                self.layout,
+                self.ring,
+                self._on_result,
+                self._fail,
+                processes=processes,
+            )
+        )
 
     def _fail(self, detail: str) -> None:
         with self._cond:
@@ -211,7 +221,8 @@ class LoaderEngine:
                 if error is not None:  # a batch_sampler's batch larger than the slots
                     self._on_result(Result(seq, error=error))
                     continue
-                self.producer.submit(Task(seq, epoch, i, slot, indices))
+                with self._submit:
+                    self.producer.submit(Task(seq, epoch, i, slot, indices))
             epoch, index = epoch + 1, 0
             with self._cond:
                 if self._gen != gen:
@@ -230,35 +241,54 @@ class LoaderEngine:
             self._cond.notify_all()
 
     def reconfigure(self, num_workers: int, prefetch_factor: int) -> None:
-        """Apply new ``num_workers``/``prefetch_factor`` live, keeping position and batches.
-
-        Raises ValueError when the change needs a different ring (more slots than it
-        has) or moves between in-server (0) and worker-process production.
-        """
+        """Apply new ``num_workers``/``prefetch_factor`` live, keeping position and batches:
+        the ring grows (a new segment) or retires segments to fit (``resize.py``), and
+        a change between 0 and >0 workers swaps the producer between two batches."""
         new = self.config.model_copy(
             update={"num_workers": num_workers, "prefetch_factor": prefetch_factor}
         )
-        need = ring_slots(new)
-        if producer_kind(new) != producer_kind(self.config):
-            raise ValueError(SWITCH)
-        if need > self.nslots:
-            raise ValueError(
-                f"num_workers={num_workers} x prefetch_factor={prefetch_factor} needs {need} "
-                f"ring slots; this loader's ring has {self.nslots}. Lower them, or recreate "
-                "the loader (carry the position with Loader.state_dict())"
-            )
-        if self.producer is not None:
-            self.producer.resize(num_workers)
-        self.slots.set_limit(prefetch_depth(new))
-        self.config = new
+        with self._resize:
+            if self.ring is not None:
+                resize_ring(self.ring, self.slots, ring_slots(new))
+                self.target_slots = ring_slots(new)
+            self.slots.set_limit(prefetch_depth(new))
+            if self.producer is not None:
+                if producer_kind(new) != producer_kind(self.config):
+                    self._swap_producer(num_workers)
+                else:
+                    self.producer.resize(num_workers)
+            self.config = new
+        self.upkeep()
         log.info(
-            "loader %s: num_workers=%d prefetch_factor=%d (%d of %d slots ahead)",
+            "loader %s: num_workers=%d prefetch_factor=%d (%d slots ahead; ring %d slots, "
+            "%d wanted)",
             new.name,
             num_workers,
             prefetch_factor,
             prefetch_depth(new),
-            self.nslots,
+            self.ring.nslots if self.ring else 0,
+            self.target_slots,
         )
+
+    def _swap_producer(self, processes: int) -> None:
+        """Between 0 and >0 workers: the new producer starts while the old one runs on;
+        then, between two submits, the new one takes over, and the old one finishes
+        what it holds (results still publish in order) before it closes."""
+        fresh = self._new_producer(processes)
+        with self._submit:
+            old, self.producer = self.producer, fresh
+        assert old is not None
+        old.close(drain=True)
+
+    def upkeep(self) -> None:
+        """Close retired segments whose slots are all free, then add what the config
+        still lacks (``resize.py``); cheap when nothing is pending."""
+        ring = self.ring
+        if ring is None or not pending(ring, self.slots, self.target_slots):
+            return
+        with self._resize:
+            if close_retired(ring, self.slots, self.target_slots) and self.producer is not None:
+                self.producer.segments_changed()
 
     def seek(self, member: int, epoch: int, index: int) -> None:
         """Make (epoch, index) the next batch; keep the warm queue if it already is."""
@@ -271,6 +301,7 @@ class LoaderEngine:
             if self.consumers.position(member, self.publisher.head) == (epoch, index):
                 return
             self._seek_locked(epoch, index)
+        self.upkeep()
         log.info("loader %s: seek to epoch %d batch %d", self.config.name, epoch, index)
 
     def _seek_locked(self, epoch: int, index: int) -> None:
@@ -315,10 +346,17 @@ class LoaderEngine:
             self.consumers.leave(member, leased)
             self.cuda_registered.discard(member)
             self._cond.notify_all()
+        self.upkeep()
+
+    def reserved_bytes(self) -> int:
+        """Ring memory this loader holds or is about to (the budget's view of it)."""
+        now = self.ring.size if self.ring is not None else 0
+        return max(now, self.target_slots * self.layout.slot_bytes)
 
     def release(self, member: int, slots: set[int] | list[int]) -> None:
         with self._cond:
             self.consumers.release(member, slots)
+        self.upkeep()
 
     def position(self, member: int) -> tuple[int, int]:
         with self._cond:
@@ -376,9 +414,10 @@ class LoaderEngine:
         return LoaderStatus(
             state=self.state,
             failure=self.failure.to_json() if self.failure else None,
-            ring_bytes=self.nslots * self.layout.slot_bytes,
+            ring_bytes=ring.size if ring else self.nslots * self.layout.slot_bytes,
             slot_bytes=self.layout.slot_bytes,
-            slots=SlotCounts(**self.slots.counts(), total=self.nslots),
+            slots=SlotCounts(**self.slots.counts(), total=ring.nslots if ring else self.nslots),
+            ring_segments=len(ring.segments()) if ring else 0,
             page_locked=bool(ring and ring.page_locked),
             consumer_attached=any(m.attached for m in members),
             consumer_cuda_registered=bool(self.cuda_registered),

@@ -1,0 +1,78 @@
+"""Growing and shrinking a live loader's ring (a PATCH of num_workers/prefetch_factor).
+
+Growth adds a segment (a further memfd) with the slots the new config lacks; its slots
+become fillable at once, and every process that maps the ring (workers, trainers) is
+sent the segment's fd before the first batch in it (``pool.py``, ``dataplane.py``).
+
+Shrinking retires the newest segments the config no longer needs in full: their slots
+are filled no more, the batches already in them are consumed as usual, and once every
+slot of a retired segment is free it is closed (the server's mapping and fd; workers
+and trainers are told, and unmap once none of their views uses it). Where the slots
+kept fall short of the target (a partly needed segment was retired), a smaller one is
+added once the retired ones are closed. Segment 0 (the ring as created) is never
+closed: below its size, a PATCH only lowers the prefetch depth.
+
+Called under the engine's resize lock; the slot table has its own.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+from pinfeed import _protocol as p
+from pinfeed_server.engine.ring import Ring, SlotTable
+
+
+def resize_ring(ring: Ring, slots: SlotTable, target: int) -> None:
+    """Start moving the ring to ``target`` slots."""
+    with slots.cond:
+        slots.usable = len(slots.states)  # a new target: nothing retires any more
+        slots.cond.notify_all()
+    if target > ring.nslots:
+        slots.extend(ring.grow(target - ring.nslots).nslots)
+        return
+    # Keep segment 0 and every later segment the target needs in full.
+    keep = 0
+    for info, _ in ring.segments():
+        if info.id == 0 or info.end <= target:
+            keep = info.end
+    if keep < ring.nslots:
+        slots.retire_from(keep)
+
+
+def pending(ring: Ring, slots: SlotTable, target: int) -> bool:
+    """Segments retiring, or slots still to add (read without locks: a hint)."""
+    return slots.usable < ring.nslots or (ring.nslots < target and slots.usable == ring.nslots)
+
+
+def close_retired(ring: Ring, slots: SlotTable, target: int) -> bool:
+    """Close retired segments whose slots are all free, newest first; then, when none
+    retires any more, add the slots still short of ``target``. True if a segment closed."""
+    closed = False
+    while ring.nslots > slots.usable:
+        last = ring.segments()[-1][0]
+        if last.id == 0 or last.first < slots.usable or not slots.free_from(last.first):
+            break
+        ring.close_last()
+        slots.truncate(last.first)
+        closed = True
+    if ring.nslots == slots.usable and ring.nslots < target:
+        slots.extend(ring.grow(target - ring.nslots).nslots)
+    return closed
+
+
+def announce_segments(conn: socket.socket, ring: Ring, known: set[int]) -> tuple[int, set[int]]:
+    """Tell a trainer of the ring's new segments (SEGMENT + memfd) and of the closed ones
+    (SEGMENT with 0 slots), before an item that may use them; the generation and the
+    segments it now has."""
+    with ring.lock:  # no segment closes while its fd is on the way
+        now = {info.id: (info, fd) for info, fd in ring.segments()}
+        for sid in sorted(set(now) - known):
+            info, fd = now[sid]
+            body = p.SEGMENT_BODY.pack(p.SEGMENT, sid, info.first, info.nslots)
+            rights = (socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))
+            conn.sendmsg([body], [rights])
+        for sid in sorted(known - set(now)):
+            conn.send(p.SEGMENT_BODY.pack(p.SEGMENT, sid, 0, 0))
+        return ring.generation, set(now)
