@@ -20,6 +20,7 @@ from typing import Any
 
 from pinfeed._protocol import ErrorInfo
 from pinfeed_server.datasets import DatasetContext
+from pinfeed_server.engine.autotune import Sample, Tuner
 from pinfeed_server.engine.collate import Layout
 from pinfeed_server.engine.config import LoaderConfig, make_sampler, prefetch_depth, ring_slots
 from pinfeed_server.engine.consumers import BatchItem, Consumers, EndItem, ErrorItem, Item
@@ -38,10 +39,9 @@ from pinfeed_server.engine.producers import (
     Result,
     Task,
     make_producer,
-    producer_kind,
 )
 from pinfeed_server.engine.publisher import Publisher
-from pinfeed_server.engine.resize import close_retired, pending, resize_ring
+from pinfeed_server.engine.resize import LiveResize
 from pinfeed_server.engine.ring import Ring, SlotState, SlotTable
 from pinfeed_server.engine.sampler import BatchPlan, with_last
 from pinfeed_server.engine.stats import LoaderStats
@@ -52,7 +52,7 @@ log = logging.getLogger("pinfeed.loader")
 __all__ = ["BatchItem", "EndItem", "ErrorItem", "Item", "LoaderConfig", "LoaderEngine"]
 
 
-class LoaderEngine:
+class LoaderEngine(LiveResize):
     """States: starting -> ready | failed; draining -> closed when deleted."""
 
     def __init__(
@@ -78,6 +78,8 @@ class LoaderEngine:
         self.state = "starting"
         self.failure: ErrorInfo | None = None
         self.stats = LoaderStats()
+        spec = config.autotune
+        self.tuner = Tuner(spec, config.num_workers, config.prefetch_factor) if spec else None
         self._kind, self._params, self._context = kind, params, context
         self.nslots = ring_slots(config)  # segment 0's slots (the ring as created)
         self.target_slots = self.nslots  # what the current config wants (live PATCH)
@@ -240,56 +242,6 @@ class LoaderEngine:
                 self._cursor = (ended + 1, 0)
             self._cond.notify_all()
 
-    def reconfigure(self, num_workers: int, prefetch_factor: int) -> None:
-        """Apply new ``num_workers``/``prefetch_factor`` live, keeping position and batches:
-        the ring grows (a new segment) or retires segments to fit (``resize.py``), and
-        a change between 0 and >0 workers swaps the producer between two batches."""
-        new = self.config.model_copy(
-            update={"num_workers": num_workers, "prefetch_factor": prefetch_factor}
-        )
-        with self._resize:
-            if self.ring is not None:
-                resize_ring(self.ring, self.slots, ring_slots(new))
-                self.target_slots = ring_slots(new)
-            self.slots.set_limit(prefetch_depth(new))
-            if self.producer is not None:
-                if producer_kind(new) != producer_kind(self.config):
-                    self._swap_producer(num_workers)
-                else:
-                    self.producer.resize(num_workers)
-            self.config = new
-        self.upkeep()
-        log.info(
-            "loader %s: num_workers=%d prefetch_factor=%d (%d slots ahead; ring %d slots, "
-            "%d wanted)",
-            new.name,
-            num_workers,
-            prefetch_factor,
-            prefetch_depth(new),
-            self.ring.nslots if self.ring else 0,
-            self.target_slots,
-        )
-
-    def _swap_producer(self, processes: int) -> None:
-        """Between 0 and >0 workers: the new producer starts while the old one runs on;
-        then, between two submits, the new one takes over, and the old one finishes
-        what it holds (results still publish in order) before it closes."""
-        fresh = self._new_producer(processes)
-        with self._submit:
-            old, self.producer = self.producer, fresh
-        assert old is not None
-        old.close(drain=True)
-
-    def upkeep(self) -> None:
-        """Close retired segments whose slots are all free, then add what the config
-        still lacks (``resize.py``); cheap when nothing is pending."""
-        ring = self.ring
-        if ring is None or not pending(ring, self.slots, self.target_slots):
-            return
-        with self._resize:
-            if close_retired(ring, self.slots, self.target_slots) and self.producer is not None:
-                self.producer.segments_changed()
-
     def seek(self, member: int, epoch: int, index: int) -> None:
         """Make (epoch, index) the next batch; keep the warm queue if it already is."""
         if not (0 <= index < self.batches_per_epoch and 0 <= epoch < 2**31):
@@ -348,11 +300,6 @@ class LoaderEngine:
             self._cond.notify_all()
         self.upkeep()
 
-    def reserved_bytes(self) -> int:
-        """Ring memory this loader holds or is about to (the budget's view of it)."""
-        now = self.ring.size if self.ring is not None else 0
-        return max(now, self.target_slots * self.layout.slot_bytes)
-
     def release(self, member: int, slots: set[int] | list[int]) -> None:
         with self._cond:
             self.consumers.release(member, slots)
@@ -395,7 +342,19 @@ class LoaderEngine:
         busy = self.producer.busy_seconds() if self.producer else 0.0
         with self._cond:
             members = max(1, self.consumers.attached)
-        return self.stats.snapshot(busy, self.config.num_workers, members)
+        tuner = self.tuner
+        return self.stats.snapshot(busy, self.config.num_workers, members) | {
+            "autotune": tuner.report() if tuner is not None else None
+        }
+
+    def tune_sample(self) -> Sample:
+        """The counters autotune measures over its intervals."""
+        busy = (self.producer.busy_seconds() if self.producer else 0.0) + self.stats.busy_s
+        with self._cond:
+            members = max(1, self.consumers.attached)
+        return Sample(
+            time.monotonic(), self.stats.samples_consumed, self.stats.wait_s, busy, members
+        )
 
     def status(self) -> LoaderStatus:
         ring = self.ring

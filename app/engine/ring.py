@@ -81,7 +81,10 @@ class _Segment:
     def __init__(self, name: str, info: SegmentInfo, slot_bytes: int, lock: bool) -> None:
         self.info = info
         self.size = info.nslots * slot_bytes
-        self.fd = os.memfd_create(f"pinfeed-{name}-{info.id}", os.MFD_CLOEXEC)
+        # Segment 0 is "pinfeed-<loader>" (tests and operators look for it in /proc);
+        # '+' is in no loader name.
+        suffix = f"+{info.id}" if info.id else ""
+        self.fd = os.memfd_create(f"pinfeed-{name}{suffix}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(self.fd, self.size)
             self._mm, self.base = map_ring(self.fd, self.size)

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from torch.utils.data import DataLoader
 
 from pinfeed import Client, Loader
 from pinfeed_server.datasets import DatasetContext, build_dataset
 from tests.conftest import Server
+from tests.features.test_augment import INIT, _check, _copy, _loader, _reference
 from tests.fixtures.trainer import digest
 from tests.helpers import unique
 
@@ -108,4 +110,39 @@ def test_a_view_held_across_the_change_stays_valid(admin: Client, server: Server
     assert held is not None
     assert got == want
     assert admin.loader(name)["ring_segments"] == 1  # the held segment closed meanwhile
+    admin.delete_loader(name)
+
+
+@pytest.mark.parametrize(
+    ("created", "steps", "workers", "kwargs"),
+    [
+        # Created with 3 workers: at 0 the server serves their 3 streams itself.
+        (3, {(0, 2): 0, (1, 1): 2, (1, 5): 0}, 3, {}),
+        # Created at 0 (DataLoader's one non-persistent worker): processes serve it.
+        (0, {(0, 2): 2, (1, 3): 0}, 1, {"info": False}),
+    ],
+)
+def test_switching_0_and_workers_keeps_augmentations(
+    admin: Client,
+    server: Server,
+    created: int,
+    steps: dict[tuple[int, int], int],
+    workers: int,
+    kwargs: dict[str, Any],
+) -> None:
+    """Random augmentations stay DataLoader(num_workers=<as created>)'s across PATCHes
+    between 0 and >0 workers (the RNG streams are the created loader's)."""
+    init = created > 0
+    want = _reference(2, workers, init=init, **kwargs)
+    extra: dict[str, Any] = {"worker_init_fn": INIT} if init else {}
+    name = _loader(admin, created, kwargs=kwargs, **extra)
+    got: list[list[Any]] = []
+    with Loader(name, socket=server.socket) as loader:
+        for epoch in range(2):
+            got.append([])
+            for index, batch in enumerate(loader):
+                got[-1].append(_copy(batch))
+                if (epoch, index) in steps:
+                    _patch(admin, name, {"num_workers": steps[(epoch, index)]})
+    _check(got, want)
     admin.delete_loader(name)
