@@ -46,7 +46,9 @@ class Autotuner:
 
     def _tick(self, name: str, engine: LoaderEngine) -> None:
         tuner = engine.tuner
-        if tuner is None or engine.state != "ready" or not tuner.due(time.monotonic()):
+        if tuner is None or engine.state != "ready":
+            return
+        if not tuner.due(time.monotonic(), engine.stats.batches_consumed):
             return
         service = self._service
         cores = len(os.sched_getaffinity(0))

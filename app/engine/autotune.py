@@ -1,9 +1,10 @@
 """Autotune: a loader's num_workers and prefetch_factor set from what the server
 measures, as tf.data's AUTOTUNE sizes its parallelism from the pipeline's own timings.
 
-Every ``interval_s`` the tuner reads, over the interval just ended, the trainers'
-*wait share* (time blocked in ``next()``, as they report it) and the workers' *busy
-share* (time making batches over workers x time), and the consumed samples/s. Each
+Every ``interval_s`` (and at least ``MIN_BATCHES`` consumed) the tuner reads, over
+the interval just ended, the trainers' *wait share* (time blocked in ``next()``, as
+they report it) and the workers' *busy share* (time making batches over workers x
+time), and the consumed samples/s. Each
 change is followed by one interval it ignores (workers start, the ring grows), then
 one it measures. Its rules, first match:
 
@@ -40,6 +41,7 @@ WAIT_OK = 0.05
 BUSY = 0.8
 IDLE = 0.3
 KEPT = 20
+MIN_BATCHES = 4
 
 
 class AutotuneSpec(BaseModel):
@@ -59,6 +61,7 @@ class Sample:
     """Cumulative counters of a loader at one time."""
 
     t: float
+    batches: int
     samples: int
     wait_s: float
     busy_s: float
@@ -93,8 +96,16 @@ class Tuner:
         self._reduced = False  # the last change was one worker fewer
         self.floor = 1  # one fewer made the trainers wait: never below this again
 
-    def due(self, now: float) -> bool:
-        return self._last is None or now - self._last.t >= self.spec.interval_s
+    def due(self, now: float, batches: int) -> bool:
+        """Time for a tick: ``interval_s`` passed and, unless the interval is the one
+        ignored after a change, ``MIN_BATCHES`` consumed (a trainer's waits arrive per
+        batch: fewer batches measure nothing)."""
+        last = self._last
+        if last is None:
+            return True
+        if now - last.t < self.spec.interval_s:
+            return False
+        return self._skip or batches - last.batches >= MIN_BATCHES
 
     def tick(self, sample: Sample, limit: int) -> tuple[int, int, str] | None:
         """The next (num_workers, prefetch_factor, reason), or None to stay. ``limit``:
@@ -107,9 +118,13 @@ class Tuner:
             return None
         dt = max(sample.t - last.t, 1e-9)
         rate = max(0, sample.samples - last.samples) / dt
-        wait = max(0.0, sample.wait_s - last.wait_s) / dt / max(1, sample.trainers)
-        busy = max(0.0, sample.busy_s - last.busy_s) / dt / max(1, self.num_workers)
-        self._measured = (rate, min(1.0, wait), min(1.0, busy))
+        if rate == 0:
+            return None  # no trainer reading: nothing to tune for
+        # Shares are capped at 1: a wait is reported with the batch after it, and a
+        # worker's busy time counts its queued tasks too.
+        wait = min(1.0, max(0.0, sample.wait_s - last.wait_s) / dt / max(1, sample.trainers))
+        busy = min(1.0, max(0.0, sample.busy_s - last.busy_s) / dt / max(1, self.num_workers))
+        self._measured = (rate, wait, busy)
         ceiling = min(self.ceiling, limit)
         workers, prefetch = self.num_workers, self.prefetch_factor
         before, self._before = self._before, None

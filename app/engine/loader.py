@@ -352,8 +352,9 @@ class LoaderEngine(LiveResize):
         busy = (self.producer.busy_seconds() if self.producer else 0.0) + self.stats.busy_s
         with self._cond:
             members = max(1, self.consumers.attached)
+        st = self.stats
         return Sample(
-            time.monotonic(), self.stats.samples_consumed, self.stats.wait_s, busy, members
+            time.monotonic(), st.batches_consumed, st.samples_consumed, st.wait_s, busy, members
         )
 
     def status(self) -> LoaderStatus:

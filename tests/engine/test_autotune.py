@@ -12,13 +12,18 @@ class Feed:
 
     def __init__(self, tuner: Tuner) -> None:
         self.tuner = tuner
-        self.now = Sample(0.0, 0, 0.0, 0.0, 1)
+        self.now = Sample(0.0, 0, 0, 0.0, 0.0, 1)
 
     def interval(self, rate: float, wait: float, busy: float, limit: int = 64) -> object:
         s = self.now
         workers = max(1, self.tuner.num_workers)
         self.now = Sample(
-            s.t + 1, s.samples + int(rate), s.wait_s + wait, s.busy_s + busy * workers, 1
+            s.t + 1,
+            s.batches + 4,
+            s.samples + int(rate),
+            s.wait_s + wait,
+            s.busy_s + busy * workers,
+            1,
         )
         decision = self.tuner.tick(self.now, limit)
         if decision is not None:
