@@ -20,7 +20,9 @@ from typing import Any
 import torch
 
 from pinfeed_server import errors
+from pinfeed_server.autotuner import Autotuner
 from pinfeed_server.datasets import DatasetContext, DatasetError, build_dataset
+from pinfeed_server.engine.autotune import AutotuneSpec, Tuner
 from pinfeed_server.engine.collate import LayoutError, describe, loader_layout, probe
 from pinfeed_server.engine.config import LoaderConfig, make_sampler, ring_slots
 from pinfeed_server.engine.custom_sampler import SamplerError
@@ -68,6 +70,7 @@ class Service:
         self._unstarted: dict[str, dict[str, Any]] = {}
         self._datasets: dict[str, Any] = {}  # name -> built dataset, shared by its loaders
         self._lock = threading.RLock()
+        self.autotuner = Autotuner(self)
         self.dataplane = DataPlaneServer(
             settings.socket_path,
             self.loaders.get,
@@ -101,9 +104,11 @@ class Service:
                 self._unstarted[row["name"]] = row | {"detail": detail}
         if self.settings.demo:
             self._ensure_demo()
+        self.autotuner.start()
         log.info("data plane on %s", self.settings.socket_path)
 
     def close(self) -> None:
+        self.autotuner.close()
         with self._lock:
             engines = list(self.loaders.values())
             self.loaders.clear()
@@ -265,7 +270,7 @@ class Service:
         limits cannot take: the one place for them, at create, restart and PATCH."""
         self.settings.check_workers(cfg.name, cfg.num_workers, self.workers_used(cfg.name))
         need = nslots * slot_bytes
-        used = self.shm_used() - (replaces.nslots * replaces.layout.slot_bytes if replaces else 0)
+        used = self.shm_used() - (replaces.reserved_bytes() if replaces else 0)
         free = max(0, self.settings.max_shm_bytes - used)
         if need > free:
             raise errors.InsufficientMemory(
@@ -290,7 +295,7 @@ class Service:
         return sum(e.config.num_workers for n, e in list(self.loaders.items()) if n != but)
 
     def shm_used(self) -> int:
-        return sum(e.nslots * e.layout.slot_bytes for e in list(self.loaders.values()))
+        return sum(e.reserved_bytes() for e in list(self.loaders.values()))
 
     def _describe_unstarted(self, row: dict[str, Any]) -> dict[str, Any]:
         return {
@@ -360,25 +365,40 @@ class Service:
         return out
 
     def patch_loader(self, name: str, body: LoaderPatch) -> dict[str, Any]:
-        """Change num_workers/prefetch_factor live: position and batches are kept."""
+        """Change num_workers/prefetch_factor live: position and batches are kept; the
+        ring grows or shrinks to fit (only the memory budget refuses: 507). Explicit
+        values turn autotune off; ``autotune`` turns it on (or, null, off)."""
         with self._lock:
             if name in self._unstarted:
                 raise errors.Conflict(f"loader {name!r} failed to start; delete and recreate it")
-            engine = self._engine(name)
-            cfg = engine.config
-            num_workers = cfg.num_workers if body.num_workers is None else body.num_workers
-            prefetch = cfg.prefetch_factor if body.prefetch_factor is None else body.prefetch_factor
-            new = cfg.model_copy(update={"num_workers": num_workers, "prefetch_factor": prefetch})
-            self._admit(new, engine.nslots, engine.layout.slot_bytes, replaces=engine)
-            try:
-                engine.reconfigure(num_workers, prefetch)
-            except ValueError as exc:
-                raise errors.Conflict(str(exc)) from None
-            row = next(r for r in self.registry.loaders() if r["name"] == name)
-            self.registry.update_loader(
-                name, row["config"] | {"num_workers": num_workers, "prefetch_factor": prefetch}
+            cfg = self._engine(name).config
+            autotune = body.autotune if "autotune" in body.model_fields_set else None
+            self.reconfigure(
+                name,
+                cfg.num_workers if body.num_workers is None else body.num_workers,
+                cfg.prefetch_factor if body.prefetch_factor is None else body.prefetch_factor,
+                autotune,
             )
         return self.describe_loader(name)
+
+    def reconfigure(
+        self, name: str, num_workers: int, prefetch: int, autotune: AutotuneSpec | None
+    ) -> None:
+        """Admit and apply a loader's new worker settings (a PATCH, or autotune's)."""
+        with self._lock:
+            engine = self._engine(name)
+            update = {"num_workers": num_workers, "prefetch_factor": prefetch}
+            new = engine.config.model_copy(update=update | {"autotune": autotune})
+            self._admit(new, ring_slots(new), engine.layout.slot_bytes, replaces=engine)
+            engine.reconfigure(num_workers, prefetch)
+            engine.config = engine.config.model_copy(update={"autotune": autotune})
+            if autotune is None:
+                engine.tuner = None
+            elif engine.tuner is None or engine.tuner.spec != autotune:
+                engine.tuner = Tuner(autotune, num_workers, prefetch)
+            row = next(r for r in self.registry.loaders() if r["name"] == name)
+            stored = update | {"autotune": autotune.model_dump() if autotune else None}
+            self.registry.update_loader(name, row["config"] | stored)
 
     def delete_loader(self, name: str) -> None:
         with self._lock:

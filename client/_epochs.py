@@ -51,6 +51,25 @@ class Epochs:
     def _reconnect(self) -> None:
         raise NotImplementedError
 
+    def _segment(self, n: int) -> None:
+        """A SEGMENT: the ring grew or shrank (``Loader`` maps or unmaps it)."""
+        raise NotImplementedError
+
+    # -- receiving: SEGMENT messages come ahead of the item that may use them -----------
+    def _recv(self) -> int:
+        n = self._t.recv()
+        while self._buf[0] == p.SEGMENT:
+            self._segment(n)
+            n = self._t.recv()
+        return n
+
+    def _try_recv(self) -> int | None:
+        n = self._t.try_recv()
+        if n is not None and self._buf[0] == p.SEGMENT:
+            self._segment(n)
+            return self._recv()  # the item it came ahead of is right behind it
+        return n
+
     # -- replies that are errors --------------------------------------------------------
     def _is_batch_error(self, n: int) -> bool:
         """An ERROR about one batch (the connection goes on), not a fatal one."""
@@ -139,14 +158,14 @@ class Epochs:
                 # Fast path: the batch asked for last time is already here. Otherwise we
                 # are about to wait: hand back the last view's slot first, so the server
                 # can produce into it (a group member must never hold and wait).
-                n = self._t.try_recv()
+                n = self._try_recv()
                 if n is None:
                     if self._delivery.release or self._delivery.pending:
                         self._send(p.RELEASE)
-                    n = self._t.recv()
+                    n = self._recv()
             else:
                 self._send(p.NEXT)
-                n = self._t.recv()
+                n = self._recv()
             self._wait_us = (time.perf_counter_ns() - asked) // 1000
             self._state = State.EPOCH
             kind = self._buf[0]
@@ -191,7 +210,7 @@ class Epochs:
         if self._state is not State.AHEAD:
             return False
         self._state = State.EPOCH
-        self._t.recv()
+        self._recv()
         kind = self._buf[0]
         if kind == p.BATCH:
             self._delivery.release.append(p.BATCH_HEAD.unpack_from(self._buf)[1])  # unseen
@@ -203,7 +222,7 @@ class Epochs:
     def _skip_epoch(self) -> None:
         if not self._drain():
             self._send(p.SKIP)
-            n = self._t.recv()
+            n = self._recv()
             if self._buf[0] != p.END:
                 self._raise(n)
             self._pos = (p.END_BODY.unpack_from(self._buf)[1] + 1, 0)
@@ -253,7 +272,7 @@ class Epochs:
     def _seek(self, epoch: int, index: int) -> None:
         self._drain()
         self._send(p.SEEK, p.POSITION_BODY.pack(p.SEEK, epoch, index))
-        n = self._t.recv()
+        n = self._recv()
         if self._buf[0] != p.POSITION:
             self._raise(n)
         _, e, i = p.POSITION_BODY.unpack_from(self._buf)

@@ -13,7 +13,7 @@ neither pickles nor parses JSON::
     RELEASE R  as NEXT (no reply)            END      E  END_BODY (epoch over)
     SKIP    S  as NEXT; reply END            POSITION P  POSITION_BODY (after SEEK)
     SEEK    K  POSITION_BODY                 ERROR    X  JSON ErrorInfo
-    CUDA    C  (no body, no reply)
+    CUDA    C  (no body, no reply)           SEGMENT  G  SEGMENT_BODY (+ memfd: ring grew)
 
 Errors: ``ERROR_KINDS`` (slug -> fatal). Imports neither pinfeed nor torch."""
 
@@ -32,11 +32,11 @@ from typing import Any, ClassVar
 PROTOCOL_VERSION = 3
 
 ATTACH, NEXT, RELEASE, SKIP, SEEK, CUDA = map(ord, "ANRSKC")  # client -> server
-ATTACHED, BATCH, END, POSITION, ERROR = map(ord, "aBEPX")  # server -> client
+ATTACHED, BATCH, END, POSITION, ERROR, SEGMENT = map(ord, "aBEPXG")  # server -> client
 KIND_NAMES = {
     ATTACH: "ATTACH", NEXT: "NEXT", RELEASE: "RELEASE", SKIP: "SKIP", SEEK: "SEEK",
     CUDA: "CUDA", ATTACHED: "ATTACHED", BATCH: "BATCH", END: "END", POSITION: "POSITION",
-    ERROR: "ERROR",
+    ERROR: "ERROR", SEGMENT: "SEGMENT",
 }  # fmt: skip
 
 # kind | flags << 8, slot, seq, epoch, index in epoch, length of the trailing body
@@ -47,6 +47,7 @@ FLAG_LAYOUT = 1
 BATCH_LAYOUT_HEAD = struct.Struct("<B3xII")
 END_BODY = struct.Struct("<B3xIQ")  # kind, epoch, seq
 POSITION_BODY = struct.Struct("<B3xII")  # kind, epoch, index
+SEGMENT_BODY = struct.Struct("<B3xIII")  # kind, segment id, first slot, slots (0: closed)
 RELEASE_HEAD = struct.Struct("<BxH")  # kind, count
 SLOT = struct.Struct("<I")
 WAIT = struct.Struct("<I")
@@ -209,11 +210,8 @@ class Attach:
 
 @dataclass(frozen=True)
 class Attached:
-    """The server's reply to ATTACH; the ring's memfd travels with it (SCM_RIGHTS).
-
-    ``epoch``/``position``: the member's next batch. Fields added here travel both ways;
-    a decoder ignores keys it does not know (a newer server of the same version).
-    """
+    """The server's reply to ATTACH; ring segment 0's memfd travels with it (SCM_RIGHTS).
+    ``epoch``/``position``: the member's next batch. A decoder ignores unknown keys."""
 
     loader: str
     member: int

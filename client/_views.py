@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from pinfeed import _protocol as p
-from pinfeed._ring import RingMapping
+from pinfeed._ring import RingSegments
 
 Builder = Callable[[list[Any]], Any]
 
@@ -91,7 +91,7 @@ def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 class BatchViews:
     """The batch a BATCH message announces, as tensor views into the ring."""
 
-    def __init__(self, ring: RingMapping, layout: p.Layout, nslots: int, slot_bytes: int):
+    def __init__(self, ring: RingSegments, layout: p.Layout, nslots: int, slot_bytes: int):
         self._ring = ring
         self._nslots = nslots
         self._slot_bytes = slot_bytes
@@ -132,7 +132,8 @@ class BatchViews:
 
     def _make_leaves(self, slot: int, dims: tuple[int, ...], strings: Any) -> list[Any]:
         out: list[Any] = []
-        base = slot * self._slot_bytes
+        ring, first = self._ring.of(slot)  # the segment holding the slot
+        base = (slot - first) * self._slot_bytes
         d = 0
         for offset, dtype, ndim in self._leaves:
             if dtype is None:
@@ -143,7 +144,7 @@ class BatchViews:
             stride = self._strides.get(shape)
             if stride is None:
                 stride = self._strides[shape] = _strides(shape)
-            typed = self._ring.typed(dtype)
+            typed = ring.typed(dtype)
             out.append(torch.as_strided(typed, shape, stride, (base + offset) // dtype.itemsize))
         return out
 
@@ -164,7 +165,8 @@ class BatchViews:
         dims = dims_struct.unpack_from(buf, at)
         at += dims_struct.size
         objects = iter(json.loads(bytes(buf[at : at + nobj])) if nobj else ())
-        base = slot * self._slot_bytes
+        ring, first = self._ring.of(slot)  # the segment holding the slot
+        base = (slot - first) * self._slot_bytes
         out: list[Any] = []
         d = 0
         for kind, dtype, ndim in specs:
@@ -174,7 +176,7 @@ class BatchViews:
             offset, shape = dims[d], dims[d + 1 : d + 1 + ndim]
             d += ndim + 1
             t = torch.as_strided(
-                self._ring.typed(dtype), shape, _strides(shape), (base + offset) // dtype.itemsize
+                ring.typed(dtype), shape, _strides(shape), (base + offset) // dtype.itemsize
             )
             out.append(t if kind == "t" else t.numpy() if kind == "n" else t.numpy()[()])
         return build(out)

@@ -33,6 +33,7 @@ from pinfeed._protocol import MAX_MESSAGE, Layout, Leaf, align
 from pinfeed_server.datasets.base import BatchFetcher
 from pinfeed_server.engine.batchlayout import OutputError, output_leaves, write_output
 from pinfeed_server.engine.errors import BatchTooLarge, SampleError
+from pinfeed_server.engine.ring import SlotSpace  # a ring of several segments
 
 __all__ = [
     "Layout",
@@ -277,7 +278,7 @@ class SlotWriter:
         self,
         dataset: Any,
         layout: Layout,
-        ring: torch.Tensor,
+        ring: torch.Tensor | SlotSpace,
         slot_bytes: int,
         collate_fn: Collate | None = None,
     ) -> None:

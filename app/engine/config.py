@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pinfeed_server.engine.autotune import AutotuneSpec
 from pinfeed_server.engine.custom_sampler import BatchSamplerSpec, SamplerSpec, custom_plan
 from pinfeed_server.engine.sampler import BatchPlan, EpochSampler
 from pinfeed_server.plugins import SPEC
@@ -113,6 +114,12 @@ class LoaderFields(BaseModel):
         "tell; null: a collate_fn loader's slots hold 4x its first batch (at least 1 MiB), "
         "a default-collated loader's batch_size x the first sample",
     )
+    autotune: AutotuneSpec | None = Field(
+        None,
+        description="set num_workers and prefetch_factor from the trainers' wait share and "
+        "the workers' busy share ({max_workers, max_prefetch_factor, interval_s}); a PATCH "
+        "of explicit values turns it off",
+    )
 
     @model_validator(mode="after")
     def _persistent_needs_workers(self) -> LoaderFields:
@@ -165,6 +172,11 @@ class LoaderConfig(LoaderFields):
     model_config = ConfigDict(frozen=True)
 
     seed: int = Field(ge=0, lt=2**63, description="shuffle seed")
+
+    @model_validator(mode="after")
+    def _persistent_needs_workers(self) -> LoaderConfig:
+        # A live PATCH may take a persistent loader to 0 (its workers' streams stay).
+        return self
 
 
 def prefetch_depth(config: LoaderConfig) -> int:

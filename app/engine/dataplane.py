@@ -30,6 +30,7 @@ from pinfeed_server.engine.errors import (
     ProtocolError,
 )
 from pinfeed_server.engine.loader import LoaderEngine
+from pinfeed_server.engine.resize import announce_segments
 
 log = logging.getLogger("pinfeed.dataplane")
 
@@ -197,7 +198,7 @@ class DataPlaneServer:
         attached = p.Attached(
             loader=request.loader,
             member=member,
-            ring_bytes=engine.ring.size,
+            ring_bytes=engine.nslots * engine.ring.slot_bytes,  # segment 0; SEGMENT the rest
             nslots=engine.nslots,
             slot_bytes=engine.ring.slot_bytes,
             layout=engine.layout,
@@ -259,6 +260,8 @@ class _Session:
         self.buf = bytearray(p.MAX_MESSAGE)
         self.view = memoryview(self.buf)
         self.dims: dict[int, bytes] = {}  # packed leaf dims by batch length
+        self.segments = {0}  # ring segments the trainer has (ATTACHED carried 0)
+        self.generation = -1  # the ring's generation they are of
         self.poller = select.poll()
         self.poller.register(conn, select.POLLIN | select.POLLRDHUP)
 
@@ -315,6 +318,9 @@ class _Session:
 
     def send(self, item: Item) -> bool:
         """Send one item; False once the loader itself failed or closed."""
+        ring = self.engine.ring
+        if ring is not None and self.generation != ring.generation:  # before a batch in them
+            self.generation, self.segments = announce_segments(self.conn, ring, self.segments)
         if isinstance(item, BatchItem):
             self.leased.add(item.slot)
             body = item.strings

@@ -75,6 +75,10 @@ ROUND_TRIPS: dict[int, tuple[bytes, Callable[[bytes], object]]] = {
     ),
     p.END: (p.encode_end(4, 99), lambda m: p.decode_end(m) == (4, 99)),
     p.POSITION: (p.encode_position(p.POSITION, 1, 0), lambda m: p.decode_position(m) == (1, 0)),
+    p.SEGMENT: (
+        p.SEGMENT_BODY.pack(p.SEGMENT, 2, 10, 8),
+        lambda m: p.SEGMENT_BODY.unpack(m) == (p.SEGMENT, 2, 10, 8),
+    ),
     p.ERROR: (
         p.ErrorInfo.of("sample-error", "sample 13 raised", index=13, error_type="E")
         .at(2, 3)

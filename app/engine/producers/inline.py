@@ -7,23 +7,34 @@ one process-wide lock, so loaders in the same server never disturb each other. T
 loader's RNGs are seeded as DataLoader seeds the one worker of a
 ``num_workers=1, persistent_workers=False`` loader (``seeding.py``), each epoch afresh:
 the batches equal that DataLoader's, and a resume replays at most one epoch.
+
+A loader created with ``num_workers=N > 0`` and PATCHed to 0 keeps its N streams
+(``seeding.py``): this producer then serves them as one worker process serving N
+would (``WorkerRngs``: states swapped per batch, ``get_worker_info()`` and
+``worker_init_fn`` as in a worker, a shallow copy of the dataset per stream), so its
+batches stay ``DataLoader(num_workers=N)``'s.
 """
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
+
+from torch.utils.data._utils import worker as torch_worker
 
 from pinfeed_server.engine.collate import SlotWriter
 from pinfeed_server.engine.errors import error_info
 from pinfeed_server.engine.producers.base import ProducerContext, Result, Task
-from pinfeed_server.engine.producers.seeding import RngState, Streams, apply, capture, restore
-from pinfeed_server.plugins import resolve
-
-SWITCH = (
-    "switching between num_workers=0 (in-server) and worker processes needs the "
-    "loader recreated; carry the position with Loader.state_dict()"
+from pinfeed_server.engine.producers.seeding import (
+    RngState,
+    Streams,
+    WorkerRngs,
+    apply,
+    capture,
+    restore,
 )
+from pinfeed_server.plugins import resolve
 
 # The global RNGs are the process's: one inline batch at a time may have them swapped,
 # and other dataset code run in the server (the service's probe of a first sample)
@@ -36,9 +47,13 @@ class InlineProducer:
 
     def __init__(self, ctx: ProducerContext) -> None:
         self._on_result = ctx.on_result
+        self._ctx = ctx
+        self._generation = ctx.ring.generation
         collate = ctx.config.collate_fn
         fn = None if collate is None else resolve(collate, ctx.datasets.allowed_plugins)
-        self._writer = SlotWriter(ctx.dataset, ctx.layout, ctx.ring.base, ctx.ring.slot_bytes, fn)
+        self._writer = SlotWriter(
+            ctx.dataset, ctx.layout, ctx.ring.space, ctx.ring.slot_bytes, fn
+        )
         self._busy_s = 0.0
         self._closed = False
         self._dataset = ctx.dataset
@@ -49,13 +64,23 @@ class InlineProducer:
             allowed=ctx.datasets.allowed_plugins,
         )
         self._rng: RngState | None = None  # the loader's RNGs between its batches
+        # Created with workers: their streams, served here (see the module docstring).
+        self._workers: WorkerRngs | None = None
+        if self.streams.replay and ctx.config.num_workers > 0:
+            init, allowed = ctx.config.worker_init_fn, ctx.datasets.allowed_plugins
+            init_fn = resolve(init, allowed, what="worker_init_fn") if init else None
+            self._workers = WorkerRngs(copy.copy(ctx.dataset), ctx.config.num_workers, init_fn)
 
     def submit(self, task: Task) -> None:
         """Make the batch now, in the caller's thread, and report it before returning."""
         if task.indices is None:
             raise ValueError("the in-process producer makes batches from index lists")
         t0 = time.perf_counter()
-        if self.streams.replay:
+        if self._generation != self._ctx.ring.generation:
+            self.segments_changed()
+        if self._workers is not None:
+            result = self._make_as_workers(task, task.indices)
+        elif self.streams.replay:
             result = self._make_with_own_rngs(task, task.indices)
         else:  # a built-in kind: it draws nothing from the global RNGs
             result = self._make(task.seq, task.slot, task.indices)
@@ -76,6 +101,23 @@ class InlineProducer:
                 self._rng = capture()
                 restore(server)
 
+    def _make_as_workers(self, task: Task, indices: list[int]) -> Result:
+        assert self._workers is not None
+        with GLOBAL_RNG:
+            server, info = capture(), torch_worker._worker_info
+            try:
+                reseed = self.streams.prepare(task.epoch, task.index)
+                if reseed is not None:
+                    self._workers.reseed(reseed)
+                self._workers.enter(task.index)
+                self._writer.dataset = self._workers.dataset
+                return self._make(task.seq, task.slot, indices)
+            finally:
+                self._workers.park()
+                self._writer.dataset = self._dataset
+                restore(server)
+                torch_worker._worker_info = info
+
     def _make(self, seq: int, slot: int, indices: list[int]) -> Result:
         try:
             return Result(seq, self._writer.write(slot, indices))
@@ -84,12 +126,21 @@ class InlineProducer:
 
     def resize(self, num_workers: int) -> None:
         if num_workers != 0:
-            raise ValueError(SWITCH)
+            raise ValueError("the in-server producer has no workers; the engine swaps it")
+
+    def segments_changed(self) -> None:
+        """A new writer: the old one's cached slot views may be of a closed segment."""
+        ctx = self._ctx
+        self._generation = ctx.ring.generation
+        old = self._writer
+        self._writer = SlotWriter(
+            old.dataset, ctx.layout, ctx.ring.space, ctx.ring.slot_bytes, old.collate_fn
+        )
 
     def busy_seconds(self) -> float:
         return self._busy_s
 
-    def close(self) -> None:
+    def close(self, drain: bool = False) -> None:  # nothing outstanding: submit makes it
         if not self._closed:
             self._closed = True
             self._writer.close()

@@ -8,7 +8,10 @@ so what it imports (torch, the dataset kinds) is already in every worker.
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
+import struct
 from dataclasses import dataclass
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
@@ -33,8 +36,13 @@ from pinfeed_server.engine.producers.seeding import (
     decode_reseed,
     encode_snapshot,
 )
-from pinfeed_server.engine.ring import map_ring
+from pinfeed_server.engine.ring import SegmentInfo, SlotSpace, map_ring
 from pinfeed_server.plugins import resolve
+
+# The pool's pipe: a ring segment to map (its fd follows, ``reduction.send_handle``) or
+# to unmap: id, first slot, slots.
+SEGMENT_TAG, DROP_TAG = b"G", b"D"
+SEGMENT = struct.Struct("<III")
 
 
 @dataclass(frozen=True)
@@ -46,7 +54,7 @@ class WorkerSpec:
     params: dict[str, Any]
     context: DatasetContext
     layout: dict[str, Any]
-    ring_size: int
+    ring_size: int  # segment 0's bytes; later segments come over the pipe
     slot_bytes: int
     worker_init_fn: str | None = None
     num_workers: int = 1  # DataLoader's, as created: the RNG streams (seeding.py)
@@ -61,12 +69,15 @@ def worker_main(worker_id: int, conn: Connection, spec: WorkerSpec) -> None:
         fd = reduction.recv_handle(conn)
         mm, base = map_ring(fd, spec.ring_size)
         os.close(fd)
+        space = SlotSpace(spec.slot_bytes)
+        space.add(SegmentInfo(0, 0, spec.ring_size // spec.slot_bytes), base)
+        maps: dict[int, mmap.mmap] = {}
+        layout = Layout.from_json(spec.layout)
         dataset = build_dataset(spec.kind, spec.params, spec.context)
         collate = None
         if spec.collate_fn is not None:
             collate = resolve(spec.collate_fn, spec.context.allowed_plugins, what="collate_fn")
-        layout = Layout.from_json(spec.layout)
-        writer = SlotWriter(dataset, layout, base, spec.slot_bytes, collate)
+        writer = SlotWriter(dataset, layout, space, spec.slot_bytes, collate)
         init_fn = None
         if spec.worker_init_fn is not None:
             init_fn = resolve(
@@ -85,6 +96,15 @@ def worker_main(worker_id: int, conn: Connection, spec: WorkerSpec) -> None:
             break  # the server went away
         if message == STOP:
             break
+        if message[:1] in (SEGMENT_TAG, DROP_TAG):
+            # A new writer first: the old one's cached slot views would keep a closed
+            # segment mapped.
+            old = writer
+            writer = SlotWriter(old.dataset, layout, space, spec.slot_bytes, old.collate_fn)
+            old.close()
+            del old
+            _segment(message, conn, space, maps, spec.slot_bytes)
+            continue
         if message[:1] == RESEED_TAG:
             # Seeding (and worker_init_fn) failing fails the batch it is for.
             try:
@@ -99,8 +119,9 @@ def worker_main(worker_id: int, conn: Connection, spec: WorkerSpec) -> None:
         try:
             if failed is not None:
                 raise failed
-            rngs.enter(task.index)
-            writer.dataset = rngs.dataset
+            if spec.snapshots:  # built-in kinds draw no RNG: any process, any stream
+                rngs.enter(task.index)
+                writer.dataset = rngs.dataset
             seeded = True
             result = Result(task.seq, writer.write(task.slot, task.indices))
         except Exception as exc:
@@ -110,4 +131,31 @@ def worker_main(worker_id: int, conn: Connection, spec: WorkerSpec) -> None:
         conn.send_bytes(RESULT_TAG + encode_result(result))
     writer.close()
     del base
-    mm.close()
+    space.parts = ()
+    for m in [mm, *maps.values()]:
+        with contextlib.suppress(BufferError):
+            m.close()
+
+
+def _segment(
+    message: bytes,
+    conn: Connection,
+    space: SlotSpace,
+    maps: dict[int, mmap.mmap],
+    slot_bytes: int,
+) -> None:
+    """Map a segment the ring gained (its fd follows on the pipe), or unmap a closed one."""
+    info = SegmentInfo(*SEGMENT.unpack(message[1:]))
+    if message[:1] == SEGMENT_TAG:
+        fd = reduction.recv_handle(conn)
+        try:
+            maps[info.id], base = map_ring(fd, info.nslots * slot_bytes)
+        finally:
+            os.close(fd)
+        space.add(info, base)
+        return
+    space.remove(info.id)
+    gone = maps.pop(info.id, None)
+    if gone is not None:
+        with contextlib.suppress(BufferError):  # a cached view: it goes with the writer
+            gone.close()
