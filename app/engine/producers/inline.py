@@ -51,9 +51,7 @@ class InlineProducer:
         self._generation = ctx.ring.generation
         collate = ctx.config.collate_fn
         fn = None if collate is None else resolve(collate, ctx.datasets.allowed_plugins)
-        self._writer = SlotWriter(
-            ctx.dataset, ctx.layout, ctx.ring.space, ctx.ring.slot_bytes, fn
-        )
+        self._writer = SlotWriter(ctx.dataset, ctx.layout, ctx.ring.space, ctx.ring.slot_bytes, fn)
         self._busy_s = 0.0
         self._closed = False
         self._dataset = ctx.dataset
