@@ -32,7 +32,7 @@ import contextlib
 import copy
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch.utils.data._utils import worker as torch_worker
@@ -69,6 +69,28 @@ class _Stream:
     ended: bool = False
     rng: RngState | None = None  # its RNG state while another stream's is in the globals
     info: Any = None
+    at_iter: RngState | None = None  # the RNG state iter() saw (a stateful dataset's)
+    snaps: dict[int, _Snapshot] = field(default_factory=dict)  # requests made -> state
+
+
+SNAPSHOTS_KEPT = 64  # per stream: the states after its latest requests in the epoch
+
+
+@dataclass
+class _Snapshot:
+    """A stateful dataset's stream after some requests: StatefulDataLoader's worker
+    state (the dataset's ``state_dict()``, its iterator's when it has one) and the RNGs."""
+
+    dataset: Any
+    iterator: Any
+    rng: RngState
+    ended: bool
+
+
+def _stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
 
 
 class IterStreams:
@@ -76,6 +98,7 @@ class IterStreams:
         self, dataset: Any, config: LoaderConfig, init_fn: Any = None, *, worker: bool
     ) -> None:
         self._pristine = dataset
+        self._stateful = _stateful(dataset)  # StatefulDataLoader's convention
         self.num_workers = max(1, config.num_workers)
         self._batch_size = config.batch_size
         self._drop_last = config.drop_last
@@ -89,13 +112,14 @@ class IterStreams:
         self._streams: dict[int, _Stream] = {}
         self._current: _Stream | None = None  # whose RNG state is in the globals
         self.fast_forwarded = 0  # requests drawn and dropped (tests, docs' costs)
+        self.restored = 0  # streams put back from a stateful dataset's state
 
     def fetch(self, epoch: int, index: int) -> list[Any] | None:
         """Turn ``index`` of ``epoch``: its samples, or None (the stream has run out).
         A sample that raises fails this turn only, as in DataLoader."""
         w, want = index % self.num_workers, index // self.num_workers
         s = self._enter(w)
-        if s.epoch != epoch or s.round > want:
+        if (s.epoch != epoch or s.round > want) and not self._restore(s, epoch, want):
             rewind = s.epoch > epoch or (s.epoch == epoch and s.round > want)
             try:
                 self._reach(s, epoch, rewind=rewind)
@@ -108,7 +132,10 @@ class IterStreams:
         while s.round < want:
             self.fast_forwarded += 1
             self._skip(s)
-        return self._draw(s)
+        batch = self._draw(s)
+        if self._stateful:
+            self._snapshot(s)
+        return batch
 
     def park(self) -> None:
         """Save the current stream's RNG state (the caller then restores its own)."""
@@ -167,7 +194,43 @@ class IterStreams:
 
     def _iterate(self, s: _Stream, epoch: int) -> None:
         s.epoch, s.round, s.ended, s.it = epoch, 0, False, None
+        s.snaps.clear()
+        s.at_iter = capture() if self._stateful else None
         s.it = iter(s.dataset)
+
+    # -- a stateful dataset's states (StatefulDataLoader's convention) -------------------
+    def _snapshot(self, s: _Stream) -> None:
+        it: Any = s.it
+        iterator = copy.deepcopy(it.state_dict()) if _stateful(it) and it is not s.dataset else None
+        dataset = copy.deepcopy(s.dataset.state_dict())
+        s.snaps[s.round] = _Snapshot(dataset, iterator, capture(), s.ended)
+        while len(s.snaps) > SNAPSHOTS_KEPT:
+            del s.snaps[next(iter(s.snaps))]
+
+    def _restore(self, s: _Stream, epoch: int, want: int) -> bool:
+        """Put a stateful dataset's stream back to its latest state at or before request
+        ``want`` of its current epoch, as StatefulDataLoader restores a worker: the
+        dataset's ``load_state_dict``, ``iter()`` (with the RNG it saw first), the
+        iterator's ``load_state_dict``, the RNGs. False: none kept (fast-forward)."""
+        usable = [r for r in s.snaps if r <= want] if s.epoch == epoch else []
+        if not usable or s.at_iter is None:
+            return False
+        r0 = max(usable)
+        snap = s.snaps[r0]
+        try:
+            restore(s.at_iter)
+            s.dataset.load_state_dict(copy.deepcopy(snap.dataset))
+            s.it = iter(s.dataset)
+            if snap.iterator is not None:
+                s.it.load_state_dict(copy.deepcopy(snap.iterator))  # type: ignore[union-attr]
+        except Exception:
+            return False  # the caller starts the epoch again and fast-forwards
+        restore(snap.rng)
+        s.round, s.ended = r0, snap.ended
+        for later in [r for r in s.snaps if r > r0]:
+            del s.snaps[later]  # made again from here
+        self.restored += 1
+        return True
 
     def _draw(self, s: _Stream) -> list[Any] | None:
         """One request, as ``_IterableDatasetFetcher.fetch`` with auto-collation."""
