@@ -10,8 +10,8 @@ RNGs), which is what the reference uses there."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
-import signal
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -23,8 +23,7 @@ from torch.utils.data import DataLoader
 from pinfeed import Client, InvalidRequest, Loader
 from tests.conftest import Server
 from tests.fixtures.iterables import SIZES, Shards, Stateful, Unsized
-from tests.helpers import assert_epochs_same, unique
-from tests.reliability.procs import gone, wait_for, workers_of
+from tests.helpers import assert_epochs_same, epochs_with, sigkill_worker, unique
 
 BATCH = 3
 SEED = 17
@@ -171,18 +170,22 @@ def test_resume_mid_epoch_fast_forwards(
     stream fast-forwards (Shards has no state_dict)."""
     want = _reference(2, num_workers, persistent_workers=persistent)
     name = _loader(admin, num_workers, persistent_workers=persistent)
+    _check(_resumed(server, name, 8, 2), want)
+    admin.delete_loader(name)
+
+
+def _resumed(server: Server, name: str, before: int, after: int) -> list[list[Any]]:
+    """Two epochs: ``before`` batches, a checkpoint, ``after`` batches more (lost), then
+    a new Loader from the checkpoint (the server seeks back) for the rest."""
     with Loader(name, socket=server.socket) as loader:
         it = iter(loader)
-        got = [_copy(next(it)) for _ in range(8)]
+        got = [_copy(next(it)) for _ in range(before)]
         state = loader.state_dict()
-        for _ in range(2):
+        for _ in range(after):
             next(it)
     with Loader(name, socket=server.socket) as loader:
         loader.load_state_dict(state)
-        got += _epoch(loader)
-        rest = _epoch(loader)
-    _check([got, rest], want)
-    admin.delete_loader(name)
+        return [got + _epoch(loader), _epoch(loader)]
 
 
 def test_resume_uses_the_datasets_state_dict(admin: Client, server: Server) -> None:
@@ -191,16 +194,7 @@ def test_resume_uses_the_datasets_state_dict(admin: Client, server: Server) -> N
     re-iterated from the start; the batches are DataLoader's uninterrupted ones."""
     want = _reference(2, 2, Stateful())
     name = _loader(admin, 2, dataset=_dataset(admin, "Stateful"))
-    with Loader(name, socket=server.socket) as loader:
-        it = iter(loader)
-        got = [_copy(next(it)) for _ in range(5)]
-        state = loader.state_dict()
-        for _ in range(3):
-            next(it)
-    with Loader(name, socket=server.socket) as loader:
-        loader.load_state_dict(state)
-        got += _epoch(loader)
-        rest = _epoch(loader)
+    got, rest = _resumed(server, name, 5, 3)
     loads = [int(b[2].max()) for b in got]
     assert loads[:5] == [0] * 5 and max(loads[5:]) > 0  # the resumed streams were loaded
     assert all(int(b[2].max()) == 0 for b in rest)  # a new epoch: fresh copies
@@ -216,18 +210,9 @@ def test_sigkilled_worker_is_replaced_by_fast_forward(
     streams to where they were, and the sequence is still DataLoader's."""
     want = _reference(2, 3, persistent_workers=persistent)
     name = _loader(admin, 3, persistent_workers=persistent)
-    pid = server.proc.pid  # type: ignore[union-attr]
-    got: list[list[Any]] = []
+    kill = {(0, 3): lambda: sigkill_worker(admin, server, name, 3, 1)}
     with Loader(name, socket=server.socket) as loader:
-        workers = wait_for(lambda: len(w := workers_of(pid, name)) == 3 and w, "3 workers")
-        for epoch in range(2):
-            got.append([])
-            for index, batch in enumerate(loader):
-                got[-1].append(_copy(batch))
-                if (epoch, index) == (0, 3):
-                    workers[1].send_signal(signal.SIGKILL)
-                    wait_for(lambda: gone([workers[1].pid]), "the killed worker to be reaped")
-                    wait_for(lambda: admin.loader(name)["worker_restarts"] == 1, "a restart")
+        got = epochs_with(loader, 2, _copy, kill)
     _check(got, want)
     admin.delete_loader(name)
 
@@ -242,14 +227,9 @@ def test_patch_num_workers_keeps_the_streams(admin: Client, server: Server) -> N
         (0, 5): {"num_workers": 2},
         (1, 1): {"num_workers": 4, "prefetch_factor": 1},
     }
-    got: list[list[Any]] = []
+    at = {place: functools.partial(admin.patch_loader, name, **c) for place, c in changes.items()}
     with Loader(name, socket=server.socket) as loader:
-        for epoch in range(2):
-            got.append([])
-            for index, batch in enumerate(loader):
-                got[-1].append(_copy(batch))
-                if (epoch, index) in changes:
-                    admin.patch_loader(name, **changes[(epoch, index)])
+        got = epochs_with(loader, 2, _copy, at)
     _check(got, want)
     admin.delete_loader(name)
 
