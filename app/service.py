@@ -23,10 +23,22 @@ from pinfeed_server import errors
 from pinfeed_server.autotuner import Autotuner
 from pinfeed_server.datasets import DatasetContext, DatasetError, build_dataset
 from pinfeed_server.engine.autotune import AutotuneSpec, Tuner
-from pinfeed_server.engine.collate import LayoutError, describe, loader_layout, probe
+from pinfeed_server.engine.collate import (
+    LayoutError,
+    _fetch_samples,
+    describe,
+    loader_layout,
+    probe,
+)
 from pinfeed_server.engine.config import LoaderConfig, make_sampler, ring_slots
 from pinfeed_server.engine.custom_sampler import SamplerError
 from pinfeed_server.engine.dataplane import DataPlaneServer
+from pinfeed_server.engine.iterable import (
+    dataset_len,
+    first_samples,
+    is_iterable,
+    iterable_conflict,
+)
 from pinfeed_server.engine.loader import LoaderEngine
 from pinfeed_server.engine.producers import configure_forkserver
 from pinfeed_server.engine.producers.inline import GLOBAL_RNG
@@ -173,7 +185,8 @@ class Service:
         try:
             ds = self._open(name, row["kind"], row["params"])
             with GLOBAL_RNG:  # not while an inline loader has its RNGs swapped in
-                row |= {"length": len(ds), "sample": describe(probe(ds[0], 1))}
+                sample = first_samples(ds)[0] if is_iterable(ds) else ds[0]
+                row |= {"length": dataset_len(ds), "sample": describe(probe(sample, 1))}
         except (errors.AppError, LayoutError, Exception) as exc:
             row |= {"error": f"{type(exc).__name__}: {exc}"}
         return row
@@ -225,25 +238,39 @@ class Service:
                 plugins[field] = found
             except PluginError as exc:
                 raise errors.InvalidRequest(str(exc)) from None
+        iterable = is_iterable(ds)
+        conflict = iterable_conflict(cfg) if iterable else None
+        if conflict is not None:
+            raise errors.InvalidRequest(conflict)
         try:
             sampler = make_sampler(cfg, ds, self.context.allowed_plugins)
         except SamplerError as exc:
             raise errors.InvalidRequest(str(exc)) from None
-        if len(sampler) == 0:
+        if len(sampler) == 0 and not iterable:
             raise errors.InvalidRequest(
                 f"dataset {dataset_name!r} has {len(ds)} samples: batch_size {cfg.batch_size} "
                 "with drop_last yields no batch"
             )
-        indices = next(sampler.batches(0))
-        assert indices is not None  # a map-style dataset's plan yields index lists
-        first = indices[0]
+        collate = plugins["collate_fn"]
+        # default collate sizes slots from one sample; a collate_fn from its first batch
+        n = 1 if collate is None else sampler.max_rows
+        first: Any = "the first sample of its iterator"
+        indices: list[int] = []
+        if not iterable:
+            batch0 = next(sampler.batches(0))
+            assert batch0 is not None  # a map-style dataset's plan yields index lists
+            indices, first = batch0, batch0[0]
         # Without max_batch_bytes, a collate_fn loader's ring takes at most a quarter of
         # the budget left (collate.per_batch_layout).
         cap = max(0, self.settings.max_shm_bytes - self.shm_used()) // (4 * ring_slots(cfg))
         try:
             with GLOBAL_RNG:  # not while an inline loader has its RNGs swapped in
+                if iterable:
+                    batch, where = first_samples(ds, cfg, n), "the first batch of its iterator"
+                else:
+                    batch, where = _fetch_samples(ds, indices[:n]), f"sample {first}"
                 layout = loader_layout(
-                    ds, indices, sampler.max_rows, plugins["collate_fn"], cfg.max_batch_bytes, cap
+                    batch, sampler.max_rows, collate, cfg.max_batch_bytes, cap, where
                 )
         except LayoutError as exc:
             raise errors.InvalidRequest(str(exc)) from None
@@ -387,6 +414,16 @@ class Service:
         """Admit and apply a loader's new worker settings (a PATCH, or autotune's)."""
         with self._lock:
             engine = self._engine(name)
+            if (num_workers == 0) != (engine.config.num_workers == 0) and is_iterable(
+                engine.dataset
+            ):
+                # One iterator in the server, or one per worker (each its own shard of
+                # the stream): DataLoader's batch sequences differ, so no live switch.
+                raise errors.Conflict(
+                    f"loader {name!r} reads an IterableDataset: it cannot switch live "
+                    "between num_workers=0 and worker processes (their streams differ, as "
+                    "under DataLoader); change num_workers within >0, or recreate it"
+                )
             update = {"num_workers": num_workers, "prefetch_factor": prefetch}
             new = engine.config.model_copy(update=update | {"autotune": autotune})
             self._admit(new, ring_slots(new), engine.layout.slot_bytes, replaces=engine)

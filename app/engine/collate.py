@@ -159,32 +159,30 @@ def per_batch_layout(out: Any, batch_size: int, slot_bytes: int | None, cap: int
 
 
 def loader_layout(
-    dataset: Any,
-    indices: Sequence[int],
+    first_batch: Sequence[Any],
     batch_size: int,
     collate_fn: Collate | None = None,
     max_batch_bytes: int | None = None,
     cap: int = 1 << 62,
+    where: str = "sample 0",
 ) -> Layout:
-    """A new loader's layout, from its first batch's ``indices``: default collate probes
-    the first sample (slots hold ``batch_size`` of it, or ``max_batch_bytes`` if more);
-    a ``collate_fn`` is called on the first batch (``per_batch_layout``). LayoutError
-    (a 422) when neither can be used; what the dataset raises goes through."""
+    """A new loader's layout, from its first batch's samples (``where``: what they are,
+    for messages): default collate probes the first sample (slots hold ``batch_size`` of
+    it, or ``max_batch_bytes`` if more); a ``collate_fn`` is called on the first batch
+    (``per_batch_layout``). LayoutError (a 422) when neither can be used."""
     if collate_fn is None:
         try:
-            layout = probe(dataset[indices[0]], batch_size)
+            layout = probe(first_batch[0], batch_size)
         except LayoutError as exc:
-            raise LayoutError(f"sample {indices[0]}: {exc}") from None
+            raise LayoutError(f"{where}: {exc}") from None
         if max_batch_bytes is not None and max_batch_bytes > layout.slot_bytes:
             layout = replace(layout, slot_bytes=align(max_batch_bytes))
         return layout
-    samples = _fetch_samples(dataset, indices)
     try:
-        out = collate_fn(samples)
+        out = collate_fn(list(first_batch))
     except Exception as exc:
         raise LayoutError(
-            f"collate_fn raised on the first batch (indices {list(indices)[:8]}...): "
-            f"{type(exc).__name__}: {exc}"
+            f"collate_fn raised on the first batch ({where}): {type(exc).__name__}: {exc}"
         ) from None
     try:
         return per_batch_layout(out, batch_size, max_batch_bytes, cap)

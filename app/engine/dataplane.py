@@ -29,6 +29,7 @@ from pinfeed_server.engine.errors import (
     LoaderNotFound,
     ProtocolError,
 )
+from pinfeed_server.engine.iterable import dataset_length, sampler_length
 from pinfeed_server.engine.loader import LoaderEngine
 from pinfeed_server.engine.resize import announce_segments
 
@@ -209,8 +210,8 @@ class DataPlaneServer:
             position=index,
             # What the trainer reports as DataLoader's attributes (pinfeed._info).
             config=cfg.model_dump(),
-            dataset_length=engine.sampler.length,
-            sampler_length=engine.sampler.samples,
+            dataset_length=dataset_length(engine.sampler),
+            sampler_length=sampler_length(engine.sampler),
             sample=describe(engine.layout),
         )
         try:

@@ -27,6 +27,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from pinfeed_server.engine.errors import SampleError
+from pinfeed_server.engine.iterable import EndJudge, IterRoutes, is_iterable
 from pinfeed_server.engine.producers.base import ProducerContext, Result, Task
 from pinfeed_server.engine.producers.codec import STOP, decode_result, encode_task
 from pinfeed_server.engine.producers.seeding import (
@@ -69,6 +70,7 @@ class WorkerPool:
 
     def __init__(self, ctx: ProducerContext) -> None:
         self.name = ctx.config.name
+        iterable = is_iterable(ctx.dataset)
         self.spec = WorkerSpec(
             ctx.config.name,
             ctx.kind,
@@ -80,21 +82,29 @@ class WorkerPool:
             ctx.config.worker_init_fn,
             max(1, ctx.config.num_workers),
             # Built-in kinds draw nothing from the global RNGs: no replay, no snapshots
-            # (unless a collate_fn may draw).
-            snapshots=ctx.kind == "python" or ctx.config.collate_fn is not None,
+            # (unless a collate_fn may draw); an iterable's workers keep their own.
+            snapshots=(ctx.kind == "python" or ctx.config.collate_fn is not None) and not iterable,
             collate_fn=ctx.config.collate_fn,
+            iterable=ctx.config if iterable else None,
         )
-        self.streams = Streams(
-            ctx.config,
-            ctx.dataset,
-            replay=self.spec.snapshots,
-            allowed=ctx.datasets.allowed_plugins,
+        # An iterable's turns: its workers position their iterators themselves.
+        self._judge = EndJudge(ctx.config.num_workers) if iterable else None
+        self.streams: Streams | IterRoutes = (
+            IterRoutes(ctx.config.num_workers)
+            if iterable
+            else Streams(
+                ctx.config,
+                ctx.dataset,
+                replay=self.spec.snapshots,
+                allowed=ctx.datasets.allowed_plugins,
+            )
         )
         self._ring = ctx.ring
         self._ring_fd = ctx.ring.fd
         # Without global RNG draws (built-in kinds) the streams do not matter: batches
         # go round-robin over the processes there are, whatever the loader started with.
-        self._round_robin = not self.spec.snapshots
+        # An iterable's turn belongs to its worker's stream.
+        self._round_robin = not self.spec.snapshots and not iterable
         self._ctx = mp.get_context("forkserver")
         self._on_result = ctx.on_result
         self._on_fatal = ctx.on_fatal
@@ -279,7 +289,10 @@ class WorkerPool:
                     continue
                 result = decode_result(message[1:])
                 with self._lock:
-                    worker.outstanding.pop(result.seq, None)
+                    task = worker.outstanding.pop(result.seq, None)
+                    if result.end and self._judge is not None and task is not None:
+                        # A stream ran out: the epoch's END, or a turn that yields nothing.
+                        result.end = self._judge.ran_out(task.epoch, task.index)
                     t0 = worker.started.pop(result.seq, None)
                     if t0 is not None:
                         worker.busy_s += time.perf_counter() - t0
@@ -339,6 +352,14 @@ class WorkerPool:
                 # comes back as an error; those queued behind it are simply re-sent.
                 tries = self._retries.get(seq, 0) + 1
                 self._retries[seq] = tries
+                if tries > MAX_TASK_RETRIES and self._judge is not None:
+                    # An iterator that kills its worker cannot be fast-forwarded past.
+                    self._on_fatal(
+                        f"worker {self.streams.worker_of(task.index)} died (exit code "
+                        f"{code}) {tries} times making batch {task.index} of epoch "
+                        f"{task.epoch}: its iterator cannot be fast-forwarded past it"
+                    )
+                    return
                 if tries > MAX_TASK_RETRIES:
                     with self._lock:
                         self.streams.poison(task.epoch, task.index)
