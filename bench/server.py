@@ -19,7 +19,12 @@ class BenchServer(Server):
 
     def __init__(self, data_root: Path, *, log_level: str = "warning") -> None:
         root = Path(tempfile.mkdtemp(prefix="pinfeed-bench-"))
-        super().__init__(root, env={"PINFEED_LOG_LEVEL": log_level}, data=data_root)
+        env = {
+            "PINFEED_LOG_LEVEL": log_level,
+            # W4's dataset and collate_fn (bench.tokens) besides the tests' fixtures.
+            "PINFEED_ALLOWED_PLUGINS": '["tests.fixtures", "bench"]',
+        }
+        super().__init__(root, env=env, data=data_root)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
         try:

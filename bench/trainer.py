@@ -64,7 +64,16 @@ def _dataset(spec: dict[str, Any]) -> Any:
 
     from pinfeed_server.datasets import DatasetContext, build_dataset
 
-    return build_dataset(spec["kind"], spec["params"], DatasetContext(Path(spec["data_root"])))
+    ctx = DatasetContext(Path(spec["data_root"]), ("bench",))
+    return build_dataset(spec["kind"], spec["params"], ctx)
+
+
+def _collate_fn(spec: dict[str, Any]) -> Callable[[list[Any]], Any] | None:
+    """The workload's collate_fn, for DataLoader and the roofline (pinfeed's runs in the
+    server's workers)."""
+    from pinfeed_server.plugins import resolve
+
+    return resolve(spec["collate_fn"], ("bench",)) if spec.get("collate_fn") else None
 
 
 def _pinfeed(spec: dict[str, Any], warm: bool = False) -> tuple[Run, float]:
@@ -82,6 +91,7 @@ def _pinfeed(spec: dict[str, Any], warm: bool = False) -> tuple[Run, float]:
         num_workers=spec["num_workers"],
         pin_memory=torch.cuda.is_available(),
         prefetch_factor=2,
+        **({"collate_fn": spec["collate_fn"]} if spec.get("collate_fn") else {}),
     )
     if warm:
         # A loader created ahead of the trainer: wait (bounded) until its ring is full,
@@ -122,6 +132,7 @@ def _dataloader(spec: dict[str, Any]) -> tuple[Run, float]:
         persistent_workers=nw > 0,
         prefetch_factor=2 if nw > 0 else None,
         generator=torch.Generator().manual_seed(0),
+        collate_fn=_collate_fn(spec),
     )
     run = Run(lambda: iter(dl), lambda: None)
     run.start()
@@ -134,6 +145,9 @@ def _roofline(spec: dict[str, Any]) -> tuple[Run, float]:
     torch.set_num_threads(1)
     ds = _dataset(spec)
     bs = spec["batch_size"]
+    collate = _collate_fn(spec)
+    if collate is not None:  # the same reads and collate_fn, in this one process
+        return _roofline_collate(spec, ds, bs, collate)
     sample = ds[0]
     leaves = list(sample) if isinstance(sample, (tuple, list)) else [sample]
     outs = [
@@ -155,6 +169,23 @@ def _roofline(spec: dict[str, Any]) -> tuple[Run, float]:
                 for j, v in enumerate(views):
                     torch.stack([torch.as_tensor(s[j]) for s in samples], out=v)
             yield views
+
+    t0 = time.perf_counter()
+    run = Run(epoch, lambda: None)
+    run.start()
+    return run, time.perf_counter() - t0
+
+
+def _roofline_collate(
+    spec: dict[str, Any], ds: Any, bs: int, collate: Callable[[list[Any]], Any]
+) -> tuple[Run, float]:
+    gen = torch.Generator().manual_seed(0)
+    n = len(ds)
+
+    def epoch() -> Iterator[Any]:
+        perm = torch.randperm(n, generator=gen).tolist() if spec["shuffle"] else range(n)
+        for start in range(0, n, bs):
+            yield collate([ds[i] for i in perm[start : start + bs]])
 
     t0 = time.perf_counter()
     run = Run(epoch, lambda: None)
