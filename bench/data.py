@@ -1,4 +1,4 @@
-"""The three workloads: their files (generated once, cached) and their dataset specs.
+"""The workloads: their files (generated once, cached) and their dataset specs.
 
 W1  in-memory tensors: a ``.pt`` of uint8 [N, 3, 64, 64] images + int64 labels
     (``tensors`` kind; the file is memory-mapped, so it lives in the page cache).
@@ -6,6 +6,9 @@ W2  memory-mapped ``.npy``: float32 [N, 3, 224, 224] + int64 labels (``npy`` kin
     read from the page cache (the files are read once before the runs).
 W3  decode-bound: JPEG files in class folders (``images`` kind, ``size`` 224),
     decoded with Pillow, shorter side resized to 224 and center-cropped.
+W4  variable-length token sequences: int64 ids, 16-512 per sample, from one flat
+    memory-mapped token file (``python`` kind, ``bench.tokens``), padded per batch by a
+    ``collate_fn`` (``bench.tokens.pad_collate``), batch 64.
 W5  W3's JPEGs with random crop and flip (``python`` kind, ``bench.augment:w5``):
     resized to 256, a random 224x224 window, flipped with probability 0.5.
 
@@ -27,6 +30,7 @@ W2_SAMPLES = 1_024
 W3_SAMPLES = 384
 W3_CLASSES = 8
 W3_SOURCE = (400, 300)  # width, height of the generated JPEGs (landscape, like ImageNet)
+W4_SAMPLES = 32_768
 
 
 @dataclass
@@ -43,10 +47,11 @@ class Workload:
     dtype: str
     files: list[str] = field(default_factory=list)
     notes: str = ""
+    collate_fn: str | None = None  # the loader's, and DataLoader's (resolved)
 
     @property
     def sample_bytes(self) -> int:
-        itemsize = {"uint8": 1, "float32": 4}[self.dtype]
+        itemsize = {"uint8": 1, "float32": 4, "int64": 8}[self.dtype]
         return int(np.prod(self.sample_shape)) * itemsize
 
     def describe(self) -> dict[str, Any]:
@@ -171,6 +176,38 @@ def make_w3(root: Path, scale: float) -> Workload:
     )
 
 
+def make_w4(root: Path, scale: float) -> Workload:
+    from bench import tokens
+
+    n = _count(W4_SAMPLES, scale, 1024)
+    tok_path, off_path = root / f"w4-{n}-tokens.npy", root / f"w4-{n}-offsets.npy"
+    spec = {"n": n, "lengths": [tokens.LO, tokens.HI], "seed": 4}
+    if not (_stamp_ok(tok_path, spec) and off_path.exists()):
+        tokens.generate(tok_path, off_path, n, seed=4)
+        _stamp(tok_path, spec)
+    return Workload(
+        "W4",
+        "variable-length int64 tokens (16-512), padding collate_fn, batch 64",
+        "python",
+        # python-kind factories get their paths as given: absolute, under the data root.
+        {
+            "factory": "bench.tokens:TokenSequences",
+            "kwargs": {"tokens": str(tok_path), "offsets": str(off_path)},
+        },
+        n,
+        64,
+        True,
+        6,
+        [(tokens.LO + tokens.HI) // 2],
+        "int64",
+        [tok_path.name, off_path.name],
+        "python kind: a flat memory-mapped int64 token file + offsets, one sequence per "
+        "sample; collate_fn bench.tokens:pad_collate pads to the batch's longest (ids, "
+        "attention mask, lengths); sample_shape is the mean length",
+        collate_fn="bench.tokens:pad_collate",
+    )
+
+
 def make_w5(root: Path, scale: float) -> Workload:
     from bench.augment import CROP, RESIZE
 
@@ -192,8 +229,8 @@ def make_w5(root: Path, scale: float) -> Workload:
     )
 
 
-MAKERS = {"W1": make_w1, "W2": make_w2, "W3": make_w3, "W5": make_w5}
-PLUGINS = ("bench",)  # what the bench's python datasets import (bench.augment)
+MAKERS = {"W1": make_w1, "W2": make_w2, "W3": make_w3, "W4": make_w4, "W5": make_w5}
+PLUGINS = ("bench", "tests.fixtures")  # what the bench's python datasets and collate_fns import
 
 
 def warm_page_cache(root: Path, workload: Workload) -> None:

@@ -69,6 +69,15 @@ def _dataset(spec: dict[str, Any]) -> Any:
     return build_dataset(spec["kind"], spec["params"], ctx)
 
 
+def _collate_fn(spec: dict[str, Any]) -> Callable[[list[Any]], Any] | None:
+    """The workload's collate_fn, for DataLoader and the roofline (pinfeed's runs in the
+    server's workers)."""
+    from bench.data import PLUGINS
+    from pinfeed_server.plugins import resolve
+
+    return resolve(spec["collate_fn"], PLUGINS) if spec.get("collate_fn") else None
+
+
 def _pinfeed(spec: dict[str, Any], warm: bool = False) -> tuple[Run, float]:
     from pinfeed import Client, Loader
 
@@ -86,6 +95,7 @@ def _pinfeed(spec: dict[str, Any], warm: bool = False) -> tuple[Run, float]:
         persistent_workers=spec["num_workers"] > 0,
         pin_memory=torch.cuda.is_available(),
         prefetch_factor=2,
+        **({"collate_fn": spec["collate_fn"]} if spec.get("collate_fn") else {}),
     )
     if warm:
         # A loader created ahead of the trainer: wait (bounded) until its ring is full,
@@ -126,6 +136,7 @@ def _dataloader(spec: dict[str, Any]) -> tuple[Run, float]:
         persistent_workers=nw > 0,
         prefetch_factor=2 if nw > 0 else None,
         generator=torch.Generator().manual_seed(0),
+        collate_fn=_collate_fn(spec),
     )
     run = Run(lambda: iter(dl), lambda: None)
     run.start()
@@ -138,6 +149,9 @@ def _roofline(spec: dict[str, Any]) -> tuple[Run, float]:
     torch.set_num_threads(1)
     ds = _dataset(spec)
     bs = spec["batch_size"]
+    collate = _collate_fn(spec)
+    if collate is not None:  # the same reads and collate_fn, in this one process
+        return _roofline_collate(spec, ds, bs, collate)
     sample = ds[0]
     leaves = list(sample) if isinstance(sample, (tuple, list)) else [sample]
     outs = [
@@ -159,6 +173,23 @@ def _roofline(spec: dict[str, Any]) -> tuple[Run, float]:
                 for j, v in enumerate(views):
                     torch.stack([torch.as_tensor(s[j]) for s in samples], out=v)
             yield views
+
+    t0 = time.perf_counter()
+    run = Run(epoch, lambda: None)
+    run.start()
+    return run, time.perf_counter() - t0
+
+
+def _roofline_collate(
+    spec: dict[str, Any], ds: Any, bs: int, collate: Callable[[list[Any]], Any]
+) -> tuple[Run, float]:
+    gen = torch.Generator().manual_seed(0)
+    n = len(ds)
+
+    def epoch() -> Iterator[Any]:
+        perm = torch.randperm(n, generator=gen).tolist() if spec["shuffle"] else range(n)
+        for start in range(0, n, bs):
+            yield collate([ds[i] for i in perm[start : start + bs]])
 
     t0 = time.perf_counter()
     run = Run(epoch, lambda: None)

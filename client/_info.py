@@ -174,8 +174,12 @@ class DataLoaderAttributes:
 
     @property
     def collate_fn(self) -> Callable[[list[Any]], Any]:
-        """What the server applies (collating straight into the slot)."""
-        return torch.utils.data.default_collate
+        """What the server applies (collating straight into the slot): default_collate,
+        or a stand-in for the loader's own ``collate_fn``, which runs in the server."""
+        spec = self._info.config.get("collate_fn")
+        if spec is None:
+            return torch.utils.data.default_collate
+        return lambda samples: _server_side(f"collate_fn {spec!r}")
 
     @property
     def generator(self) -> torch.Generator | None:
