@@ -96,6 +96,7 @@ class LiveResize:
     layout: Layout
     _submit: threading.Lock
     _resize: threading.Lock
+    _stop: threading.Event
 
     def _new_producer(self, processes: int) -> Producer:
         raise NotImplementedError
@@ -144,7 +145,7 @@ class LiveResize:
         """Close retired segments whose slots are all free, then add what the config
         still lacks (above); cheap when nothing is pending."""
         ring = self.ring
-        if ring is None or not pending(ring, self.slots, self.target_slots):
+        if ring is None or self._stop.is_set() or not pending(ring, self.slots, self.target_slots):
             return
         with self._resize:
             if close_retired(ring, self.slots, self.target_slots) and self.producer is not None:
