@@ -47,7 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--rounds",
         type=int,
         default=1,
-        help="rounds of all settings, order reversed every other round (median reported)",
+        help="rounds of all settings, order reversed every other round (the median run is "
+        "reported: the upper one of an even count)",
     )
     ap.add_argument("--quick", action="store_true", help="a smoke run: 12 s, fixed 1,2")
     ap.add_argument(
