@@ -116,7 +116,10 @@ class DataLoaderAttributes:
         def __len__(self) -> int: ...
 
     @property
-    def batch_size(self) -> int:
+    def batch_size(self) -> int | None:
+        """None under a ``batch_sampler``, as DataLoader's (it is the batch sampler's)."""
+        if self._info.config.get("batch_sampler") is not None:
+            return None
         return int(self._info.config["batch_size"])
 
     @property
@@ -159,7 +162,7 @@ class DataLoaderAttributes:
 
     @property
     def batch_sampler(self) -> RemoteBatchSampler:
-        return RemoteBatchSampler(self._sampler, self.batch_size, len(self))
+        return RemoteBatchSampler(self._sampler, int(self._info.config["batch_size"]), len(self))
 
     @property
     def collate_fn(self) -> Callable[[list[Any]], Any]:

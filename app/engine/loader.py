@@ -45,7 +45,7 @@ from pinfeed_server.engine.resize import LiveResize
 from pinfeed_server.engine.ring import Ring, SlotState, SlotTable
 from pinfeed_server.engine.sampler import BatchPlan, with_last
 from pinfeed_server.engine.stats import LoaderStats
-from pinfeed_server.engine.status import LoaderStatus, MemberStatus, SlotCounts
+from pinfeed_server.engine.status import LoaderState, LoaderStatus, MemberStatus, SlotCounts
 
 log = logging.getLogger("pinfeed.loader")
 
@@ -75,7 +75,7 @@ class LoaderEngine(LiveResize):
             plan if plan is not None else make_sampler(config, dataset, context.allowed_plugins)
         )
         self.batches_per_epoch = len(self.sampler)
-        self.state = "starting"
+        self.state: LoaderState = "starting"
         self.failure: ErrorInfo | None = None
         self.stats = LoaderStats()
         spec = config.autotune
@@ -86,8 +86,10 @@ class LoaderEngine(LiveResize):
         self.ring: Ring | None = None
         self._make_producer = producers
         self.producer: Producer | None = None
-        # The RNG streams stay the num_workers the loader was created with (seeding.py).
-        self._streams_config = config
+        # The RNG streams stay the num_workers the loader was created with (seeding.py);
+        # with autotune, its max_workers: any count it picks then adds speed.
+        streams = config.autotune.max_workers if config.autotune else config.num_workers
+        self._streams_config = config.model_copy(update={"num_workers": streams})
         self._submit = threading.Lock()  # held around submit: a producer swap waits
         self._resize = threading.Lock()  # one reconfigure or ring upkeep at a time
         self.slots = SlotTable(self.nslots)
@@ -340,8 +342,7 @@ class LoaderEngine(LiveResize):
 
     def stats_snapshot(self) -> dict[str, Any]:
         busy = self.producer.busy_seconds() if self.producer else 0.0
-        with self._cond:
-            members = max(1, self.consumers.attached)
+        members = max(1, self.consumers.attached)  # a sum of bools: no lock needed
         tuner = self.tuner
         return self.stats.snapshot(busy, self.config.num_workers, members) | {
             "autotune": tuner.report() if tuner is not None else None
@@ -350,37 +351,40 @@ class LoaderEngine(LiveResize):
     def tune_sample(self) -> Sample:
         """The counters autotune measures over its intervals."""
         busy = (self.producer.busy_seconds() if self.producer else 0.0) + self.stats.busy_s
-        with self._cond:
-            members = max(1, self.consumers.attached)
+        members = max(1, self.consumers.attached)
         st = self.stats
         return Sample(
             time.monotonic(), st.batches_consumed, st.samples_consumed, st.wait_s, busy, members
         )
 
     def status(self) -> LoaderStatus:
+        """Built without validation (``model_construct``: every value is typed here) and
+        with the loader's lock held only to read the members' positions."""
         ring = self.ring
         with self._cond:
             head = self.publisher.head
-            members = [
-                MemberStatus(
-                    member=m.index,
-                    attached=m.connected,
-                    position=list(self.consumers.position(m.index, head)),
-                    cuda_registered=m.index in self.cuda_registered,
-                )
+            raw = [
+                (m.index, m.connected, self.consumers.position(m.index, head))
                 for m in self.consumers.members
             ]
             first = self.consumers.position(0, head)
-        return LoaderStatus(
+        cuda = set(self.cuda_registered)
+        members = [
+            MemberStatus.model_construct(
+                member=i, attached=up, position=list(pos), cuda_registered=i in cuda
+            )
+            for i, up, pos in raw
+        ]
+        return LoaderStatus.model_construct(
             state=self.state,
             failure=self.failure.to_json() if self.failure else None,
             ring_bytes=ring.size if ring else self.nslots * self.layout.slot_bytes,
             slot_bytes=self.layout.slot_bytes,
             slots=SlotCounts(**self.slots.counts(), total=ring.nslots if ring else self.nslots),
-            ring_segments=len(ring.segments()) if ring else 0,
+            ring_segments=len(ring.space.parts) if ring else 0,  # one tuple: no lock
             page_locked=bool(ring and ring.page_locked),
-            consumer_attached=any(m.attached for m in members),
-            consumer_cuda_registered=bool(self.cuda_registered),
+            consumer_attached=any(up for _, up, _ in raw),
+            consumer_cuda_registered=bool(cuda),
             members=members,
             epoch=first[0],
             position=first[1],
