@@ -71,7 +71,7 @@ def _run(
 
     name = f"run{time.monotonic_ns()}"
     step = args.step_ms / 1e3
-    with Client(srv.url) as admin:
+    with Client(srv.url, timeout=300) as admin:  # workers start slowly on a loaded box
         admin.create_loader(
             name, dataset=dataset, batch_size=args.batch_size, shuffle=True, seed=0, **loader
         )
