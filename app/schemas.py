@@ -152,8 +152,9 @@ class LoaderPatch(BaseModel):
     model_config = ConfigDict(
         extra="forbid", json_schema_extra={"examples": [{"num_workers": 4, "prefetch_factor": 2}]}
     )
-    num_workers: int | None = Field(None, ge=0, le=MAX_WORKERS)
-    prefetch_factor: int | None = Field(None, ge=1, le=MAX_PREFETCH)
+    # strict: JSON false is not 0 workers
+    num_workers: int | None = Field(None, ge=0, le=MAX_WORKERS, strict=True)
+    prefetch_factor: int | None = Field(None, ge=1, le=MAX_PREFETCH, strict=True)
     autotune: AutotuneSpec | None = Field(
         None, description="turn autotune on (null: off); explicit values alone turn it off"
     )

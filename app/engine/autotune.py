@@ -47,7 +47,7 @@ MIN_BATCHES = 4
 class AutotuneSpec(BaseModel):
     """``"autotune": {"max_workers": K}`` on a loader."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     max_workers: int = Field(ge=1, le=256, description="the most worker processes to try")
     max_prefetch_factor: int = Field(8, ge=1, le=1024, description="the deepest prefetch")

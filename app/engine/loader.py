@@ -92,8 +92,10 @@ class LoaderEngine(LiveResize):
         self.ring: Ring | None = None
         self._make_producer = producers
         self.producer: Producer | None = None
-        # The RNG streams stay the num_workers the loader was created with (seeding.py).
-        self._streams_config = config
+        # The RNG streams stay the num_workers the loader was created with (seeding.py);
+        # with autotune, its max_workers: any count it picks then adds speed.
+        streams = config.autotune.max_workers if config.autotune else config.num_workers
+        self._streams_config = config.model_copy(update={"num_workers": streams})
         self._submit = threading.Lock()  # held around submit: a producer swap waits
         self._resize = threading.Lock()  # one reconfigure or ring upkeep at a time
         self.slots = SlotTable(self.nslots)
@@ -386,7 +388,7 @@ class LoaderEngine(LiveResize):
             ring_bytes=ring.size if ring else self.nslots * self.layout.slot_bytes,
             slot_bytes=self.layout.slot_bytes,
             slots=SlotCounts(**self.slots.counts(), total=ring.nslots if ring else self.nslots),
-            ring_segments=len(ring.segments()) if ring else 0,
+            ring_segments=len(ring.space.parts) if ring else 0,  # one tuple: no lock
             page_locked=bool(ring and ring.page_locked),
             consumer_attached=any(up for _, up, _ in raw),
             consumer_cuda_registered=bool(cuda),

@@ -96,6 +96,7 @@ class LiveResize:
     layout: Layout
     _submit: threading.Lock
     _resize: threading.Lock
+    _stop: threading.Event
 
     def _new_producer(self, processes: int) -> Producer:
         raise NotImplementedError
@@ -144,11 +145,17 @@ class LiveResize:
         """Close retired segments whose slots are all free, then add what the config
         still lacks (above); cheap when nothing is pending."""
         ring = self.ring
-        if ring is None or not pending(ring, self.slots, self.target_slots):
+        if ring is None or self._stop.is_set() or not pending(ring, self.slots, self.target_slots):
             return
-        with self._resize:
+        # Never wait here (a data-plane thread, releasing a slot): a reconfigure in
+        # progress runs this itself when it is done.
+        if not self._resize.acquire(blocking=False):
+            return
+        try:
             if close_retired(ring, self.slots, self.target_slots) and self.producer is not None:
                 self.producer.segments_changed()
+        finally:
+            self._resize.release()
 
     def reserved_bytes(self) -> int:
         """Ring memory this loader holds or is about to (the budget's view of it)."""

@@ -166,7 +166,8 @@ class Ring:
 
     @property
     def nslots(self) -> int:
-        return self._segments[-1].info.end
+        segments = self._segments
+        return segments[-1].info.end if segments else 0  # 0 once closed
 
     @property
     def size(self) -> int:
