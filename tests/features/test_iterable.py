@@ -24,7 +24,13 @@ from torch.utils.data import DataLoader
 from pinfeed import Client, InvalidRequest, Loader, SampleError
 from tests.conftest import Server
 from tests.fixtures.iterables import SIZES, Raising, Shards, Stateful, Unsized
-from tests.helpers import assert_epochs_same, epochs_with, sigkill_worker, unique
+from tests.helpers import (
+    across_restart,
+    assert_epochs_same,
+    epochs_with,
+    sigkill_worker,
+    unique,
+)
 
 BATCH = 3
 SEED = 17
@@ -362,22 +368,12 @@ def test_resume_across_server_restart(tmp_path: Path) -> None:
     """The loader comes back from the registry; its streams fast-forward to the
     checkpoint (the server's kept states died with it)."""
     want = _reference(2, 2, Stateful(), persistent_workers=True)
-    srv = Server(tmp_path / "srv")
-    srv.start()
-    try:
-        with srv.client() as admin:
-            name = _loader(admin, 2, dataset=_dataset(admin, "Stateful"), persistent_workers=True)
-        with Loader(name, socket=srv.socket) as loader:
-            it = iter(loader)
-            got = [_copy(next(it)) for _ in range(5)]
-            state = loader.state_dict()
-        assert srv.stop() == 0
-        srv.start()
-        with Loader(name, socket=srv.socket) as loader:
-            loader.load_state_dict(state)
-            got += _epoch(loader)
-            rest = _epoch(loader)
-    finally:
-        srv.stop()
+    got, rest = across_restart(
+        Server(tmp_path / "srv"),
+        lambda admin: _loader(
+            admin, 2, dataset=_dataset(admin, "Stateful"), persistent_workers=True
+        ),
+        _copy,
+    )
     assert all(int(b[2].max()) == 0 for b in got + rest)  # fast-forwarded, never loaded
     _check([[b[:2] for b in got], [b[:2] for b in rest]], [[b[:2] for b in e] for e in want])
