@@ -112,9 +112,12 @@ def test_drop_last_applies_per_worker(admin: Client, server: Server, num_workers
 
 
 def test_len_is_dataloaders(admin: Client, server: Server) -> None:
+    ds = _dataset(admin, "Unsized")
+    described = admin.dataset(ds)
+    assert described["length"] is None and len(described["sample"]) == 4
     sized = _loader(admin, 2)
     assert admin.loader(sized)["batches_per_epoch"] == len(_reference_loader(Shards()))
-    unsized = _loader(admin, 2, dataset=_dataset(admin, "Unsized"))
+    unsized = _loader(admin, 2, dataset=ds)
     assert admin.loader(unsized)["batches_per_epoch"] is None
     with Loader(unsized, socket=server.socket) as loader:
         with pytest.raises(TypeError, match="no len"):
