@@ -43,6 +43,20 @@ DEMO_DATASET = DatasetCreate.model_validate(
 DEMO_LOADER = LoaderCreate(name="demo", dataset="demo", batch_size=10)
 
 
+# The LoaderStatus fields a /metrics row carries (besides ``slots``).
+METRIC_STATUS_FIELDS = (
+    "state",
+    "ring_bytes",
+    "page_locked",
+    "consumer_attached",
+    "consumer_cuda_registered",
+    "epoch",
+    "position",
+    "batches_per_epoch",
+    "worker_restarts",
+)
+
+
 class Service:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -314,12 +328,15 @@ class Service:
         """Status and counters of every loader in one pass, for ``GET /metrics``."""
         out = []
         for name, engine in sorted(self.loaders.items()):
+            status = engine.status()
             out.append(
                 {
                     "name": name,
                     "dataset": engine.config.dataset,
                     "batch_size": engine.config.batch_size,
-                    **engine.status().model_dump(),
+                    # the fields /metrics shows, read off the model (no model_dump)
+                    **{k: getattr(status, k) for k in METRIC_STATUS_FIELDS},
+                    "slots": vars(status.slots),
                     **engine.stats_snapshot(),
                     "num_workers": engine.config.num_workers,
                     "bytes_consumed": engine.stats.bytes_consumed,

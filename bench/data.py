@@ -6,6 +6,8 @@ W2  memory-mapped ``.npy``: float32 [N, 3, 224, 224] + int64 labels (``npy`` kin
     read from the page cache (the files are read once before the runs).
 W3  decode-bound: JPEG files in class folders (``images`` kind, ``size`` 224),
     decoded with Pillow, shorter side resized to 224 and center-cropped.
+W5  W3's JPEGs with random crop and flip (``python`` kind, ``bench.augment:w5``):
+    resized to 256, a random 224x224 window, flipped with probability 0.5.
 
 ``--scale`` multiplies every sample count.
 """
@@ -169,7 +171,29 @@ def make_w3(root: Path, scale: float) -> Workload:
     )
 
 
-MAKERS = {"W1": make_w1, "W2": make_w2, "W3": make_w3}
+def make_w5(root: Path, scale: float) -> Workload:
+    from bench.augment import CROP, RESIZE
+
+    w3 = make_w3(root, scale)
+    return Workload(
+        "W5",
+        f"W3's JPEGs, resize {RESIZE} + random crop {CROP} + random flip, batch 64",
+        "python",
+        {"factory": "bench.augment:w5", "kwargs": {"path": w3.files[0], "data_root": str(root)}},
+        w3.samples,
+        w3.batch_size,
+        True,
+        w3.epochs,
+        [3, CROP, CROP],
+        "uint8",
+        w3.files,
+        "python kind: bench/augment.py over the images kind; the same object, seeded "
+        "alike (seed 0, persistent workers), in both systems",
+    )
+
+
+MAKERS = {"W1": make_w1, "W2": make_w2, "W3": make_w3, "W5": make_w5}
+PLUGINS = ("bench",)  # what the bench's python datasets import (bench.augment)
 
 
 def warm_page_cache(root: Path, workload: Workload) -> None:

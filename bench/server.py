@@ -3,6 +3,7 @@ launcher, shared with the tests) in a temp dir of its own, removed when it stops
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import tempfile
@@ -19,7 +20,10 @@ class BenchServer(Server):
 
     def __init__(self, data_root: Path, *, log_level: str = "warning") -> None:
         root = Path(tempfile.mkdtemp(prefix="pinfeed-bench-"))
-        super().__init__(root, env={"PINFEED_LOG_LEVEL": log_level}, data=data_root)
+        from bench.data import PLUGINS
+
+        env = {"PINFEED_LOG_LEVEL": log_level, "PINFEED_ALLOWED_PLUGINS": json.dumps(PLUGINS)}
+        super().__init__(root, env=env, data=data_root)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
         try:

@@ -62,9 +62,11 @@ class Run:
 def _dataset(spec: dict[str, Any]) -> Any:
     from pathlib import Path
 
+    from bench.data import PLUGINS
     from pinfeed_server.datasets import DatasetContext, build_dataset
 
-    return build_dataset(spec["kind"], spec["params"], DatasetContext(Path(spec["data_root"])))
+    ctx = DatasetContext(Path(spec["data_root"]), PLUGINS)
+    return build_dataset(spec["kind"], spec["params"], ctx)
 
 
 def _pinfeed(spec: dict[str, Any], warm: bool = False) -> tuple[Run, float]:
@@ -80,6 +82,8 @@ def _pinfeed(spec: dict[str, Any], warm: bool = False) -> tuple[Run, float]:
         shuffle=spec["shuffle"],
         seed=0,
         num_workers=spec["num_workers"],
+        # as the DataLoader below: one base seed for the run, workers' RNGs carried on
+        persistent_workers=spec["num_workers"] > 0,
         pin_memory=torch.cuda.is_available(),
         prefetch_factor=2,
     )

@@ -122,7 +122,10 @@ class DataLoaderAttributes:
         def __len__(self) -> int: ...
 
     @property
-    def batch_size(self) -> int:
+    def batch_size(self) -> int | None:
+        """None under a ``batch_sampler``, as DataLoader's (it is the batch sampler's)."""
+        if self._info.config.get("batch_sampler") is not None:
+            return None
         return int(self._info.config["batch_size"])
 
     @property
@@ -165,7 +168,8 @@ class DataLoaderAttributes:
 
     @property
     def batch_sampler(self) -> RemoteBatchSampler:
-        return RemoteBatchSampler(self._sampler, self.batch_size, self._info.batches_per_epoch)
+        batch_size = int(self._info.config["batch_size"])
+        return RemoteBatchSampler(self._sampler, batch_size, self._info.batches_per_epoch)
 
     @property
     def collate_fn(self) -> Callable[[list[Any]], Any]:

@@ -31,7 +31,7 @@ from pinfeed_server.engine.errors import (
     LoaderFailed,
     LoaderStopping,
 )
-from pinfeed_server.engine.iterable import MAX_TURN, IterablePlan
+from pinfeed_server.engine.iterable import MAX_TURN, IterablePlan, plan_len
 from pinfeed_server.engine.producers import (
     Producer,
     ProducerContext,
@@ -46,7 +46,7 @@ from pinfeed_server.engine.publisher import Publisher
 from pinfeed_server.engine.ring import Ring, SlotState, SlotTable
 from pinfeed_server.engine.sampler import BatchPlan, with_last
 from pinfeed_server.engine.stats import LoaderStats
-from pinfeed_server.engine.status import LoaderStatus, MemberStatus, SlotCounts
+from pinfeed_server.engine.status import LoaderState, LoaderStatus, MemberStatus, SlotCounts
 
 log = logging.getLogger("pinfeed.loader")
 
@@ -75,13 +75,10 @@ class LoaderEngine:
         self.sampler: BatchPlan = (
             plan if plan is not None else make_sampler(config, dataset, context.allowed_plugins)
         )
-        # An iterable's epoch has no known end: DataLoader's len() (or None) is shown.
-        iterable = isinstance(self.sampler, IterablePlan)
-        self.batches_per_epoch = (
-            self.sampler.reported if isinstance(self.sampler, IterablePlan) else len(self.sampler)
-        )
+        iterable = isinstance(self.sampler, IterablePlan)  # its epochs have no known end
+        self.batches_per_epoch = plan_len(self.sampler)  # DataLoader's len(), or None
         self._turns = MAX_TURN if iterable else len(self.sampler)  # seek's bound
-        self.state = "starting"
+        self.state: LoaderState = "starting"
         self.failure: ErrorInfo | None = None
         self.stats = LoaderStats()
         self._kind, self._params, self._context = kind, params, context
@@ -362,33 +359,36 @@ class LoaderEngine:
 
     def stats_snapshot(self) -> dict[str, Any]:
         busy = self.producer.busy_seconds() if self.producer else 0.0
-        with self._cond:
-            members = max(1, self.consumers.attached)
+        members = max(1, self.consumers.attached)  # a sum of bools: no lock needed
         return self.stats.snapshot(busy, self.config.num_workers, members)
 
     def status(self) -> LoaderStatus:
+        """Built without validation (``model_construct``: every value is typed here) and
+        with the loader's lock held only to read the members' positions."""
         ring = self.ring
         with self._cond:
             head = self.publisher.head
-            members = [
-                MemberStatus(
-                    member=m.index,
-                    attached=m.connected,
-                    position=list(self.consumers.position(m.index, head)),
-                    cuda_registered=m.index in self.cuda_registered,
-                )
+            raw = [
+                (m.index, m.connected, self.consumers.position(m.index, head))
                 for m in self.consumers.members
             ]
             first = self.consumers.position(0, head)
-        return LoaderStatus(
+        cuda = set(self.cuda_registered)
+        members = [
+            MemberStatus.model_construct(
+                member=i, attached=up, position=list(pos), cuda_registered=i in cuda
+            )
+            for i, up, pos in raw
+        ]
+        return LoaderStatus.model_construct(
             state=self.state,
             failure=self.failure.to_json() if self.failure else None,
             ring_bytes=self.nslots * self.layout.slot_bytes,
             slot_bytes=self.layout.slot_bytes,
             slots=SlotCounts(**self.slots.counts(), total=self.nslots),
             page_locked=bool(ring and ring.page_locked),
-            consumer_attached=any(m.attached for m in members),
-            consumer_cuda_registered=bool(self.cuda_registered),
+            consumer_attached=any(up for _, up, _ in raw),
+            consumer_cuda_registered=bool(cuda),
             members=members,
             epoch=first[0],
             position=first[1],

@@ -121,5 +121,7 @@ class SlotTable:
             return True
 
     def counts(self) -> dict[str, int]:
-        with self.cond:
-            return {s.name.lower(): self.states.count(s) for s in SlotState}
+        """Read without the lock the per-batch path takes: one copy of the list (atomic
+        under the GIL), so a scrape may see a slot one state early or late."""
+        states = list(self.states)
+        return {s.name.lower(): states.count(s) for s in SlotState}

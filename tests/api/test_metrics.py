@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 
@@ -9,6 +10,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from pinfeed import Client, Loader
+from pinfeed_server.api.routes.metrics import MetricsCache
 from tests.api.conftest import MakeServer, synthetic
 from tests.conftest import Server
 from tests.helpers import unique
@@ -108,3 +110,33 @@ def test_scrapes_within_the_max_age_share_one_body(make_server: MakeServer) -> N
         assert "pinfeed_loaders 0" in httpx.get(f"{fresh.url}/metrics").text
         admin.create_loader("l", dataset="d", batch_size=4)
         assert "pinfeed_loaders 1" in httpx.get(f"{fresh.url}/metrics").text
+
+
+class _CountingCache(MetricsCache):
+    """The cache's policy alone: each render returns a new numbered body."""
+
+    def __init__(self, max_age_s: float) -> None:
+        super().__init__(lambda: None, max_age_s)  # type: ignore[arg-type, return-value]
+        self.renders = 0
+
+    def render(self) -> bytes:
+        self.renders += 1
+        return str(self.renders).encode()
+
+
+def test_a_stale_body_is_served_at_once_while_one_render_refreshes_it() -> None:
+    async def scenario() -> None:
+        cache = _CountingCache(0.2)
+        assert await cache.get() == b"1"  # nothing yet: this scrape renders
+        assert await cache.get() == b"1"  # fresh: shared
+        await asyncio.sleep(0.25)  # older than max_age, younger than twice it
+        assert await cache.get() == b"1"  # served at once ...
+        assert await cache.get() == b"1"  # ... and one refresh started, not two
+        assert cache._refresh is not None
+        assert await cache._refresh == b"2"
+        assert cache.renders == 2
+        assert await cache.get() == b"2"
+        await asyncio.sleep(0.45)  # older than twice max_age: too stale to serve
+        assert await cache.get() == b"3"
+
+    asyncio.run(scenario())

@@ -102,6 +102,7 @@ def test_bucketing_batch_sampler_equals_dataloader(
     with Loader(loader_name, socket=server.socket) as loader:
         assert len(loader) == len(ref)
         assert len(loader.sampler) == len(ref.sampler) == len(ds)
+        assert loader.batch_size is ref.batch_size is None
         got = _epochs(loader, 3)
     _same_epochs(got, want)
     public = admin.loader(loader_name)
