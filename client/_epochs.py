@@ -253,7 +253,9 @@ class Epochs:
         """Where this loader is: a new Loader that loads it yields the next batch on.
 
         Same meaning as StatefulDataLoader's: after k batches of an epoch, the
-        resumed loader's first batch is batch k (0-based) of that epoch.
+        resumed loader's first batch is batch k (0-based) of that epoch. (An
+        IterableDataset's ``index`` counts DataLoader's round-robin turns: k until a
+        worker runs out, more after.)
         """
         self._check_resumable()
         epoch, index = self._pos

@@ -168,9 +168,8 @@ class DataLoaderAttributes:
 
     @property
     def batch_sampler(self) -> RemoteBatchSampler:
-        return RemoteBatchSampler(
-            self._sampler, int(self._info.config["batch_size"]), self._info.batches_per_epoch
-        )
+        batch_size = int(self._info.config["batch_size"])
+        return RemoteBatchSampler(self._sampler, batch_size, self._info.batches_per_epoch)
 
     @property
     def collate_fn(self) -> Callable[[list[Any]], Any]:

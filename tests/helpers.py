@@ -83,6 +83,31 @@ def epochs_with(
     return got
 
 
+def across_restart(
+    srv: Any, create: Callable[[Any], str], copy: Callable[[Any], Any], before: int = 5
+) -> list[list[Any]]:
+    """Two epochs of the loader ``create(admin)`` makes on ``srv``: ``before`` batches,
+    a checkpoint, a server restart, then a new Loader resumes from the checkpoint."""
+    from pinfeed import Loader
+
+    srv.start()
+    try:
+        with srv.client() as admin:
+            name = create(admin)
+        with Loader(name, socket=srv.socket) as loader:
+            it = iter(loader)
+            got = [copy(next(it)) for _ in range(before)]
+            state = loader.state_dict()
+        assert srv.stop() == 0
+        srv.start()
+        with Loader(name, socket=srv.socket) as loader:
+            loader.load_state_dict(state)
+            got += [copy(b) for b in loader]
+            return [got, [copy(b) for b in loader]]
+    finally:
+        srv.stop()
+
+
 def sigkill_worker(admin: Any, server: Any, name: str, workers: int, which: int) -> None:
     """SIGKILL worker ``which`` of loader ``name`` (``workers`` processes) and wait
     until the server has replaced it."""

@@ -70,6 +70,11 @@ class IterablePlan:
             yield None
 
 
+def plan_len(plan: Any) -> int | None:
+    """``len(loader)``: DataLoader's, which an iterable without ``__len__`` has not."""
+    return plan.reported if isinstance(plan, IterablePlan) else len(plan)
+
+
 def dataset_length(plan: Any) -> int | None:
     """``len(loader.dataset)`` as the trainer sees it: None for an iterable without one."""
     return plan.dataset_length if isinstance(plan, IterablePlan) else int(plan.length)

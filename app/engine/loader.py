@@ -32,7 +32,7 @@ from pinfeed_server.engine.errors import (
     LoaderFailed,
     LoaderStopping,
 )
-from pinfeed_server.engine.iterable import MAX_TURN, IterablePlan
+from pinfeed_server.engine.iterable import MAX_TURN, IterablePlan, plan_len
 from pinfeed_server.engine.producers import (
     Producer,
     ProducerContext,
@@ -75,11 +75,8 @@ class LoaderEngine(LiveResize):
         self.sampler: BatchPlan = (
             plan if plan is not None else make_sampler(config, dataset, context.allowed_plugins)
         )
-        # An iterable's epoch has no known end: DataLoader's len() (or None) is shown.
-        iterable = isinstance(self.sampler, IterablePlan)
-        self.batches_per_epoch = (
-            self.sampler.reported if isinstance(self.sampler, IterablePlan) else len(self.sampler)
-        )
+        iterable = isinstance(self.sampler, IterablePlan)  # its epochs have no known end
+        self.batches_per_epoch = plan_len(self.sampler)  # DataLoader's len(), or None
         self._turns = MAX_TURN if iterable else len(self.sampler)  # seek's bound
         self.state: LoaderState = "starting"
         self.failure: ErrorInfo | None = None

@@ -23,7 +23,13 @@ from pinfeed import Client, InvalidRequest, Loader
 from tests.conftest import REPO, Server
 from tests.fixtures.datasets import Augmented, set_offset
 from tests.fixtures.trainer import command, digest, read_log
-from tests.helpers import assert_epochs_same, epochs_with, sigkill_worker, unique
+from tests.helpers import (
+    across_restart,
+    assert_epochs_same,
+    epochs_with,
+    sigkill_worker,
+    unique,
+)
 
 FACTORY = "tests.fixtures.datasets:Augmented"
 INIT = "tests.fixtures.datasets:set_offset"
@@ -176,24 +182,12 @@ def test_resume_in_a_new_trainer_process(
 
 def test_resume_across_server_restart(tmp_path: Path) -> None:
     want = _reference(2, 2, persistent=True, init=True)
-    srv = Server(tmp_path / "srv")
-    srv.start()
-    try:
-        with srv.client() as admin:
-            name = _loader(admin, 2, persistent_workers=True, worker_init_fn=INIT)
-        with Loader(name, socket=srv.socket) as loader:
-            it = iter(loader)
-            got = [_copy(next(it)) for _ in range(5)]
-            state = loader.state_dict()
-        assert srv.stop() == 0
-        srv.start()
-        with Loader(name, socket=srv.socket) as loader:
-            loader.load_state_dict(state)
-            got += _epoch(loader)
-            rest = _epoch(loader)
-    finally:
-        srv.stop()
-    _check([got, rest], want)
+    got = across_restart(
+        Server(tmp_path / "srv"),
+        lambda admin: _loader(admin, 2, persistent_workers=True, worker_init_fn=INIT),
+        _copy,
+    )
+    _check(got, want)
 
 
 @pytest.mark.parametrize(

@@ -14,16 +14,23 @@ import functools
 import os
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from pinfeed import Client, InvalidRequest, Loader
+from pinfeed import Client, InvalidRequest, Loader, SampleError
 from tests.conftest import Server
-from tests.fixtures.iterables import SIZES, Shards, Stateful, Unsized
-from tests.helpers import assert_epochs_same, epochs_with, sigkill_worker, unique
+from tests.fixtures.iterables import SIZES, Raising, Shards, Stateful, Unsized
+from tests.helpers import (
+    across_restart,
+    assert_epochs_same,
+    epochs_with,
+    sigkill_worker,
+    unique,
+)
 
 BATCH = 3
 SEED = 17
@@ -105,9 +112,12 @@ def test_drop_last_applies_per_worker(admin: Client, server: Server, num_workers
 
 
 def test_len_is_dataloaders(admin: Client, server: Server) -> None:
+    ds = _dataset(admin, "Unsized")
+    described = admin.dataset(ds)
+    assert described["length"] is None and len(described["sample"]) == 4
     sized = _loader(admin, 2)
     assert admin.loader(sized)["batches_per_epoch"] == len(_reference_loader(Shards()))
-    unsized = _loader(admin, 2, dataset=_dataset(admin, "Unsized"))
+    unsized = _loader(admin, 2, dataset=ds)
     assert admin.loader(unsized)["batches_per_epoch"] is None
     with Loader(unsized, socket=server.socket) as loader:
         with pytest.raises(TypeError, match="no len"):
@@ -301,3 +311,72 @@ def _env(**values: str) -> Iterator[None]:
                 os.environ.pop(k)
             else:
                 os.environ[k] = v
+
+
+def _reference_with_errors(num_workers: int) -> list[list[Any]]:
+    """DataLoader's two epochs, going on after a batch raised (None: its iterator
+    stays usable)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
+        dl = DataLoader(
+            Raising(),
+            batch_size=BATCH,
+            num_workers=num_workers,
+            generator=torch.Generator().manual_seed(SEED),
+        )
+        epochs: list[list[Any]] = []
+        for _ in range(2):
+            it = iter(dl)
+            epochs.append([])
+            while True:
+                try:
+                    epochs[-1].append(next(it))
+                except ValueError:
+                    epochs[-1].append(None)
+                except StopIteration:
+                    break
+        return epochs
+
+
+@pytest.mark.parametrize("num_workers", [2, 3])
+def test_a_raising_iterator_fails_its_batch(
+    admin: Client, server: Server, num_workers: int
+) -> None:
+    want = _reference_with_errors(num_workers)
+    assert None in want[0]
+    name = _loader(admin, num_workers, dataset=_dataset(admin, "Raising"))
+    with Loader(name, socket=server.socket) as loader:
+        for epoch in want:  # each a new iterator, the raising one fresh again
+            got = _with_errors(loader)
+            assert [b is None for b in got] == [b is None for b in epoch]
+            _check([[b for b in got if b is not None]], [[b for b in epoch if b is not None]])
+    admin.delete_loader(name)
+
+
+def _with_errors(loader: Loader) -> list[Any]:
+    """An epoch of ``loader``, None for each batch that raised (the loop goes on)."""
+    it = iter(loader)
+    got: list[Any] = []
+    while True:
+        try:
+            got.append(_copy(next(it)))
+        except SampleError as exc:
+            assert "corrupt record" in str(exc)
+            got.append(None)
+        except StopIteration:
+            return got
+
+
+def test_resume_across_server_restart(tmp_path: Path) -> None:
+    """The loader comes back from the registry; its streams fast-forward to the
+    checkpoint (the server's kept states died with it)."""
+    want = _reference(2, 2, Stateful(), persistent_workers=True)
+    got, rest = across_restart(
+        Server(tmp_path / "srv"),
+        lambda admin: _loader(
+            admin, 2, dataset=_dataset(admin, "Stateful"), persistent_workers=True
+        ),
+        _copy,
+    )
+    assert all(int(b[2].max()) == 0 for b in got + rest)  # fast-forwarded, never loaded
+    _check([[b[:2] for b in got], [b[:2] for b in rest]], [[b[:2] for b in e] for e in want])
