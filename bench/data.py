@@ -6,6 +6,11 @@ W2  memory-mapped ``.npy``: float32 [N, 3, 224, 224] + int64 labels (``npy`` kin
     read from the page cache (the files are read once before the runs).
 W3  decode-bound: JPEG files in class folders (``images`` kind, ``size`` 224),
     decoded with Pillow, shorter side resized to 224 and center-cropped.
+W6  a flat uint16 token file (``tokens`` kind, nanoGPT's ``train.bin``), seq_len 1024,
+    batch 32, against nanoGPT-style ``np.memmap`` windows (``bench.references``).
+
+A workload with a ``reference`` is measured against that Dataset under DataLoader (what
+a trainer uses today for the same files); without one, against the kind's own class.
 
 ``--scale`` multiplies every sample count.
 """
@@ -25,6 +30,8 @@ W2_SAMPLES = 1_024
 W3_SAMPLES = 384
 W3_CLASSES = 8
 W3_SOURCE = (400, 300)  # width, height of the generated JPEGs (landscape, like ImageNet)
+W6_SAMPLES = 16_384
+W6_SEQ_LEN = 1024
 
 
 @dataclass
@@ -41,10 +48,11 @@ class Workload:
     dtype: str
     files: list[str] = field(default_factory=list)
     notes: str = ""
+    reference: str | None = None  # a bench.references name: DataLoader's Dataset
 
     @property
     def sample_bytes(self) -> int:
-        itemsize = {"uint8": 1, "float32": 4}[self.dtype]
+        itemsize = {"uint8": 1, "float32": 4, "int64": 8}[self.dtype]
         return int(np.prod(self.sample_shape)) * itemsize
 
     def describe(self) -> dict[str, Any]:
@@ -169,7 +177,34 @@ def make_w3(root: Path, scale: float) -> Workload:
     )
 
 
-MAKERS = {"W1": make_w1, "W2": make_w2, "W3": make_w3}
+def make_w6(root: Path, scale: float) -> Workload:
+    n = _count(W6_SAMPLES, scale, 512)
+    path = root / f"w6-{n}.bin"
+    count = n * W6_SEQ_LEN + 1
+    spec = {"tokens": count, "dtype": "uint16", "seed": 6}
+    if not _stamp_ok(path, spec):
+        rng = np.random.default_rng(6)
+        rng.integers(0, 50257, count, dtype=np.uint16).tofile(path)  # GPT-2's vocabulary
+        _stamp(path, spec)
+    return Workload(
+        "W6",
+        f"flat uint16 tokens, seq_len {W6_SEQ_LEN} (x, y int64), batch 32",
+        "tokens",
+        {"path": path.name, "dtype": "uint16", "seq_len": W6_SEQ_LEN},
+        n,
+        32,
+        True,
+        4,
+        [2, W6_SEQ_LEN],
+        "int64",
+        [path.name],
+        f"tokens kind: {count:,} uint16 tokens ({count * 2 / 2**20:.0f} MiB), np.memmap; "
+        "DataLoader over nanoGPT-style np.memmap windows",
+        reference="tokens",
+    )
+
+
+MAKERS = {"W1": make_w1, "W2": make_w2, "W3": make_w3, "W6": make_w6}
 
 
 def warm_page_cache(root: Path, workload: Workload) -> None:

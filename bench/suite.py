@@ -43,7 +43,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="multiply every workload's sample count (default 1.0)",
     )
     ap.add_argument("--runs", type=int, default=3, help="runs per configuration (median)")
-    ap.add_argument("--workloads", default="W1,W2,W3", help="comma-separated subset")
+    ap.add_argument(
+        "--workloads", default=",".join(data.MAKERS), help="comma-separated subset (default: all)"
+    )
     ap.add_argument("--workers", default="0,1,2", help="num_workers values")
     ap.add_argument(
         "--trainers", default="1,2,4", help="trainer counts for the scaling section ('' skips it)"
@@ -208,6 +210,7 @@ def _spec(
         "batch_size": workload.batch_size,
         "shuffle": workload.shuffle,
         "epochs": workload.epochs,
+        "reference": workload.reference,
         **extra,
     }
     if srv is not None:
@@ -526,7 +529,7 @@ def targets(rows: list[dict[str, Any]], handoff: dict[str, Any]) -> list[dict[st
         )
 
     get = {(r["workload"], r["num_workers"]): r for r in rows}
-    for wl in ("W1", "W2"):
+    for wl in ("W1", "W2", "W6"):
         r = get.get((wl, 2))
         add(
             f"{wl} samples/s vs DataLoader, num_workers 2",

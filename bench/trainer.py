@@ -67,6 +67,14 @@ def _dataset(spec: dict[str, Any]) -> Any:
     return build_dataset(spec["kind"], spec["params"], DatasetContext(Path(spec["data_root"])))
 
 
+def _reference(spec: dict[str, Any]) -> Any:
+    from pathlib import Path
+
+    from bench import references
+
+    return references.build(spec["reference"], Path(spec["data_root"]), spec["params"])
+
+
 def _pinfeed(spec: dict[str, Any], warm: bool = False) -> tuple[Run, float]:
     from pinfeed import Client, Loader
 
@@ -110,7 +118,7 @@ def _pinfeed(spec: dict[str, Any], warm: bool = False) -> tuple[Run, float]:
 def _dataloader(spec: dict[str, Any]) -> tuple[Run, float]:
     from torch.utils.data import DataLoader
 
-    ds = _dataset(spec)
+    ds = _reference(spec) if spec.get("reference") else _dataset(spec)
     nw = spec["num_workers"]
     t0 = time.perf_counter()
     dl = DataLoader(
