@@ -6,6 +6,8 @@ W2  memory-mapped ``.npy``: float32 [N, 3, 224, 224] + int64 labels (``npy`` kin
     read from the page cache (the files are read once before the runs).
 W3  decode-bound: JPEG files in class folders (``images`` kind, ``size`` 224),
     decoded with Pillow, shorter side resized to 224 and center-cropped.
+W7  an ``hf`` save_to_disk folder with a fixed-size Image column (W3-like JPEGs,
+    400x300) and a ClassLabel, batch 64, against ``load_from_disk(...).with_format("torch")``.
 W6  a flat uint16 token file (``tokens`` kind, nanoGPT's ``train.bin``), seq_len 1024,
     batch 32, against nanoGPT-style ``np.memmap`` windows (``bench.references``).
 
@@ -31,6 +33,7 @@ W3_SAMPLES = 384
 W3_CLASSES = 8
 W3_SOURCE = (400, 300)  # width, height of the generated JPEGs (landscape, like ImageNet)
 W6_SAMPLES = 16_384
+W7_SAMPLES = 384
 W6_SEQ_LEN = 1024
 
 
@@ -204,7 +207,48 @@ def make_w6(root: Path, scale: float) -> Workload:
     )
 
 
-MAKERS = {"W1": make_w1, "W2": make_w2, "W3": make_w3, "W6": make_w6}
+def make_w7(root: Path, scale: float) -> Workload:
+    import io
+
+    n = _count(W7_SAMPLES, scale, 128)
+    folder = root / f"w7-{n}"
+    w, h = W3_SOURCE
+    spec = {"n": n, "source": [w, h], "seed": 7}
+    stamp = root / f"w7-{n}.json"
+    if not (stamp.exists() and json.loads(stamp.read_text()) == spec):
+        import datasets as hd
+
+        rng = np.random.default_rng(7)
+        images = []
+        for _ in range(n):
+            buf = io.BytesIO()
+            _jpeg(rng, w, h).save(buf, format="JPEG", quality=90)
+            images.append({"bytes": buf.getvalue(), "path": None})
+        labels = rng.integers(0, W3_CLASSES, n).tolist()
+        names = [f"class{k:02d}" for k in range(W3_CLASSES)]
+        features = hd.Features({"image": hd.Image(), "label": hd.ClassLabel(names=names)})
+        ds = hd.Dataset.from_dict({"image": images, "label": labels}, features=features)
+        ds.save_to_disk(str(folder))
+        stamp.write_text(json.dumps(spec))
+    return Workload(
+        "W7",
+        f"hf save_to_disk, Image column (JPEG {w}x{h}) + ClassLabel, batch 64",
+        "hf",
+        {"path": folder.name},
+        n,
+        64,
+        True,
+        4,
+        [3, h, w],
+        "uint8",
+        [folder.name],
+        f"hf kind: {n} JPEGs of {w}x{h} (q90) embedded in Arrow; DataLoader over "
+        "datasets.load_from_disk(...).with_format('torch')",
+        reference="hf",
+    )
+
+
+MAKERS = {"W1": make_w1, "W2": make_w2, "W3": make_w3, "W6": make_w6, "W7": make_w7}
 
 
 def warm_page_cache(root: Path, workload: Workload) -> None:

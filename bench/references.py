@@ -36,7 +36,13 @@ def tokens(root: Path, params: dict[str, Any]) -> Any:
     )
 
 
-REFERENCES = {"tokens": tokens}
+def hf(root: Path, params: dict[str, Any]) -> Any:
+    import datasets as hd
+
+    return hd.load_from_disk(str(root / params["path"])).with_format("torch")
+
+
+REFERENCES = {"tokens": tokens, "hf": hf}
 
 
 def build(name: str, root: Path, params: dict[str, Any]) -> Any:

@@ -538,9 +538,9 @@ def targets(rows: list[dict[str, Any]], handoff: dict[str, Any]) -> list[dict[st
             lambda v: v >= 3.0,
         )
     for (wl, nw), r in sorted(get.items()):
-        if wl == "W3":
+        if wl in ("W3", "W7", "W8"):
             add(
-                f"W3 samples/s vs DataLoader, num_workers {nw}",
+                f"{wl} samples/s vs DataLoader, num_workers {nw}",
                 r["ratio"],
                 ">= 1.0x",
                 lambda v: v >= 1.0,

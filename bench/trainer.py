@@ -143,6 +143,8 @@ def _roofline(spec: dict[str, Any]) -> tuple[Run, float]:
     ds = _dataset(spec)
     bs = spec["batch_size"]
     sample = ds[0]
+    if isinstance(sample, dict):
+        sample = list(sample.values())
     leaves = list(sample) if isinstance(sample, (tuple, list)) else [sample]
     outs = [
         torch.empty((bs, *torch.as_tensor(v).shape), dtype=torch.as_tensor(v).dtype) for v in leaves
