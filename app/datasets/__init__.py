@@ -9,7 +9,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from pinfeed_server.datasets import hf, images, npy, parquet, python, synthetic, tensors, tokens
+from pinfeed_server.datasets import (
+    hf,
+    images,
+    npy,
+    parquet,
+    python,
+    synthetic,
+    tensors,
+    tokens,
+    webdataset,
+)
 from pinfeed_server.datasets.base import (
     BatchFetcher,
     DatasetContext,
@@ -29,6 +39,7 @@ KINDS: dict[str, Kind[Any]] = {
         tokens.KIND,
         parquet.KIND,
         hf.KIND,
+        webdataset.KIND,
     )
 }
 
