@@ -24,6 +24,7 @@ from pinfeed_server.engine.collate import LayoutError, probe
 from pinfeed_server.engine.config import LoaderConfig, make_sampler, ring_slots
 from pinfeed_server.engine.custom_sampler import SamplerError
 from pinfeed_server.engine.dataplane import DataPlaneServer
+from pinfeed_server.engine.iterable import dataset_len, first_sample, is_iterable, iterable_conflict
 from pinfeed_server.engine.loader import LoaderEngine
 from pinfeed_server.engine.producers import configure_forkserver
 from pinfeed_server.engine.producers.inline import GLOBAL_RNG
@@ -153,7 +154,8 @@ class Service:
         try:
             ds = self._open(name, row["kind"], row["params"])
             with GLOBAL_RNG:  # not while an inline loader has its RNGs swapped in
-                row |= {"length": len(ds), "sample": probe(ds[0], 1).describe()}
+                sample = first_sample(ds) if is_iterable(ds) else ds[0]
+                row |= {"length": dataset_len(ds), "sample": probe(sample, 1).describe()}
         except (errors.AppError, LayoutError, Exception) as exc:
             row |= {"error": f"{type(exc).__name__}: {exc}"}
         return row
@@ -198,21 +200,28 @@ class Service:
                 resolve(cfg.worker_init_fn, self.context.allowed_plugins, what="worker_init_fn")
             except PluginError as exc:
                 raise errors.InvalidRequest(str(exc)) from None
+        iterable = is_iterable(ds)
+        conflict = iterable_conflict(cfg) if iterable else None
+        if conflict is not None:
+            raise errors.InvalidRequest(conflict)
         try:
             sampler = make_sampler(cfg, ds, self.context.allowed_plugins)
         except SamplerError as exc:
             raise errors.InvalidRequest(str(exc)) from None
-        if len(sampler) == 0:
+        if len(sampler) == 0 and not iterable:
             raise errors.InvalidRequest(
                 f"dataset {dataset_name!r} has {len(ds)} samples: batch_size {cfg.batch_size} "
                 "with drop_last yields no batch"
             )
-        indices = next(sampler.batches(0))
-        assert indices is not None  # a map-style dataset's plan yields index lists
-        first = indices[0]
+        first: Any = "the first sample of its iterator"
+        if not iterable:
+            indices = next(sampler.batches(0))
+            assert indices is not None  # a map-style dataset's plan yields index lists
+            first = indices[0]
         try:
             with GLOBAL_RNG:  # not while an inline loader has its RNGs swapped in
-                layout = probe(ds[first], sampler.max_rows)
+                sample = first_sample(ds, cfg) if iterable else ds[first]
+                layout = probe(sample, sampler.max_rows)
         except LayoutError as exc:
             raise errors.InvalidRequest(f"sample {first}: {exc}") from None
         except Exception as exc:

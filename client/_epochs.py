@@ -68,13 +68,19 @@ class Epochs:
         raise DataPlaneError(f"unexpected message kind {self._buf[0]} from the server")
 
     def _advance(self, epoch: int, index: int) -> None:
-        """Batch ``index`` of ``epoch`` was consumed."""
-        self._pos = (epoch, index + 1) if index + 1 < len(self) else (epoch + 1, 0)
+        """Batch ``index`` of ``epoch`` was consumed (an iterable's epoch ends at its END)."""
+        n = self._info.batches_per_epoch
+        last = self._info.sampler_length is not None and n is not None and index + 1 >= n
+        self._pos = (epoch + 1, 0) if last else (epoch, index + 1)
 
     # -- iteration ---------------------------------------------------------------------
     def __len__(self) -> int:
-        """Batches per epoch."""
-        return self._info.batches_per_epoch
+        """Batches per epoch: DataLoader's ``len()``, which raises TypeError for an
+        IterableDataset without ``__len__``."""
+        n = self._info.batches_per_epoch
+        if n is None:
+            raise TypeError(f"loader {self.name!r} iterates an IterableDataset that has no len()")
+        return n
 
     def __iter__(self) -> Epoch:
         """An iterator over the next epoch; it costs nothing until its first ``next()``,

@@ -223,14 +223,14 @@ class Attached:
     nslots: int
     slot_bytes: int
     layout: Layout
-    batches_per_epoch: int
+    batches_per_epoch: int | None  # None: an iterable without __len__
     group_size: int
     group_mode: str
     epoch: int
     position: int
     config: dict[str, Any]  # the loader's config: DataLoader's attributes (pinfeed._info)
-    dataset_length: int
-    sampler_length: int
+    dataset_length: int | None
+    sampler_length: int | None  # None: an IterableDataset's (no sampler)
     sample: Any
     version: int = PROTOCOL_VERSION
 

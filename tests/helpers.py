@@ -50,6 +50,14 @@ def assert_same(got: Any, want: Any, where: str = "batch") -> None:
         assert got == want, f"{where}: {got!r} != {want!r}"
 
 
+def assert_epochs_same(got: list[list[Any]], want: list[list[Any]]) -> None:
+    """Epochs of batches: the same number per epoch, each batch ``assert_same``."""
+    assert [len(e) for e in got] == [len(e) for e in want]
+    for e, (g, w) in enumerate(zip(got, want, strict=True)):
+        for i, (gb, wb) in enumerate(zip(g, w, strict=True)):
+            assert_same(gb, wb, f"epoch {e} batch {i}")
+
+
 def register_synthetic(server: Any, params: dict[str, Any], prefix: str = "syn") -> tuple[str, Any]:
     """Register a synthetic dataset on ``server``; (its name, the same dataset built here)."""
     from pinfeed_server.datasets import DatasetContext, build_dataset

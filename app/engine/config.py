@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pinfeed_server.engine.custom_sampler import BatchSamplerSpec, SamplerSpec, custom_plan
+from pinfeed_server.engine.iterable import IterablePlan, is_iterable
 from pinfeed_server.engine.sampler import BatchPlan, EpochSampler
 from pinfeed_server.plugins import SPEC
 
@@ -164,6 +165,8 @@ def ring_slots(config: LoaderConfig) -> int:
 
 def make_sampler(config: LoaderConfig, dataset: Any, allowed: tuple[str, ...] = ()) -> BatchPlan:
     """The loader's batch plan; ``SamplerError`` when its sampler cannot be used."""
+    if is_iterable(dataset):
+        return IterablePlan(dataset, config.batch_size, config.drop_last)
     for field in ("batch_sampler", "sampler"):
         spec = getattr(config, field)
         if spec is not None:

@@ -28,6 +28,7 @@ from pinfeed_server.engine.errors import (
     LoaderNotFound,
     ProtocolError,
 )
+from pinfeed_server.engine.iterable import dataset_length, sampler_length
 from pinfeed_server.engine.loader import LoaderEngine
 
 log = logging.getLogger("pinfeed.dataplane")
@@ -207,8 +208,8 @@ class DataPlaneServer:
             position=index,
             # What the trainer reports as DataLoader's attributes (pinfeed._info).
             config=cfg.model_dump(),
-            dataset_length=engine.sampler.length,
-            sampler_length=engine.sampler.samples,
+            dataset_length=dataset_length(engine.sampler),
+            sampler_length=sampler_length(engine.sampler),
             sample=engine.layout.describe(),
         )
         try:

@@ -31,6 +31,7 @@ from pinfeed_server.engine.errors import (
     LoaderFailed,
     LoaderStopping,
 )
+from pinfeed_server.engine.iterable import MAX_TURN, IterablePlan
 from pinfeed_server.engine.producers import (
     Producer,
     ProducerContext,
@@ -74,7 +75,12 @@ class LoaderEngine:
         self.sampler: BatchPlan = (
             plan if plan is not None else make_sampler(config, dataset, context.allowed_plugins)
         )
-        self.batches_per_epoch = len(self.sampler)
+        # An iterable's epoch has no known end: DataLoader's len() (or None) is shown.
+        iterable = isinstance(self.sampler, IterablePlan)
+        self.batches_per_epoch = (
+            self.sampler.reported if isinstance(self.sampler, IterablePlan) else len(self.sampler)
+        )
+        self._turns = MAX_TURN if iterable else len(self.sampler)  # seek's bound
         self.state = "starting"
         self.failure: ErrorInfo | None = None
         self.stats = LoaderStats()
@@ -86,6 +92,7 @@ class LoaderEngine:
         self.slots = SlotTable(self.nslots)
         self.slots.set_limit(prefetch_depth(config))
         self.consumers = Consumers(config.group_size, config.group_mode, self.slots)
+        self.consumers.by_arrival = iterable
         self._stop = threading.Event()
         self._cond = threading.Condition()
         self.publisher = Publisher(
@@ -262,10 +269,10 @@ class LoaderEngine:
 
     def seek(self, member: int, epoch: int, index: int) -> None:
         """Make (epoch, index) the next batch; keep the warm queue if it already is."""
-        if not (0 <= index < self.batches_per_epoch and 0 <= epoch < 2**31):
+        if not (0 <= index < self._turns and 0 <= epoch < 2**31):
             raise InvalidPosition(
                 f"position ({epoch}, {index}) is outside the loader's "
-                f"{self.batches_per_epoch} batches per epoch"
+                f"{self._turns} batches per epoch"
             )
         with self._cond:
             if self.consumers.position(member, self.publisher.head) == (epoch, index):

@@ -33,7 +33,10 @@ class MemberStatus(BaseModel):
 class LoaderStatus(BaseModel):
     state: LoaderState
     failure: dict[str, Any] | None = Field(None, description="why the loader failed, if it did")
-    batches_per_epoch: int
+    batches_per_epoch: int | None = Field(
+        description="len(DataLoader): batches per epoch; null for an IterableDataset "
+        "without __len__"
+    )
     ring_bytes: int
     slot_bytes: int
     slots: SlotCounts

@@ -22,7 +22,7 @@ from pinfeed import Client, InvalidRequest, Loader
 from tests.conftest import REPO, Server
 from tests.fixtures.datasets import Augmented, set_offset
 from tests.fixtures.trainer import command, digest, read_log
-from tests.helpers import assert_same, unique
+from tests.helpers import assert_epochs_same, unique
 from tests.reliability.procs import gone, wait_for, workers_of
 
 FACTORY = "tests.fixtures.datasets:Augmented"
@@ -68,11 +68,7 @@ def _epoch(loader: Loader) -> list[Any]:
     return [_copy(b) for b in loader]
 
 
-def _check(got: list[list[Any]], want: list[list[Any]]) -> None:
-    assert [len(e) for e in got] == [len(e) for e in want]
-    for e, (g, w) in enumerate(zip(got, want, strict=True)):
-        for i, (gb, wb) in enumerate(zip(g, w, strict=True)):
-            assert_same(gb, wb, f"epoch {e} batch {i}")
+_check = assert_epochs_same
 
 
 @pytest.mark.parametrize(

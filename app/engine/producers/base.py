@@ -25,13 +25,14 @@ How the next ones plug in, with no change to the engine:
   ``ctx.ring.base[task.slot * ctx.ring.slot_bytes:]`` (the one host copy) and calls
   ``on_result(Result(task.seq, strings))``. An actor lost mid-task is the producer's
   business (resubmit elsewhere, count ``restarts``); the engine sees results only.
-- An iterator (``IterableDataset``): a batch plan that yields ``None`` instead of index
-  lists (the producer draws the batch from its workers' iterators, DataLoader's
-  round-robin keyed by ``task.index``), and a producer that reports ``rows`` (a
-  worker's last batch may be short) and, once every iterator of the epoch is done,
-  ``Result(seq, end=True)``. The publisher then publishes the epoch's END, drops the
-  epoch's tasks still in flight (in order, their slots freed) and moves the plan to
-  the next epoch.
+- An iterator (``IterableDataset``, ``engine/iterable.py``): a batch plan that yields
+  ``None`` instead of index lists; ``task.index`` is a *turn* of DataLoader's
+  round-robin (worker ``index % N``'s ``index // N``-th request), which the producer
+  draws from that worker's iterator (``producers/iterating.py``). It reports ``rows``
+  (a worker's last batch may be short), ``rows=0`` for a turn whose worker has run
+  out (skipped), and, once every iterator of the epoch is done, ``Result(seq,
+  end=True)``. The publisher then publishes the epoch's END, drops the epoch's tasks
+  still in flight (in order, their slots freed) and moves the plan to the next epoch.
 - Per-worker RNG seeding as DataLoader does it: ``task.epoch`` and ``task.index``
   name the batch, so a producer can derive the worker (``index % num_workers``) and
   that epoch's worker seed from ``ctx.config.seed`` without the engine's help.
@@ -66,7 +67,9 @@ class Task:
 @dataclass(slots=True)
 class Result:
     """What became of a task. ``error``: the batch failed (a sample raised); ``end``:
-    the producer's stream for the task's epoch ran out, the slot holds nothing."""
+    the producer's stream for the task's epoch ran out, the slot holds nothing;
+    ``rows == 0`` (no error, not ``end``): the task yields nothing and is skipped (an
+    iterable's turn whose worker has run out while others go on)."""
 
     seq: int
     strings: bytes = b""  # the batch's strings JSON (b"" when it has none)

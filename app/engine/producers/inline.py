@@ -16,7 +16,9 @@ import time
 
 from pinfeed_server.engine.collate import SlotWriter
 from pinfeed_server.engine.errors import error_info
+from pinfeed_server.engine.iterable import EndJudge, is_iterable, shard_env
 from pinfeed_server.engine.producers.base import ProducerContext, Result, Task
+from pinfeed_server.engine.producers.iterating import IterStreams, make_turn
 from pinfeed_server.engine.producers.seeding import RngState, Streams, apply, capture, restore
 
 SWITCH = (
@@ -39,20 +41,29 @@ class InlineProducer:
         self._busy_s = 0.0
         self._closed = False
         self._dataset = ctx.dataset
+        self._rng: RngState | None = None  # the loader's RNGs between its batches
+        self._config = ctx.config
+        if is_iterable(ctx.dataset):
+            # An iterable: one stream, its own RNGs (iterating.py); no index plan.
+            self._iter: IterStreams | None = IterStreams(ctx.dataset, ctx.config, worker=False)
+            self._judge = EndJudge(1)
+            return
+        self._iter = None
         self.streams = Streams(
             ctx.config,
             ctx.dataset,
             replay=ctx.kind == "python",
             allowed=ctx.datasets.allowed_plugins,
         )
-        self._rng: RngState | None = None  # the loader's RNGs between its batches
 
     def submit(self, task: Task) -> None:
         """Make the batch now, in the caller's thread, and report it before returning."""
-        if task.indices is None:
-            raise ValueError("the in-process producer makes batches from index lists")
         t0 = time.perf_counter()
-        if self.streams.replay:
+        if self._iter is not None:
+            result = self._make_from_iterator(self._iter, task)
+        elif task.indices is None:
+            raise ValueError("a map-style dataset's batches come from index lists")
+        elif self.streams.replay:
             result = self._make_with_own_rngs(task, task.indices)
         else:  # a built-in kind: it draws nothing from the global RNGs
             result = self._make(task.seq, task.slot, task.indices)
@@ -72,6 +83,19 @@ class InlineProducer:
             finally:
                 self._rng = capture()
                 restore(server)
+
+    def _make_from_iterator(self, streams: IterStreams, task: Task) -> Result:
+        cfg = self._config
+        with GLOBAL_RNG, shard_env(cfg.rank, cfg.world_size):
+            server = capture()
+            try:
+                result = make_turn(streams, self._writer, task)
+            finally:
+                streams.park()
+                restore(server)
+        if result.end:  # the one stream ran out: the epoch's end
+            result.end = self._judge.ran_out(task.epoch, task.index)
+        return result
 
     def _make(self, seq: int, slot: int, indices: list[int]) -> Result:
         try:

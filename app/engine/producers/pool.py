@@ -27,6 +27,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from pinfeed_server.engine.errors import SampleError
+from pinfeed_server.engine.iterable import EndJudge, IterRoutes, is_iterable
 from pinfeed_server.engine.producers.base import ProducerContext, Result, Task
 from pinfeed_server.engine.producers.codec import STOP, decode_result, encode_task
 from pinfeed_server.engine.producers.inline import SWITCH
@@ -62,6 +63,7 @@ class WorkerPool:
 
     def __init__(self, ctx: ProducerContext) -> None:
         self.name = ctx.config.name
+        iterable = is_iterable(ctx.dataset)
         self.spec = WorkerSpec(
             ctx.config.name,
             ctx.kind,
@@ -73,13 +75,20 @@ class WorkerPool:
             ctx.config.worker_init_fn,
             ctx.config.num_workers,
             # Built-in kinds draw nothing from the global RNGs: no replay, no snapshots.
-            snapshots=ctx.kind == "python",
+            snapshots=ctx.kind == "python" and not iterable,
+            iterable=ctx.config if iterable else None,
         )
-        self.streams = Streams(
-            ctx.config,
-            ctx.dataset,
-            replay=self.spec.snapshots,
-            allowed=ctx.datasets.allowed_plugins,
+        # An iterable's turns: its workers position their iterators themselves.
+        self._judge = EndJudge(ctx.config.num_workers) if iterable else None
+        self.streams: Streams | IterRoutes = (
+            IterRoutes(ctx.config.num_workers)
+            if iterable
+            else Streams(
+                ctx.config,
+                ctx.dataset,
+                replay=self.spec.snapshots,
+                allowed=ctx.datasets.allowed_plugins,
+            )
         )
         self._ring_fd = ctx.ring.fd
         self._ctx = mp.get_context("forkserver")
@@ -236,7 +245,10 @@ class WorkerPool:
                     continue
                 result = decode_result(message[1:])
                 with self._lock:
-                    worker.outstanding.pop(result.seq, None)
+                    task = worker.outstanding.pop(result.seq, None)
+                    if result.end and self._judge is not None and task is not None:
+                        # A stream ran out: the epoch's END, or a turn that yields nothing.
+                        result.end = self._judge.ran_out(task.epoch, task.index)
                     t0 = worker.started.pop(result.seq, None)
                     if t0 is not None:
                         worker.busy_s += time.perf_counter() - t0
@@ -294,6 +306,14 @@ class WorkerPool:
                 # comes back as an error; those queued behind it are simply re-sent.
                 tries = self._retries.get(seq, 0) + 1
                 self._retries[seq] = tries
+                if tries > MAX_TASK_RETRIES and self._judge is not None:
+                    # An iterator that kills its worker cannot be fast-forwarded past.
+                    self._on_fatal(
+                        f"worker {self.streams.worker_of(task.index)} died (exit code "
+                        f"{code}) {tries} times making batch {task.index} of epoch "
+                        f"{task.epoch}: its iterator cannot be fast-forwarded past it"
+                    )
+                    return
                 if tries > MAX_TASK_RETRIES:
                     with self._lock:
                         self.streams.poison(task.epoch, task.index)

@@ -18,6 +18,7 @@ import torch
 
 from pinfeed_server.datasets import DatasetContext, build_dataset
 from pinfeed_server.engine.collate import Layout, SlotWriter
+from pinfeed_server.engine.config import LoaderConfig
 from pinfeed_server.engine.errors import error_info
 from pinfeed_server.engine.producers.base import Result
 from pinfeed_server.engine.producers.codec import (
@@ -26,6 +27,7 @@ from pinfeed_server.engine.producers.codec import (
     decode_task,
     encode_result,
 )
+from pinfeed_server.engine.producers.iterating import IterStreams, make_turn
 from pinfeed_server.engine.producers.seeding import (
     RESEED_TAG,
     RESULT_TAG,
@@ -51,6 +53,7 @@ class WorkerSpec:
     worker_init_fn: str | None = None
     num_workers: int = 1  # DataLoader's, as created: the RNG streams (seeding.py)
     snapshots: bool = False  # send the RNG state after each batch
+    iterable: LoaderConfig | None = None  # an IterableDataset's loader: turns (iterating.py)
 
 
 def worker_main(worker_id: int, conn: Connection, spec: WorkerSpec) -> None:
@@ -73,6 +76,9 @@ def worker_main(worker_id: int, conn: Connection, spec: WorkerSpec) -> None:
     conn.send_bytes(RESULT_TAG + encode_result(Result(STARTUP_SEQ)))  # ready
     failed: Exception | None = None  # the last reseed's error, until the next one
     rngs = WorkerRngs(dataset, spec.num_workers, init_fn)
+    turns = (
+        None if spec.iterable is None else IterStreams(dataset, spec.iterable, init_fn, worker=True)
+    )
     while True:
         try:
             message = conn.recv_bytes()
@@ -89,6 +95,9 @@ def worker_main(worker_id: int, conn: Connection, spec: WorkerSpec) -> None:
                 failed = exc
             continue
         task = decode_task(message[1:])
+        if turns is not None:
+            conn.send_bytes(RESULT_TAG + encode_result(make_turn(turns, writer, task)))
+            continue
         assert task.indices is not None
         seeded = False  # the global RNGs are this batch's stream's
         try:
