@@ -14,14 +14,17 @@ uint8 ``[3, H, W]`` (with ``image_size``, resized and cropped as ``images`` does
 ``txt``/``text``/``transcript`` to ``str``, any other extension as ``bytes`` (nothing
 is unpickled or ``torch.load``-ed).
 
-Shards are split by rank (``rank`` of ``world_size``: ``shards[rank::world_size]``) and
-then by DataLoader worker (``[worker::num_workers]``), as WebDataset's ``split_by_node``
-and ``split_by_worker`` do; shard order is kept. ``shuffle_buffer`` shuffles samples
+Shards are split by rank (``shards[rank::world_size]``) and then by DataLoader worker
+(``[worker::num_workers]``), as WebDataset's ``split_by_node`` and ``split_by_worker``
+do, shard order kept. The rank is the one ``split_by_node`` finds (``torch.distributed``
+when initialized, else ``RANK``/``WORLD_SIZE`` in the environment, which a pinfeed
+worker sets to its loader's ``rank``/``world_size``), unless the params fix
+``rank``/``world_size``; ``len`` is that rank's sample count. ``shuffle_buffer`` shuffles samples
 within each worker through WebDataset's buffer (``.shuffle(n, seed=seed)``: the same
 picks from ``random.Random(seed)``, the same order every epoch). Every shard's
 headers are read once when the dataset is built: a missing or truncated shard, a member
 whose name is absolute or has a ``..`` component, or a sample missing a field is
-refused naming the shard; ``len`` is the rank's sample count. Samples are read from
+refused naming the shard. Samples are read from
 memory-mapped shards through the offsets found then (compact numpy arrays).
 """
 
@@ -31,6 +34,7 @@ import contextlib
 import io
 import json
 import mmap
+import os
 import random
 import re
 import tarfile
@@ -64,8 +68,10 @@ class WebDatasetParams(Params):
     image_size: int | None = Field(None, gt=0, le=8192, description="resize + center crop")
     shuffle_buffer: int | None = Field(None, gt=0, description="samples in the shuffle buffer")
     seed: int = Field(0, description="the shuffle buffer's random.Random seed")
-    rank: int = Field(0, ge=0, description="this trainer's rank: shards[rank::world_size]")
-    world_size: int = Field(1, ge=1)
+    rank: int | None = Field(
+        None, ge=0, description="fixed rank (default: the loader's, as RANK in the env)"
+    )
+    world_size: int | None = Field(None, ge=1, description="with rank")
 
 
 @dataclass(frozen=True)
@@ -161,7 +167,7 @@ def decode(ext: str, data: bytes, image_size: int | None) -> Any:
 
 class WebDatasetShards(torch.utils.data.IterableDataset[Any]):
     def __init__(self, shards: list[Shard], exts: dict[str, int], p: WebDatasetParams) -> None:
-        self.shards = shards  # this rank's
+        self.shards = shards  # every rank's
         self._exts = [e for e, _ in sorted(exts.items(), key=lambda kv: kv[1])]
         if isinstance(p.fields, dict):
             self._keys: list[str] | None = list(p.fields)
@@ -171,7 +177,8 @@ class WebDatasetShards(torch.utils.data.IterableDataset[Any]):
         self._fields = [[exts.get(e, -1) for e in alt.split(";")] for alt in wanted]
         self._wanted = wanted
         self.image_size, self.shuffle_buffer, self.seed = p.image_size, p.shuffle_buffer, p.seed
-        self._length = sum(s.samples for s in shards)
+        self._rank = None if p.rank is None else (p.rank, p.world_size or 1)
+        self._counts = np.array([sh.samples for sh in shards], dtype=np.int64)
         for shard in shards:
             self._check_fields(shard)
 
@@ -182,8 +189,20 @@ class WebDatasetShards(torch.utils.data.IterableDataset[Any]):
                 if not present.intersection(alts):
                     raise DatasetError(f"{shard.shown}: sample {s} has no {spec!r} field")
 
+    def _rank_shards(self) -> tuple[int, int]:
+        """(rank, world_size) as WebDataset's ``pytorch_worker_info`` finds them."""
+        if self._rank is not None:
+            return self._rank
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        return 0, 1
+
     def __len__(self) -> int:
-        return self._length
+        rank, world = self._rank_shards()
+        return int(self._counts[rank::world].sum())
 
     def _sample(self, shard: Shard, mm: mmap.mmap, s: int) -> Any:
         members = range(int(shard.first[s]), int(shard.first[s + 1]))
@@ -200,8 +219,11 @@ class WebDatasetShards(torch.utils.data.IterableDataset[Any]):
         return dict(zip(self._keys, out, strict=True)) if self._keys is not None else tuple(out)
 
     def __iter__(self) -> Iterator[Any]:
+        rank, world = self._rank_shards()
+        shards = self.shards[rank::world]
         info = torch.utils.data.get_worker_info()
-        shards = self.shards if info is None else self.shards[info.id :: info.num_workers]
+        if info is not None:
+            shards = shards[info.id :: info.num_workers]
         refs: Iterator[tuple[Shard, int]] = ((sh, s) for sh in shards for s in range(sh.samples))
         if self.shuffle_buffer is not None:
             refs = _shuffle(refs, self.shuffle_buffer, random.Random(self.seed))
@@ -222,7 +244,7 @@ class WebDatasetShards(torch.utils.data.IterableDataset[Any]):
                 mm.close()
 
     def __repr__(self) -> str:
-        return f"WebDatasetShards({len(self.shards)} shards, {self._length} samples)"
+        return f"WebDatasetShards({len(self.shards)} shards, {self._counts.sum()} samples)"
 
 
 def _shuffle(data: Iterator[Any], bufsize: int, rng: random.Random) -> Iterator[Any]:
@@ -249,7 +271,9 @@ def _shuffle(data: Iterator[Any], bufsize: int, rng: random.Random) -> Iterator[
 
 
 def build(p: WebDatasetParams, ctx: DatasetContext) -> WebDatasetShards:
-    if p.rank >= p.world_size:
+    if (p.rank is None) != (p.world_size is None):
+        raise DatasetError("rank and world_size go together")
+    if p.rank is not None and p.world_size is not None and p.rank >= p.world_size:
         raise DatasetError(f"rank {p.rank} must be below world_size {p.world_size}")
     patterns = [p.shards] if isinstance(p.shards, str) else p.shards
     names = [name for pattern in patterns for name in braceexpand(pattern)]
@@ -258,8 +282,7 @@ def build(p: WebDatasetParams, ctx: DatasetContext) -> WebDatasetShards:
     if not p.fields:
         raise DatasetError("fields must name at least one extension")
     exts: dict[str, int] = {}
-    mine = names[p.rank :: p.world_size]
-    shards = [scan(name, ctx.resolve(name), exts) for name in mine]
+    shards = [scan(name, ctx.resolve(name), exts) for name in names]
     return WebDatasetShards(shards, exts, p)
 
 

@@ -24,6 +24,7 @@ from pinfeed import Client, InvalidRequest
 from pinfeed_server.datasets import DatasetContext, DatasetError, build_dataset
 from pinfeed_server.datasets.images import fit
 from tests.conftest import Server
+from tests.datasets.parity import check_parity, own
 from tests.helpers import assert_same, unique
 
 # webdataset's gopen leaves shard files for the garbage collector to close.
@@ -137,14 +138,28 @@ def test_parity_under_dataloader(
 
 
 @pytest.mark.parametrize(("rank", "world"), [(0, 2), (1, 2), (2, 3)])
-def test_split_by_rank(root: Path, rank: int, world: int) -> None:
-    ds = _build(root, fields=["cls", "json"], rank=rank, world_size=world)
-    want = list(DataLoader(reference(root, ["cls", "json"], rank=rank, world=world), 2))
-    got = list(DataLoader(ds, 2))
-    assert len(ds) == sum(COUNTS[rank::world])
-    assert len(got) == len(want)
-    for g, w in zip(got, want, strict=True):
-        assert_same(g, w)
+@pytest.mark.parametrize("given", ["params", "env"])
+def test_split_by_rank(
+    root: Path, rank: int, world: int, given: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``rank``/``world_size`` from the params, or from RANK/WORLD_SIZE as WebDataset's
+    ``split_by_node`` reads them (what a pinfeed worker sets to its loader's)."""
+    if given == "params":
+        ds = _build(root, fields=["cls", "json"], rank=rank, world_size=world)
+        monkeypatch.setenv("RANK", "0")  # fixed in the params: the env does not count
+        monkeypatch.setenv("WORLD_SIZE", "1")
+    else:
+        ds = _build(root, fields=["cls", "json"])
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+    ref = reference(root, ["cls", "json"], rank=rank, world=world)
+    for nw in (0, 2):
+        want = list(DataLoader(ref, 2, num_workers=nw))
+        got = list(DataLoader(ds, 2, num_workers=nw))
+        assert len(ds) == sum(COUNTS[rank::world])
+        assert len(got) == len(want)
+        for g, w in zip(got, want, strict=True):
+            assert_same(g, w)
 
 
 def _tar(path: Path, members: dict[str, bytes]) -> None:
@@ -201,8 +216,12 @@ def test_refuses_bad_shards_and_params(root: Path, tmp_path: Path) -> None:
         build_dataset(
             "webdataset", {"shards": "../x-{0..1}.tar", "fields": ["cls"]}, DatasetContext(root)
         )
-    for bad in ({"fields": []}, {"fields": ["cls"], "rank": 2, "world_size": 2}):
-        with pytest.raises(DatasetError, match=r"fields must|rank 2 must be below"):
+    for bad in (
+        {"fields": []},
+        {"fields": ["cls"], "rank": 2, "world_size": 2},
+        {"fields": ["cls"], "rank": 1},
+    ):
+        with pytest.raises(DatasetError, match=r"fields must|rank 2 must be below|go together"):
             _build(root, **bad)
     with pytest.raises(DatasetError, match="invalid params"):
         _build(root, fields=["cls"], shuffle_buffer=0)
@@ -216,3 +235,100 @@ def test_http_refuses_hostile_shards(admin: Client, server: Server) -> None:
         admin.create_dataset(
             unique("wds"), "webdataset", {"shards": f"{rel}/a-{{0..1}}.tar", "fields": ["cls"]}
         )
+
+
+@pytest.fixture(scope="module")
+def served(server: Server) -> str:
+    rel = unique("wds")
+    write_shards(server.data_root / rel)
+    return rel
+
+
+SERVED_FIELDS = ["jpg;png", "cls", "json"]
+
+
+def test_http_describes(admin: Client, server: Server, served: str) -> None:
+    name = unique("wds")
+    info = admin.create_dataset(
+        name, "webdataset", {"shards": f"{served}/{PATTERN}", "fields": SERVED_FIELDS}
+    )
+    try:
+        assert info["length"] == sum(COUNTS)
+        assert info["sample"] == [
+            {"dtype": "uint8", "shape": [3, 9, 12]},
+            {"dtype": "int64", "shape": []},
+            {"i": {"dtype": "int64", "shape": []}, "w": {"dtype": "float64", "shape": []}},
+        ]
+    finally:
+        admin.delete_dataset(name)
+
+
+@pytest.mark.parametrize("batch_size", [1, 7])
+@pytest.mark.parametrize("shuffle", [None, 4])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_parity_through_the_server(
+    admin: Client,
+    server: Server,
+    served: str,
+    batch_size: int,
+    shuffle: int | None,
+    num_workers: int,
+) -> None:
+    """pinfeed's batches equal DataLoader's over the webdataset library's pipeline,
+    with the same workers, over 2 epochs (the IterableDataset engine of the iterable
+    branch: round-robin over workers, uneven shards running out)."""
+    name = unique("wds")
+    params = {
+        "shards": f"{served}/{PATTERN}",
+        "fields": SERVED_FIELDS,
+        "shuffle_buffer": shuffle,
+        "seed": 5,
+    }
+    admin.create_dataset(name, "webdataset", params)
+    try:
+        check_parity(
+            admin,
+            server,
+            name,
+            reference(server.data_root / served, SERVED_FIELDS, shuffle),
+            batch_size=batch_size,
+            shuffle=False,
+            num_workers=num_workers,
+        )
+    finally:
+        admin.delete_dataset(name)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_loader_rank_splits_shards(
+    admin: Client, server: Server, served: str, num_workers: int
+) -> None:
+    """A loader's rank/world_size reach the kind as RANK/WORLD_SIZE (split_by_node)."""
+    from pinfeed import Loader
+
+    name = unique("wds")
+    params = {"shards": f"{served}/{PATTERN}", "fields": ["cls", "json"]}
+    admin.create_dataset(name, "webdataset", params)
+    try:
+        for rank in (0, 1):
+            loader = unique("wds-rank")
+            admin.create_loader(
+                loader,
+                dataset=name,
+                batch_size=2,
+                num_workers=num_workers,
+                rank=rank,
+                world_size=2,
+            )
+            ref = reference(server.data_root / served, ["cls", "json"], rank=rank, world=2)
+            want = list(DataLoader(ref, 2, num_workers=num_workers))
+            try:
+                with Loader(loader, socket=server.socket) as got_loader:
+                    got = [own(b) for b in got_loader]
+            finally:
+                admin.delete_loader(loader)
+            assert len(got) == len(want) > 0
+            for g, w in zip(got, want, strict=True):
+                assert_same(g, w)
+    finally:
+        admin.delete_dataset(name)
