@@ -8,6 +8,9 @@ W3  decode-bound: JPEG files in class folders (``images`` kind, ``size`` 224),
     decoded with Pillow, shorter side resized to 224 and center-cropped.
 W7  an ``hf`` save_to_disk folder with a fixed-size Image column (W3-like JPEGs,
     400x300) and a ClassLabel, batch 64, against ``load_from_disk(...).with_format("torch")``.
+W8  WebDataset tar shards of JPEGs (W3-like, 400x300) + cls, 64 samples a shard,
+    batch 64 (an IterableDataset: no shuffle), against the webdataset library's
+    ``WebDataset(...).decode("torchrgb8").to_tuple("jpg", "cls")``.
 W6  a flat uint16 token file (``tokens`` kind, nanoGPT's ``train.bin``), seq_len 1024,
     batch 32, against nanoGPT-style ``np.memmap`` windows (``bench.references``).
 
@@ -34,6 +37,8 @@ W3_CLASSES = 8
 W3_SOURCE = (400, 300)  # width, height of the generated JPEGs (landscape, like ImageNet)
 W6_SAMPLES = 16_384
 W7_SAMPLES = 384
+W8_SAMPLES = 384
+W8_SHARD = 64
 W6_SEQ_LEN = 1024
 
 
@@ -248,7 +253,56 @@ def make_w7(root: Path, scale: float) -> Workload:
     )
 
 
-MAKERS = {"W1": make_w1, "W2": make_w2, "W3": make_w3, "W6": make_w6, "W7": make_w7}
+def make_w8(root: Path, scale: float) -> Workload:
+    import io
+    import tarfile
+
+    n = _count(W8_SAMPLES, scale, 128)
+    shards = -(-n // W8_SHARD)
+    folder = root / f"w8-{n}"
+    w, h = W3_SOURCE
+    spec = {"n": n, "shard": W8_SHARD, "source": [w, h], "seed": 8}
+    stamp = folder / "spec.json"
+    if not (stamp.exists() and json.loads(stamp.read_text()) == spec):
+        rng = np.random.default_rng(8)
+        folder.mkdir(parents=True, exist_ok=True)
+        for k in range(shards):
+            with tarfile.open(folder / f"shard-{k:06d}.tar", "w") as tar:
+                for i in range(k * W8_SHARD, min(n, (k + 1) * W8_SHARD)):
+                    buf = io.BytesIO()
+                    _jpeg(rng, w, h).save(buf, format="JPEG", quality=90)
+                    for ext, data in (("jpg", buf.getvalue()), ("cls", b"%d" % (i % 8))):
+                        info = tarfile.TarInfo(f"sample{i:06d}.{ext}")
+                        info.size = len(data)
+                        tar.addfile(info, io.BytesIO(data))
+        stamp.write_text(json.dumps(spec))
+    pattern = f"{folder.name}/shard-{{000000..{shards - 1:06d}}}.tar"
+    return Workload(
+        "W8",
+        f"WebDataset shards, JPEG {w}x{h} + cls, batch 64",
+        "webdataset",
+        {"shards": pattern, "fields": ["jpg", "cls"]},
+        n,
+        64,
+        False,
+        4,
+        [3, h, w],
+        "uint8",
+        [folder.name],
+        f"webdataset kind: {n} JPEGs (q90) in {shards} tar shards; DataLoader over "
+        "webdataset.WebDataset(...).decode('torchrgb8').to_tuple('jpg', 'cls')",
+        reference="webdataset",
+    )
+
+
+MAKERS = {
+    "W1": make_w1,
+    "W2": make_w2,
+    "W3": make_w3,
+    "W6": make_w6,
+    "W7": make_w7,
+    "W8": make_w8,
+}
 
 
 def warm_page_cache(root: Path, workload: Workload) -> None:

@@ -42,7 +42,14 @@ def hf(root: Path, params: dict[str, Any]) -> Any:
     return hd.load_from_disk(str(root / params["path"])).with_format("torch")
 
 
-REFERENCES = {"tokens": tokens, "hf": hf}
+def webdataset(root: Path, params: dict[str, Any]) -> Any:
+    import webdataset as wds
+
+    ds = wds.WebDataset(str(root / params["shards"]), shardshuffle=False, empty_check=False)
+    return ds.decode("torchrgb8").to_tuple(*params["fields"])
+
+
+REFERENCES = {"tokens": tokens, "hf": hf, "webdataset": webdataset}
 
 
 def build(name: str, root: Path, params: dict[str, Any]) -> Any:

@@ -142,7 +142,8 @@ def _roofline(spec: dict[str, Any]) -> tuple[Run, float]:
     torch.set_num_threads(1)
     ds = _dataset(spec)
     bs = spec["batch_size"]
-    sample = ds[0]
+    iterable = isinstance(ds, torch.utils.data.IterableDataset)
+    sample = next(iter(ds)) if iterable else ds[0]
     if isinstance(sample, dict):
         sample = list(sample.values())
     leaves = list(sample) if isinstance(sample, (tuple, list)) else [sample]
@@ -155,13 +156,14 @@ def _roofline(spec: dict[str, Any]) -> tuple[Run, float]:
 
     def epoch() -> Iterator[Any]:
         perm = torch.randperm(n, generator=gen).tolist() if spec["shuffle"] else range(n)
+        stream = iter(ds) if iterable else None
         for start in range(0, n, bs):
             idx = perm[start : start + bs]
             views = [o[: len(idx)] for o in outs]
             if fetch is not None:
                 fetch(idx, views)
             else:
-                samples = [ds[i] for i in idx]
+                samples = [next(stream) for _ in idx] if stream else [ds[i] for i in idx]
                 for j, v in enumerate(views):
                     torch.stack([torch.as_tensor(s[j]) for s in samples], out=v)
             yield views
