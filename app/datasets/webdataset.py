@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import mmap
 import os
 import random
@@ -57,7 +58,21 @@ INTS = {"cls", "cls2", "index", "inx", "id"}
 JSONS = {"json", "jsn"}
 TEXTS = {"txt", "text", "transcript"}
 _KEY = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # WebDataset's base_plus_ext
+MAX_SHARDS = 1_000_000  # braceexpand builds a whole range at once: bound it first
 _META = re.compile(r"__[^/]*__($|/)")
+_RANGE = re.compile(r"\{(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?\}")
+_GROUP = re.compile(r"\{([^{}]*)\}")
+
+
+def _braces(pattern: str) -> int:
+    """An upper bound of the names ``pattern`` expands to (its innermost groups' sizes
+    multiplied), found without expanding it."""
+    n = 1
+    for a, b, step in _RANGE.findall(pattern):
+        n *= abs(int(b) - int(a)) // max(1, abs(int(step or 1))) + 1
+    for body in _GROUP.findall(_RANGE.sub("", pattern)):
+        n *= body.count(",") + 1
+    return n
 
 
 class WebDatasetParams(Params):
@@ -276,6 +291,8 @@ def build(p: WebDatasetParams, ctx: DatasetContext) -> WebDatasetShards:
     if p.rank is not None and p.world_size is not None and p.rank >= p.world_size:
         raise DatasetError(f"rank {p.rank} must be below world_size {p.world_size}")
     patterns = [p.shards] if isinstance(p.shards, str) else p.shards
+    if math.prod(_braces(pattern) for pattern in patterns) > MAX_SHARDS:
+        raise DatasetError(f"shards expand to more than {MAX_SHARDS:,} files")
     names = [name for pattern in patterns for name in braceexpand(pattern)]
     if not names:
         raise DatasetError("shards must name at least one tar file")

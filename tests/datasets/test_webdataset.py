@@ -225,6 +225,12 @@ def test_refuses_bad_shards_and_params(root: Path, tmp_path: Path) -> None:
             _build(root, **bad)
     with pytest.raises(DatasetError, match="invalid params"):
         _build(root, fields=["cls"], shuffle_buffer=0)
+    with pytest.raises(DatasetError, match="expand to more than 1,000,000 files"):
+        build_dataset(
+            "webdataset",
+            {"shards": "x-{0..99999999999}.tar", "fields": ["cls"]},
+            DatasetContext(root),
+        )
 
 
 def test_http_refuses_hostile_shards(admin: Client, server: Server) -> None:
