@@ -78,6 +78,14 @@ def _collate_fn(spec: dict[str, Any]) -> Callable[[list[Any]], Any] | None:
     return resolve(spec["collate_fn"], PLUGINS) if spec.get("collate_fn") else None
 
 
+def _reference(spec: dict[str, Any]) -> Any:
+    from pathlib import Path
+
+    from bench import references
+
+    return references.build(spec["reference"], Path(spec["data_root"]), spec["params"])
+
+
 def _pinfeed(spec: dict[str, Any], warm: bool = False) -> tuple[Run, float]:
     from pinfeed import Client, Loader
 
@@ -124,7 +132,7 @@ def _pinfeed(spec: dict[str, Any], warm: bool = False) -> tuple[Run, float]:
 def _dataloader(spec: dict[str, Any]) -> tuple[Run, float]:
     from torch.utils.data import DataLoader
 
-    ds = _dataset(spec)
+    ds = _reference(spec) if spec.get("reference") else _dataset(spec)
     nw = spec["num_workers"]
     t0 = time.perf_counter()
     dl = DataLoader(
@@ -152,7 +160,10 @@ def _roofline(spec: dict[str, Any]) -> tuple[Run, float]:
     collate = _collate_fn(spec)
     if collate is not None:  # the same reads and collate_fn, in this one process
         return _roofline_collate(spec, ds, bs, collate)
-    sample = ds[0]
+    iterable = isinstance(ds, torch.utils.data.IterableDataset)
+    sample = next(iter(ds)) if iterable else ds[0]
+    if isinstance(sample, dict):
+        sample = list(sample.values())
     leaves = list(sample) if isinstance(sample, (tuple, list)) else [sample]
     outs = [
         torch.empty((bs, *torch.as_tensor(v).shape), dtype=torch.as_tensor(v).dtype) for v in leaves
@@ -163,13 +174,14 @@ def _roofline(spec: dict[str, Any]) -> tuple[Run, float]:
 
     def epoch() -> Iterator[Any]:
         perm = torch.randperm(n, generator=gen).tolist() if spec["shuffle"] else range(n)
+        stream = iter(ds) if iterable else None
         for start in range(0, n, bs):
             idx = perm[start : start + bs]
             views = [o[: len(idx)] for o in outs]
             if fetch is not None:
                 fetch(idx, views)
             else:
-                samples = [ds[i] for i in idx]
+                samples = [next(stream) for _ in idx] if stream else [ds[i] for i in idx]
                 for j, v in enumerate(views):
                     torch.stack([torch.as_tensor(s[j]) for s in samples], out=v)
             yield views
