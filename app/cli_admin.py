@@ -233,6 +233,8 @@ def status(url: UrlOpt = None, token: TokenOpt = None, as_json: JsonOpt = False)
         "wait share",
         "wait p99",
         "consumer",
+        "workers",
+        "autotune",
     )
     for lo, st in rows:
         table.add_row(
@@ -246,5 +248,15 @@ def status(url: UrlOpt = None, token: TokenOpt = None, as_json: JsonOpt = False)
             f"{st['consumer_wait_share']:.0%}",
             _ms(st["consumer_wait_p99_s"]),
             "attached" if lo["consumer_attached"] else "-",
+            f"{lo['num_workers']}x{lo['prefetch_factor']}",
+            _autotune(st.get("autotune")),
         )
     console.print(table)
+
+
+def _autotune(report: dict[str, Any] | None) -> str:
+    """Autotune's state and its last decision's reason, for the status table."""
+    if not report:
+        return "-"
+    last = report["decisions"][-1]["reason"] if report["decisions"] else "measuring"
+    return f"{'settled' if report['settled'] else 'tuning'}: {last}"

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, RootModel, create_model
 
 from pinfeed_server.datasets import KINDS, Kind
 from pinfeed_server.datasets.base import Params
+from pinfeed_server.engine.autotune import AutotuneSpec
 from pinfeed_server.engine.config import (
     MAX_PREFETCH,
     MAX_WORKERS,
@@ -151,8 +152,12 @@ class LoaderPatch(BaseModel):
     model_config = ConfigDict(
         extra="forbid", json_schema_extra={"examples": [{"num_workers": 4, "prefetch_factor": 2}]}
     )
-    num_workers: int | None = Field(None, ge=1, le=MAX_WORKERS)
-    prefetch_factor: int | None = Field(None, ge=1, le=MAX_PREFETCH)
+    # strict: JSON false is not 0 workers
+    num_workers: int | None = Field(None, ge=0, le=MAX_WORKERS, strict=True)
+    prefetch_factor: int | None = Field(None, ge=1, le=MAX_PREFETCH, strict=True)
+    autotune: AutotuneSpec | None = Field(
+        None, description="turn autotune on (null: off); explicit values alone turn it off"
+    )
 
 
 class LoaderPublic(LoaderStatus, LoaderConfig):
@@ -238,6 +243,11 @@ class LoaderStatsPublic(BaseModel):
     )
     worker_busy_share: float = Field(description="share of worker time spent building batches")
     uptime_s: float
+    autotune: dict[str, Any] | None = Field(
+        None,
+        description="autotune's settings, whether it has settled, and its last decisions "
+        "({t, num_workers, prefetch_factor, reason, samples_per_s, wait_share, busy_share})",
+    )
 
 
 class Health(BaseModel):

@@ -13,17 +13,32 @@ import secrets
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from pinfeed_server import errors
+from pinfeed_server.autotuner import Autotuner
 from pinfeed_server.datasets import DatasetContext, DatasetError, build_dataset
-from pinfeed_server.engine.collate import LayoutError, probe
+from pinfeed_server.engine.autotune import AutotuneSpec, Tuner
+from pinfeed_server.engine.collate import (
+    LayoutError,
+    _fetch_samples,
+    describe,
+    loader_layout,
+    probe,
+)
 from pinfeed_server.engine.config import LoaderConfig, make_sampler, ring_slots
 from pinfeed_server.engine.custom_sampler import SamplerError
 from pinfeed_server.engine.dataplane import DataPlaneServer
+from pinfeed_server.engine.iterable import (
+    dataset_len,
+    first_samples,
+    is_iterable,
+    iterable_conflict,
+)
 from pinfeed_server.engine.loader import LoaderEngine
 from pinfeed_server.engine.producers import configure_forkserver
 from pinfeed_server.engine.producers.inline import GLOBAL_RNG
@@ -67,6 +82,7 @@ class Service:
         self._unstarted: dict[str, dict[str, Any]] = {}
         self._datasets: dict[str, Any] = {}  # name -> built dataset, shared by its loaders
         self._lock = threading.RLock()
+        self.autotuner = Autotuner(self)
         self.dataplane = DataPlaneServer(
             settings.socket_path,
             self.loaders.get,
@@ -100,9 +116,11 @@ class Service:
                 self._unstarted[row["name"]] = row | {"detail": detail}
         if self.settings.demo:
             self._ensure_demo()
+        self.autotuner.start()
         log.info("data plane on %s", self.settings.socket_path)
 
     def close(self) -> None:
+        self.autotuner.close()
         with self._lock:
             engines = list(self.loaders.values())
             self.loaders.clear()
@@ -167,7 +185,8 @@ class Service:
         try:
             ds = self._open(name, row["kind"], row["params"])
             with GLOBAL_RNG:  # not while an inline loader has its RNGs swapped in
-                row |= {"length": len(ds), "sample": probe(ds[0], 1).describe()}
+                sample = first_samples(ds)[0] if is_iterable(ds) else ds[0]
+                row |= {"length": dataset_len(ds), "sample": describe(probe(sample, 1))}
         except (errors.AppError, LayoutError, Exception) as exc:
             row |= {"error": f"{type(exc).__name__}: {exc}"}
         return row
@@ -207,28 +226,54 @@ class Service:
         row = self._dataset_row(dataset_name)
         ds = self._open(dataset_name, row["kind"], row["params"])
         cfg = LoaderConfig.model_validate({**config, "dataset": dataset_name})
-        if cfg.worker_init_fn is not None:
+        plugins: dict[str, Callable[..., Any] | None] = {}
+        for field in ("worker_init_fn", "collate_fn"):
+            spec = getattr(cfg, field)
             try:
-                resolve(cfg.worker_init_fn, self.context.allowed_plugins, what="worker_init_fn")
+                found = (
+                    None
+                    if spec is None
+                    else resolve(spec, self.context.allowed_plugins, what=field)
+                )
+                plugins[field] = found
             except PluginError as exc:
                 raise errors.InvalidRequest(str(exc)) from None
+        iterable = is_iterable(ds)
+        conflict = iterable_conflict(cfg) if iterable else None
+        if conflict is not None:
+            raise errors.InvalidRequest(conflict)
         try:
             sampler = make_sampler(cfg, ds, self.context.allowed_plugins)
         except SamplerError as exc:
             raise errors.InvalidRequest(str(exc)) from None
-        if len(sampler) == 0:
+        if len(sampler) == 0 and not iterable:
             raise errors.InvalidRequest(
                 f"dataset {dataset_name!r} has {len(ds)} samples: batch_size {cfg.batch_size} "
                 "with drop_last yields no batch"
             )
-        indices = next(sampler.batches(0))
-        assert indices is not None  # a map-style dataset's plan yields index lists
-        first = indices[0]
+        collate = plugins["collate_fn"]
+        # default collate sizes slots from one sample; a collate_fn from its first batch
+        n = 1 if collate is None else sampler.max_rows
+        first: Any = "the first sample of its iterator"
+        indices: list[int] = []
+        if not iterable:
+            batch0 = next(sampler.batches(0))
+            assert batch0 is not None  # a map-style dataset's plan yields index lists
+            indices, first = batch0, batch0[0]
+        # Without max_batch_bytes, a collate_fn loader's ring takes at most a quarter of
+        # the budget left (collate.per_batch_layout).
+        cap = max(0, self.settings.max_shm_bytes - self.shm_used()) // (4 * ring_slots(cfg))
         try:
             with GLOBAL_RNG:  # not while an inline loader has its RNGs swapped in
-                layout = probe(ds[first], sampler.max_rows)
+                if iterable:
+                    batch, where = first_samples(ds, cfg, n), "the first batch of its iterator"
+                else:
+                    batch, where = _fetch_samples(ds, indices[:n]), f"sample {first}"
+                layout = loader_layout(
+                    batch, sampler.max_rows, collate, cfg.max_batch_bytes, cap, where
+                )
         except LayoutError as exc:
-            raise errors.InvalidRequest(f"sample {first}: {exc}") from None
+            raise errors.InvalidRequest(str(exc)) from None
         except Exception as exc:
             raise errors.InvalidRequest(
                 f"reading sample {first} to size the ring raised {type(exc).__name__}: {exc}"
@@ -252,7 +297,7 @@ class Service:
         limits cannot take: the one place for them, at create, restart and PATCH."""
         self.settings.check_workers(cfg.name, cfg.num_workers, self.workers_used(cfg.name))
         need = nslots * slot_bytes
-        used = self.shm_used() - (replaces.nslots * replaces.layout.slot_bytes if replaces else 0)
+        used = self.shm_used() - (replaces.reserved_bytes() if replaces else 0)
         free = max(0, self.settings.max_shm_bytes - used)
         if need > free:
             raise errors.InsufficientMemory(
@@ -277,7 +322,7 @@ class Service:
         return sum(e.config.num_workers for n, e in list(self.loaders.items()) if n != but)
 
     def shm_used(self) -> int:
-        return sum(e.nslots * e.layout.slot_bytes for e in list(self.loaders.values()))
+        return sum(e.reserved_bytes() for e in list(self.loaders.values()))
 
     def _describe_unstarted(self, row: dict[str, Any]) -> dict[str, Any]:
         return {
@@ -296,7 +341,7 @@ class Service:
         return {
             **engine.config.model_dump(),
             "created_at": created,
-            "batch": engine.layout.describe(),
+            "batch": describe(engine.layout),
             **engine.status().model_dump(),
         }
 
@@ -347,25 +392,50 @@ class Service:
         return out
 
     def patch_loader(self, name: str, body: LoaderPatch) -> dict[str, Any]:
-        """Change num_workers/prefetch_factor live: position and batches are kept."""
+        """Change num_workers/prefetch_factor live: position and batches are kept; the
+        ring grows or shrinks to fit (only the memory budget refuses: 507). Explicit
+        values turn autotune off; ``autotune`` turns it on (or, null, off)."""
         with self._lock:
             if name in self._unstarted:
                 raise errors.Conflict(f"loader {name!r} failed to start; delete and recreate it")
-            engine = self._engine(name)
-            cfg = engine.config
-            num_workers = cfg.num_workers if body.num_workers is None else body.num_workers
-            prefetch = cfg.prefetch_factor if body.prefetch_factor is None else body.prefetch_factor
-            new = cfg.model_copy(update={"num_workers": num_workers, "prefetch_factor": prefetch})
-            self._admit(new, engine.nslots, engine.layout.slot_bytes, replaces=engine)
-            try:
-                engine.reconfigure(num_workers, prefetch)
-            except ValueError as exc:
-                raise errors.Conflict(str(exc)) from None
-            row = next(r for r in self.registry.loaders() if r["name"] == name)
-            self.registry.update_loader(
-                name, row["config"] | {"num_workers": num_workers, "prefetch_factor": prefetch}
+            cfg = self._engine(name).config
+            autotune = body.autotune if "autotune" in body.model_fields_set else None
+            self.reconfigure(
+                name,
+                cfg.num_workers if body.num_workers is None else body.num_workers,
+                cfg.prefetch_factor if body.prefetch_factor is None else body.prefetch_factor,
+                autotune,
             )
         return self.describe_loader(name)
+
+    def reconfigure(
+        self, name: str, num_workers: int, prefetch: int, autotune: AutotuneSpec | None
+    ) -> None:
+        """Admit and apply a loader's new worker settings (a PATCH, or autotune's)."""
+        with self._lock:
+            engine = self._engine(name)
+            if (num_workers == 0) != (engine.config.num_workers == 0) and is_iterable(
+                engine.dataset
+            ):
+                # One iterator in the server, or one per worker (each its own shard of
+                # the stream): DataLoader's batch sequences differ, so no live switch.
+                raise errors.Conflict(
+                    f"loader {name!r} reads an IterableDataset: it cannot switch live "
+                    "between num_workers=0 and worker processes (their streams differ, as "
+                    "under DataLoader); change num_workers within >0, or recreate it"
+                )
+            update = {"num_workers": num_workers, "prefetch_factor": prefetch}
+            new = engine.config.model_copy(update=update | {"autotune": autotune})
+            self._admit(new, ring_slots(new), engine.layout.slot_bytes, replaces=engine)
+            engine.reconfigure(num_workers, prefetch)
+            engine.config = engine.config.model_copy(update={"autotune": autotune})
+            if autotune is None:
+                engine.tuner = None
+            elif engine.tuner is None or engine.tuner.spec != autotune:
+                engine.tuner = Tuner(autotune, num_workers, prefetch)
+            row = next(r for r in self.registry.loaders() if r["name"] == name)
+            stored = update | {"autotune": autotune.model_dump() if autotune else None}
+            self.registry.update_loader(name, row["config"] | stored)
 
     def delete_loader(self, name: str) -> None:
         with self._lock:

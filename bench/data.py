@@ -1,4 +1,4 @@
-"""The three workloads: their files (generated once, cached) and their dataset specs.
+"""The workloads: their files (generated once, cached) and their dataset specs.
 
 W1  in-memory tensors: a ``.pt`` of uint8 [N, 3, 64, 64] images + int64 labels
     (``tensors`` kind; the file is memory-mapped, so it lives in the page cache).
@@ -6,8 +6,21 @@ W2  memory-mapped ``.npy``: float32 [N, 3, 224, 224] + int64 labels (``npy`` kin
     read from the page cache (the files are read once before the runs).
 W3  decode-bound: JPEG files in class folders (``images`` kind, ``size`` 224),
     decoded with Pillow, shorter side resized to 224 and center-cropped.
+W4  variable-length token sequences: int64 ids, 16-512 per sample, from one flat
+    memory-mapped token file (``python`` kind, ``bench.tokens``), padded per batch by a
+    ``collate_fn`` (``bench.tokens.pad_collate``), batch 64.
 W5  W3's JPEGs with random crop and flip (``python`` kind, ``bench.augment:w5``):
     resized to 256, a random 224x224 window, flipped with probability 0.5.
+W7  an ``hf`` save_to_disk folder with a fixed-size Image column (W3-like JPEGs,
+    400x300) and a ClassLabel, batch 64, against ``load_from_disk(...).with_format("torch")``.
+W8  WebDataset tar shards of JPEGs (W3-like, 400x300) + cls, 64 samples a shard,
+    batch 64 (an IterableDataset: no shuffle), against the webdataset library's
+    ``WebDataset(...).decode("torchrgb8").to_tuple("jpg", "cls")``.
+W6  a flat uint16 token file (``tokens`` kind, nanoGPT's ``train.bin``), seq_len 1024,
+    batch 32, against nanoGPT-style ``np.memmap`` windows (``bench.references``).
+
+A workload with a ``reference`` is measured against that Dataset under DataLoader (what
+a trainer uses today for the same files); without one, against the kind's own class.
 
 ``--scale`` multiplies every sample count.
 """
@@ -27,6 +40,12 @@ W2_SAMPLES = 1_024
 W3_SAMPLES = 384
 W3_CLASSES = 8
 W3_SOURCE = (400, 300)  # width, height of the generated JPEGs (landscape, like ImageNet)
+W4_SAMPLES = 32_768
+W6_SAMPLES = 16_384
+W7_SAMPLES = 384
+W8_SAMPLES = 384
+W8_SHARD = 64
+W6_SEQ_LEN = 1024
 
 
 @dataclass
@@ -43,10 +62,12 @@ class Workload:
     dtype: str
     files: list[str] = field(default_factory=list)
     notes: str = ""
+    collate_fn: str | None = None  # the loader's, and DataLoader's (resolved)
+    reference: str | None = None  # a bench.references name: DataLoader's Dataset
 
     @property
     def sample_bytes(self) -> int:
-        itemsize = {"uint8": 1, "float32": 4}[self.dtype]
+        itemsize = {"uint8": 1, "float32": 4, "int64": 8}[self.dtype]
         return int(np.prod(self.sample_shape)) * itemsize
 
     def describe(self) -> dict[str, Any]:
@@ -171,6 +192,38 @@ def make_w3(root: Path, scale: float) -> Workload:
     )
 
 
+def make_w4(root: Path, scale: float) -> Workload:
+    from bench import tokens
+
+    n = _count(W4_SAMPLES, scale, 1024)
+    tok_path, off_path = root / f"w4-{n}-tokens.npy", root / f"w4-{n}-offsets.npy"
+    spec = {"n": n, "lengths": [tokens.LO, tokens.HI], "seed": 4}
+    if not (_stamp_ok(tok_path, spec) and off_path.exists()):
+        tokens.generate(tok_path, off_path, n, seed=4)
+        _stamp(tok_path, spec)
+    return Workload(
+        "W4",
+        "variable-length int64 tokens (16-512), padding collate_fn, batch 64",
+        "python",
+        # python-kind factories get their paths as given: absolute, under the data root.
+        {
+            "factory": "bench.tokens:TokenSequences",
+            "kwargs": {"tokens": str(tok_path), "offsets": str(off_path)},
+        },
+        n,
+        64,
+        True,
+        6,
+        [(tokens.LO + tokens.HI) // 2],
+        "int64",
+        [tok_path.name, off_path.name],
+        "python kind: a flat memory-mapped int64 token file + offsets, one sequence per "
+        "sample; collate_fn bench.tokens:pad_collate pads to the batch's longest (ids, "
+        "attention mask, lengths); sample_shape is the mean length",
+        collate_fn="bench.tokens:pad_collate",
+    )
+
+
 def make_w5(root: Path, scale: float) -> Workload:
     from bench.augment import CROP, RESIZE
 
@@ -192,8 +245,127 @@ def make_w5(root: Path, scale: float) -> Workload:
     )
 
 
-MAKERS = {"W1": make_w1, "W2": make_w2, "W3": make_w3, "W5": make_w5}
-PLUGINS = ("bench",)  # what the bench's python datasets import (bench.augment)
+def make_w6(root: Path, scale: float) -> Workload:
+    n = _count(W6_SAMPLES, scale, 512)
+    path = root / f"w6-{n}.bin"
+    count = n * W6_SEQ_LEN + 1
+    spec = {"tokens": count, "dtype": "uint16", "seed": 6}
+    if not _stamp_ok(path, spec):
+        rng = np.random.default_rng(6)
+        rng.integers(0, 50257, count, dtype=np.uint16).tofile(path)  # GPT-2's vocabulary
+        _stamp(path, spec)
+    return Workload(
+        "W6",
+        f"flat uint16 tokens, seq_len {W6_SEQ_LEN} (x, y int64), batch 32",
+        "tokens",
+        {"path": path.name, "dtype": "uint16", "seq_len": W6_SEQ_LEN},
+        n,
+        32,
+        True,
+        4,
+        [2, W6_SEQ_LEN],
+        "int64",
+        [path.name],
+        f"tokens kind: {count:,} uint16 tokens ({count * 2 / 2**20:.0f} MiB), np.memmap; "
+        "DataLoader over nanoGPT-style np.memmap windows",
+        reference="tokens",
+    )
+
+
+def make_w7(root: Path, scale: float) -> Workload:
+    import io
+
+    n = _count(W7_SAMPLES, scale, 128)
+    folder = root / f"w7-{n}"
+    w, h = W3_SOURCE
+    spec = {"n": n, "source": [w, h], "seed": 7}
+    stamp = root / f"w7-{n}.json"
+    if not (stamp.exists() and json.loads(stamp.read_text()) == spec):
+        import datasets as hd
+
+        rng = np.random.default_rng(7)
+        images = []
+        for _ in range(n):
+            buf = io.BytesIO()
+            _jpeg(rng, w, h).save(buf, format="JPEG", quality=90)
+            images.append({"bytes": buf.getvalue(), "path": None})
+        labels = rng.integers(0, W3_CLASSES, n).tolist()
+        names = [f"class{k:02d}" for k in range(W3_CLASSES)]
+        features = hd.Features({"image": hd.Image(), "label": hd.ClassLabel(names=names)})
+        ds = hd.Dataset.from_dict({"image": images, "label": labels}, features=features)
+        ds.save_to_disk(str(folder))
+        stamp.write_text(json.dumps(spec))
+    return Workload(
+        "W7",
+        f"hf save_to_disk, Image column (JPEG {w}x{h}) + ClassLabel, batch 64",
+        "hf",
+        {"path": folder.name},
+        n,
+        64,
+        True,
+        4,
+        [3, h, w],
+        "uint8",
+        [folder.name],
+        f"hf kind: {n} JPEGs of {w}x{h} (q90) embedded in Arrow; DataLoader over "
+        "datasets.load_from_disk(...).with_format('torch')",
+        reference="hf",
+    )
+
+
+def make_w8(root: Path, scale: float) -> Workload:
+    import io
+    import tarfile
+
+    n = _count(W8_SAMPLES, scale, 128)
+    shards = -(-n // W8_SHARD)
+    folder = root / f"w8-{n}"
+    w, h = W3_SOURCE
+    spec = {"n": n, "shard": W8_SHARD, "source": [w, h], "seed": 8}
+    stamp = folder / "spec.json"
+    if not (stamp.exists() and json.loads(stamp.read_text()) == spec):
+        rng = np.random.default_rng(8)
+        folder.mkdir(parents=True, exist_ok=True)
+        for k in range(shards):
+            with tarfile.open(folder / f"shard-{k:06d}.tar", "w") as tar:
+                for i in range(k * W8_SHARD, min(n, (k + 1) * W8_SHARD)):
+                    buf = io.BytesIO()
+                    _jpeg(rng, w, h).save(buf, format="JPEG", quality=90)
+                    for ext, data in (("jpg", buf.getvalue()), ("cls", b"%d" % (i % 8))):
+                        info = tarfile.TarInfo(f"sample{i:06d}.{ext}")
+                        info.size = len(data)
+                        tar.addfile(info, io.BytesIO(data))
+        stamp.write_text(json.dumps(spec))
+    pattern = f"{folder.name}/shard-{{000000..{shards - 1:06d}}}.tar"
+    return Workload(
+        "W8",
+        f"WebDataset shards, JPEG {w}x{h} + cls, batch 64",
+        "webdataset",
+        {"shards": pattern, "fields": ["jpg", "cls"]},
+        n,
+        64,
+        False,
+        4,
+        [3, h, w],
+        "uint8",
+        [folder.name],
+        f"webdataset kind: {n} JPEGs (q90) in {shards} tar shards; DataLoader over "
+        "webdataset.WebDataset(...).decode('torchrgb8').to_tuple('jpg', 'cls')",
+        reference="webdataset",
+    )
+
+
+MAKERS = {
+    "W1": make_w1,
+    "W2": make_w2,
+    "W3": make_w3,
+    "W4": make_w4,
+    "W5": make_w5,
+    "W6": make_w6,
+    "W7": make_w7,
+    "W8": make_w8,
+}
+PLUGINS = ("bench", "tests.fixtures")  # what the bench's python datasets and collate_fns import
 
 
 def warm_page_cache(root: Path, workload: Workload) -> None:

@@ -43,7 +43,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="multiply every workload's sample count (default 1.0)",
     )
     ap.add_argument("--runs", type=int, default=3, help="runs per configuration (median)")
-    ap.add_argument("--workloads", default="W1,W2,W3,W5", help="comma-separated subset")
+    ap.add_argument(
+        "--workloads", default=",".join(data.MAKERS), help="comma-separated subset (default: all)"
+    )
     ap.add_argument("--workers", default="0,1,2", help="num_workers values")
     ap.add_argument(
         "--trainers", default="1,2,4", help="trainer counts for the scaling section ('' skips it)"
@@ -208,6 +210,8 @@ def _spec(
         "batch_size": workload.batch_size,
         "shuffle": workload.shuffle,
         "epochs": workload.epochs,
+        "collate_fn": workload.collate_fn,
+        "reference": workload.reference,
         **extra,
     }
     if srv is not None:
@@ -320,7 +324,8 @@ def _cold_start(srv: BenchServer, w: data.Workload) -> dict[str, float]:
     name = _loader_name("coldstart")
     with Client(srv.url, timeout=300) as c:
         t0 = time.perf_counter()
-        c.create_loader(name, dataset=dataset, batch_size=w.batch_size, num_workers=1)
+        extra = {"collate_fn": w.collate_fn} if w.collate_fn else {}
+        c.create_loader(name, dataset=dataset, batch_size=w.batch_size, num_workers=1, **extra)
         deadline = time.monotonic() + 300
         while c.loader(name)["state"] == "starting" and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -526,7 +531,7 @@ def targets(rows: list[dict[str, Any]], handoff: dict[str, Any]) -> list[dict[st
         )
 
     get = {(r["workload"], r["num_workers"]): r for r in rows}
-    for wl in ("W1", "W2"):
+    for wl in ("W1", "W2", "W4", "W6"):
         r = get.get((wl, 2))
         add(
             f"{wl} samples/s vs DataLoader, num_workers 2",
@@ -535,7 +540,7 @@ def targets(rows: list[dict[str, Any]], handoff: dict[str, Any]) -> list[dict[st
             lambda v: v >= 3.0,
         )
     for (wl, nw), r in sorted(get.items()):
-        if wl in ("W3", "W5"):
+        if wl in ("W3", "W5", "W7", "W8"):
             add(
                 f"{wl} samples/s vs DataLoader, num_workers {nw}",
                 r["ratio"],

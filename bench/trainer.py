@@ -69,6 +69,23 @@ def _dataset(spec: dict[str, Any]) -> Any:
     return build_dataset(spec["kind"], spec["params"], ctx)
 
 
+def _collate_fn(spec: dict[str, Any]) -> Callable[[list[Any]], Any] | None:
+    """The workload's collate_fn, for DataLoader and the roofline (pinfeed's runs in the
+    server's workers)."""
+    from bench.data import PLUGINS
+    from pinfeed_server.plugins import resolve
+
+    return resolve(spec["collate_fn"], PLUGINS) if spec.get("collate_fn") else None
+
+
+def _reference(spec: dict[str, Any]) -> Any:
+    from pathlib import Path
+
+    from bench import references
+
+    return references.build(spec["reference"], Path(spec["data_root"]), spec["params"])
+
+
 def _pinfeed(spec: dict[str, Any], warm: bool = False) -> tuple[Run, float]:
     from pinfeed import Client, Loader
 
@@ -86,6 +103,7 @@ def _pinfeed(spec: dict[str, Any], warm: bool = False) -> tuple[Run, float]:
         persistent_workers=spec["num_workers"] > 0,
         pin_memory=torch.cuda.is_available(),
         prefetch_factor=2,
+        **({"collate_fn": spec["collate_fn"]} if spec.get("collate_fn") else {}),
     )
     if warm:
         # A loader created ahead of the trainer: wait (bounded) until its ring is full,
@@ -114,7 +132,7 @@ def _pinfeed(spec: dict[str, Any], warm: bool = False) -> tuple[Run, float]:
 def _dataloader(spec: dict[str, Any]) -> tuple[Run, float]:
     from torch.utils.data import DataLoader
 
-    ds = _dataset(spec)
+    ds = _reference(spec) if spec.get("reference") else _dataset(spec)
     nw = spec["num_workers"]
     t0 = time.perf_counter()
     dl = DataLoader(
@@ -126,6 +144,7 @@ def _dataloader(spec: dict[str, Any]) -> tuple[Run, float]:
         persistent_workers=nw > 0,
         prefetch_factor=2 if nw > 0 else None,
         generator=torch.Generator().manual_seed(0),
+        collate_fn=_collate_fn(spec),
     )
     run = Run(lambda: iter(dl), lambda: None)
     run.start()
@@ -138,7 +157,13 @@ def _roofline(spec: dict[str, Any]) -> tuple[Run, float]:
     torch.set_num_threads(1)
     ds = _dataset(spec)
     bs = spec["batch_size"]
-    sample = ds[0]
+    collate = _collate_fn(spec)
+    if collate is not None:  # the same reads and collate_fn, in this one process
+        return _roofline_collate(spec, ds, bs, collate)
+    iterable = isinstance(ds, torch.utils.data.IterableDataset)
+    sample = next(iter(ds)) if iterable else ds[0]
+    if isinstance(sample, dict):
+        sample = list(sample.values())
     leaves = list(sample) if isinstance(sample, (tuple, list)) else [sample]
     outs = [
         torch.empty((bs, *torch.as_tensor(v).shape), dtype=torch.as_tensor(v).dtype) for v in leaves
@@ -149,16 +174,34 @@ def _roofline(spec: dict[str, Any]) -> tuple[Run, float]:
 
     def epoch() -> Iterator[Any]:
         perm = torch.randperm(n, generator=gen).tolist() if spec["shuffle"] else range(n)
+        stream = iter(ds) if iterable else None
         for start in range(0, n, bs):
             idx = perm[start : start + bs]
             views = [o[: len(idx)] for o in outs]
             if fetch is not None:
                 fetch(idx, views)
             else:
-                samples = [ds[i] for i in idx]
+                samples = [next(stream) for _ in idx] if stream else [ds[i] for i in idx]
                 for j, v in enumerate(views):
                     torch.stack([torch.as_tensor(s[j]) for s in samples], out=v)
             yield views
+
+    t0 = time.perf_counter()
+    run = Run(epoch, lambda: None)
+    run.start()
+    return run, time.perf_counter() - t0
+
+
+def _roofline_collate(
+    spec: dict[str, Any], ds: Any, bs: int, collate: Callable[[list[Any]], Any]
+) -> tuple[Run, float]:
+    gen = torch.Generator().manual_seed(0)
+    n = len(ds)
+
+    def epoch() -> Iterator[Any]:
+        perm = torch.randperm(n, generator=gen).tolist() if spec["shuffle"] else range(n)
+        for start in range(0, n, bs):
+            yield collate([ds[i] for i in perm[start : start + bs]])
 
     t0 = time.perf_counter()
     run = Run(epoch, lambda: None)

@@ -51,6 +51,25 @@ class Epochs:
     def _reconnect(self) -> None:
         raise NotImplementedError
 
+    def _segment(self, n: int) -> None:
+        """A SEGMENT: the ring grew or shrank (``Loader`` maps or unmaps it)."""
+        raise NotImplementedError
+
+    # -- receiving: SEGMENT messages come ahead of the item that may use them -----------
+    def _recv(self) -> int:
+        n = self._t.recv()
+        while self._buf[0] == p.SEGMENT:
+            self._segment(n)
+            n = self._t.recv()
+        return n
+
+    def _try_recv(self) -> int | None:
+        n = self._t.try_recv()
+        if n is not None and self._buf[0] == p.SEGMENT:
+            self._segment(n)
+            return self._recv()  # the item it came ahead of is right behind it
+        return n
+
     # -- replies that are errors --------------------------------------------------------
     def _is_batch_error(self, n: int) -> bool:
         """An ERROR about one batch (the connection goes on), not a fatal one."""
@@ -68,13 +87,19 @@ class Epochs:
         raise DataPlaneError(f"unexpected message kind {self._buf[0]} from the server")
 
     def _advance(self, epoch: int, index: int) -> None:
-        """Batch ``index`` of ``epoch`` was consumed."""
-        self._pos = (epoch, index + 1) if index + 1 < len(self) else (epoch + 1, 0)
+        """Batch ``index`` of ``epoch`` was consumed (an iterable's epoch ends at its END)."""
+        n = self._info.batches_per_epoch
+        last = self._info.sampler_length is not None and n is not None and index + 1 >= n
+        self._pos = (epoch + 1, 0) if last else (epoch, index + 1)
 
     # -- iteration ---------------------------------------------------------------------
     def __len__(self) -> int:
-        """Batches per epoch."""
-        return self._info.batches_per_epoch
+        """Batches per epoch: DataLoader's ``len()``, which raises TypeError for an
+        IterableDataset without ``__len__``."""
+        n = self._info.batches_per_epoch
+        if n is None:
+            raise TypeError(f"loader {self.name!r} iterates an IterableDataset that has no len()")
+        return n
 
     def __iter__(self) -> Epoch:
         """An iterator over the next epoch; it costs nothing until its first ``next()``,
@@ -139,14 +164,14 @@ class Epochs:
                 # Fast path: the batch asked for last time is already here. Otherwise we
                 # are about to wait: hand back the last view's slot first, so the server
                 # can produce into it (a group member must never hold and wait).
-                n = self._t.try_recv()
+                n = self._try_recv()
                 if n is None:
                     if self._delivery.release or self._delivery.pending:
                         self._send(p.RELEASE)
-                    n = self._t.recv()
+                    n = self._recv()
             else:
                 self._send(p.NEXT)
-                n = self._t.recv()
+                n = self._recv()
             self._wait_us = (time.perf_counter_ns() - asked) // 1000
             self._state = State.EPOCH
             kind = self._buf[0]
@@ -191,7 +216,7 @@ class Epochs:
         if self._state is not State.AHEAD:
             return False
         self._state = State.EPOCH
-        self._t.recv()
+        self._recv()
         kind = self._buf[0]
         if kind == p.BATCH:
             self._delivery.release.append(p.BATCH_HEAD.unpack_from(self._buf)[1])  # unseen
@@ -203,7 +228,7 @@ class Epochs:
     def _skip_epoch(self) -> None:
         if not self._drain():
             self._send(p.SKIP)
-            n = self._t.recv()
+            n = self._recv()
             if self._buf[0] != p.END:
                 self._raise(n)
             self._pos = (p.END_BODY.unpack_from(self._buf)[1] + 1, 0)
@@ -228,7 +253,9 @@ class Epochs:
         """Where this loader is: a new Loader that loads it yields the next batch on.
 
         Same meaning as StatefulDataLoader's: after k batches of an epoch, the
-        resumed loader's first batch is batch k (0-based) of that epoch.
+        resumed loader's first batch is batch k (0-based) of that epoch. (An
+        IterableDataset's ``index`` counts DataLoader's round-robin turns: k until a
+        worker runs out, more after.)
         """
         self._check_resumable()
         epoch, index = self._pos
@@ -253,7 +280,7 @@ class Epochs:
     def _seek(self, epoch: int, index: int) -> None:
         self._drain()
         self._send(p.SEEK, p.POSITION_BODY.pack(p.SEEK, epoch, index))
-        n = self._t.recv()
+        n = self._recv()
         if self._buf[0] != p.POSITION:
             self._raise(n)
         _, e, i = p.POSITION_BODY.unpack_from(self._buf)

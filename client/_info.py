@@ -31,12 +31,14 @@ def _server_side(what: str) -> NoReturn:
 class RemoteDataset(Dataset[Any]):
     """``loader.dataset``: the server's dataset by name, length and sample structure."""
 
-    def __init__(self, name: str, length: int, sample: Any) -> None:
+    def __init__(self, name: str, length: int | None, sample: Any) -> None:
         self.name = name
         self.sample = sample
         self._length = length
 
     def __len__(self) -> int:
+        if self._length is None:
+            raise TypeError(f"dataset {self.name!r} (an IterableDataset) has no len()")
         return self._length
 
     def __getitem__(self, index: int) -> NoReturn:
@@ -60,13 +62,15 @@ class RemoteSampler(Sampler[int]):
         self.num_replicas: int | None = config["world_size"]
         self.rank = int(config["rank"])
         self.epoch = info.epoch
-        self.num_samples = info.sampler_length
+        self.num_samples: int | None = info.sampler_length
         self._set_epoch = set_epoch
 
     def set_epoch(self, epoch: int) -> None:
         self._set_epoch(epoch)  # loader.set_epoch, which sets self.epoch
 
     def __len__(self) -> int:
+        if self.num_samples is None:  # DataLoader's _InfiniteConstantSampler has no len
+            raise TypeError("an IterableDataset's sampler has no len()")
         return self.num_samples
 
     def __iter__(self) -> Iterator[int]:
@@ -82,13 +86,15 @@ class RemoteSampler(Sampler[int]):
 class RemoteBatchSampler(Sampler[list[int]]):
     """``loader.batch_sampler``: ``BatchSampler(loader.sampler, batch_size, drop_last)``."""
 
-    def __init__(self, sampler: RemoteSampler, batch_size: int, batches: int) -> None:
+    def __init__(self, sampler: RemoteSampler, batch_size: int, batches: int | None) -> None:
         self.sampler = sampler
         self.batch_size = batch_size
         self.drop_last = sampler.drop_last
         self._batches = batches
 
     def __len__(self) -> int:
+        if self._batches is None:
+            raise TypeError("an IterableDataset's batch sampler has no len()")
         return self._batches
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -162,12 +168,17 @@ class DataLoaderAttributes:
 
     @property
     def batch_sampler(self) -> RemoteBatchSampler:
-        return RemoteBatchSampler(self._sampler, int(self._info.config["batch_size"]), len(self))
+        batch_size = int(self._info.config["batch_size"])
+        return RemoteBatchSampler(self._sampler, batch_size, self._info.batches_per_epoch)
 
     @property
     def collate_fn(self) -> Callable[[list[Any]], Any]:
-        """What the server applies (collating straight into the slot)."""
-        return torch.utils.data.default_collate
+        """What the server applies (collating straight into the slot): default_collate,
+        or a stand-in for the loader's own ``collate_fn``, which runs in the server."""
+        spec = self._info.config.get("collate_fn")
+        if spec is None:
+            return torch.utils.data.default_collate
+        return lambda samples: _server_side(f"collate_fn {spec!r}")
 
     @property
     def generator(self) -> torch.Generator | None:

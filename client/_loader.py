@@ -34,7 +34,7 @@ from pinfeed._errors import (
     ServerUnavailable,
 )
 from pinfeed._info import DataLoaderAttributes, RemoteSampler
-from pinfeed._ring import RingMapping
+from pinfeed._ring import RingMapping, RingSegments
 from pinfeed._transport import SocketTransport, Transport, close_fds
 from pinfeed._views import BatchViews, Delivery
 
@@ -121,17 +121,24 @@ class Loader(Epochs, DataLoaderAttributes):
         self.member = info.member
         self._pos = (info.epoch, info.position)
         self._ring = RingMapping(fds[0], info.ring_bytes)
+        self._segments = RingSegments(self._ring, info.nslots, info.slot_bytes)
         self.nslots = info.nslots
         self.slot_bytes = info.slot_bytes
         self._sampler = RemoteSampler(info, self.set_epoch)
-        self._views = BatchViews(self._ring, info.layout, info.nslots, info.slot_bytes)
+        self._views = BatchViews(self._segments, info.layout, info.nslots, info.slot_bytes)
         self._delivery = Delivery(self.device, self.copy, info.nslots)
         if self.pin_memory:
             if torch.cuda.is_available():
                 self._ring.register_cuda()
+                self._segments.cuda = True
                 self._t.send(bytes([p.CUDA]))
             else:
                 warnings.warn(PIN_WARNING, stacklevel=3)
+
+    def _segment(self, n: int) -> None:
+        _, segment, first, nslots = p.SEGMENT_BODY.unpack_from(self._buf)
+        self._views.clear()  # cached views of a closed segment's slots must go
+        self._segments.update(segment, first, nslots, self._t.take_fds())
 
     def _reconnect(self) -> None:
         """Re-attach after a server restart and seek to where this loader was."""
@@ -164,7 +171,7 @@ class Loader(Epochs, DataLoaderAttributes):
 
     def ring_contains(self, t: torch.Tensor) -> bool:
         """True if ``t``'s memory lies inside this loader's ring (a zero-copy view)."""
-        return bool(self._ring and self._ring.contains(t))
+        return bool(self._ring and self._segments.contains(t))
 
     def close(self) -> None:
         """Detach: hand back every slot, close the socket, unmap once no view is alive."""
@@ -184,6 +191,7 @@ class Loader(Epochs, DataLoaderAttributes):
         self._t.close()
         if self._ring is not None:
             self._views.clear()
+            self._segments.close_extra()
             self._ring.close()
             self._ring = None
 

@@ -8,11 +8,12 @@ neither pickles nor parses JSON::
 
     client -> server                         server -> client
     ATTACH  A  JSON Attach                   ATTACHED a  JSON Attached + ring memfd
-    NEXT    N  RELEASE_HEAD, slots, wait_us  BATCH    B  BATCH_HEAD, dims, strings JSON
+    NEXT    N  RELEASE_HEAD, slots, wait_us  BATCH    B  BATCH_HEAD, dims, strings JSON;
+                                                         or (FLAG_LAYOUT) its own layout
     RELEASE R  as NEXT (no reply)            END      E  END_BODY (epoch over)
     SKIP    S  as NEXT; reply END            POSITION P  POSITION_BODY (after SEEK)
     SEEK    K  POSITION_BODY                 ERROR    X  JSON ErrorInfo
-    CUDA    C  (no body, no reply)
+    CUDA    C  (no body, no reply)           SEGMENT  G  SEGMENT_BODY (+ memfd: ring grew)
 
 Errors: ``ERROR_KINDS`` (slug -> fatal). Imports neither pinfeed nor torch."""
 
@@ -28,35 +29,31 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
-ATTACH = ord("A")
-NEXT = ord("N")
-RELEASE = ord("R")
-SKIP = ord("S")
-SEEK = ord("K")
-CUDA = ord("C")
-ATTACHED = ord("a")
-BATCH = ord("B")
-END = ord("E")
-POSITION = ord("P")
-ERROR = ord("X")
+ATTACH, NEXT, RELEASE, SKIP, SEEK, CUDA = map(ord, "ANRSKC")  # client -> server
+ATTACHED, BATCH, END, POSITION, ERROR, SEGMENT = map(ord, "aBEPXG")  # server -> client
 KIND_NAMES = {
     ATTACH: "ATTACH", NEXT: "NEXT", RELEASE: "RELEASE", SKIP: "SKIP", SEEK: "SEEK",
     CUDA: "CUDA", ATTACHED: "ATTACHED", BATCH: "BATCH", END: "END", POSITION: "POSITION",
-    ERROR: "ERROR",
+    ERROR: "ERROR", SEGMENT: "SEGMENT",
 }  # fmt: skip
 
-# kind, slot, seq, epoch, index in epoch, length of the trailing strings JSON
-BATCH_HEAD = struct.Struct("<B3xIQIII")
+# kind | flags << 8, slot, seq, epoch, index in epoch, length of the trailing body
+BATCH_HEAD = struct.Struct("<H2xIQIII")
+# A BATCH flag: its body is its own layout (BATCH_LAYOUT_HEAD ..), not dims + strings.
+FLAG_LAYOUT = 1
+# mark (0: never the first byte of a strings JSON), structure JSON bytes, objects JSON bytes
+BATCH_LAYOUT_HEAD = struct.Struct("<B3xII")
 END_BODY = struct.Struct("<B3xIQ")  # kind, epoch, seq
 POSITION_BODY = struct.Struct("<B3xII")  # kind, epoch, index
+SEGMENT_BODY = struct.Struct("<B3xIII")  # kind, segment id, first slot, slots (0: closed)
 RELEASE_HEAD = struct.Struct("<BxH")  # kind, count
 SLOT = struct.Struct("<I")
 WAIT = struct.Struct("<I")
 _ONE_RELEASE = struct.Struct("<BxHII")  # kind, count=1, slot, wait_us
 
-# Largest message either side sends. Batches of strings are the only variable part.
+# Largest message either side sends. A BATCH's strings or own layout are its variable part.
 MAX_MESSAGE = 256 * 1024
 # Slot offsets and leaf offsets are aligned so every dtype view is aligned too.
 ALIGN = 64
@@ -124,14 +121,15 @@ class Leaf:
 
 @dataclass(frozen=True)
 class Layout:
-    """A batch's structure: a treedef (default_collate's nesting: ``["leaf", j]``,
-    ``["list", [..]]``, ``["dict", [[key, ..]]]``, ``["namedtuple", [name, fields, [..]]]``)
-    over leaves, each at a fixed offset in a slot."""
+    """A batch's structure: a treedef (``["leaf", j]``, ``["list" | "tuple", [..]]``,
+    ``["dict", [[key, ..]]]``, ``["namedtuple", [name, fields, [..]]]``) over leaves,
+    each at a fixed offset in a slot."""
 
     treedef: list[Any]
     leaves: tuple[Leaf, ...]
     batch_size: int
     slot_bytes: int
+    per_batch: bool = False  # every BATCH has FLAG_LAYOUT; treedef, leaves: the first batch
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)  # leaves become dicts, shapes JSON lists
@@ -139,32 +137,8 @@ class Layout:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Layout:
         leaves = tuple(Leaf.from_json(x) for x in data["leaves"])
-        return cls(data["treedef"], leaves, data["batch_size"], data["slot_bytes"])
-
-    @property
-    def has_strings(self) -> bool:
-        return any(x.kind == "str" for x in self.leaves)
-
-    def describe(self) -> Any:
-        """The batch structure with shapes and dtypes, for humans and the HTTP API."""
-
-        def walk(node: list[Any]) -> Any:
-            tag, body = node
-            if tag == "leaf":
-                leaf = self.leaves[body]
-                if leaf.kind == "str":
-                    return {"kind": "str"}
-                return {"dtype": leaf.dtype, "shape": list(leaf.shape)}
-            if tag == "dict":
-                return {str(k): walk(v) for k, v in body}
-            if tag == "namedtuple":
-                return {
-                    "namedtuple": body[0],
-                    "fields": dict(zip(body[1], map(walk, body[2]), strict=True)),
-                }
-            return [walk(c) for c in body]
-
-        return walk(self.treedef)
+        per_batch = bool(data.get("per_batch", False))
+        return cls(data["treedef"], leaves, data["batch_size"], data["slot_bytes"], per_batch)
 
 
 def dims_struct(layout: Layout) -> struct.Struct:
@@ -181,6 +155,31 @@ def pack_dims(layout: Layout, rows: int) -> bytes:
             dims.append(rows)
             dims.extend(leaf.shape)
     return dims_struct(layout).pack(*dims)
+
+
+def encode_batch_layout(structure: bytes, dims: list[int], objects: bytes) -> bytes:
+    """A BATCH body with FLAG_LAYOUT. ``structure``: JSON ``[treedef, [[kind, dtype, ndim],
+    ..]]``, kind ``t`` (tensor), ``n`` (numpy array), ``s`` (numpy scalar) or ``o`` (the
+    next value of ``objects``, a JSON list); ``dims``: per array leaf, its byte offset in
+    the slot then its shape."""
+    head = BATCH_LAYOUT_HEAD.pack(0, len(structure), len(objects))
+    return b"".join((head, structure, struct.pack(f"<{len(dims)}q", *dims), objects))
+
+
+def decode_batch_layout(body: Buffer) -> tuple[list[Any], tuple[int, ...], list[Any]]:
+    """(structure, dims, objects) of a FLAG_LAYOUT body; the client caches the parse of
+    the structure bytes instead (``pinfeed._views``)."""
+    _, nstruct, nobj = BATCH_LAYOUT_HEAD.unpack_from(body)
+    at = BATCH_LAYOUT_HEAD.size + nstruct
+    structure = json.loads(bytes(body[BATCH_LAYOUT_HEAD.size : at]))
+    dims = layout_dims(structure[1]).unpack_from(body, at)
+    at += 8 * len(dims)
+    return structure, dims, json.loads(bytes(body[at : at + nobj])) if nobj else []
+
+
+def layout_dims(leaves: list[list[Any]]) -> struct.Struct:
+    """The int64 dims of a FLAG_LAYOUT body with these structure leaves."""
+    return struct.Struct(f"<{sum(n + 1 for kind, _, n in leaves if kind != 'o')}q")
 
 
 # -- control messages ------------------------------------------------------------------
@@ -211,11 +210,8 @@ class Attach:
 
 @dataclass(frozen=True)
 class Attached:
-    """The server's reply to ATTACH; the ring's memfd travels with it (SCM_RIGHTS).
-
-    ``epoch``/``position``: the member's next batch. Fields added here travel both ways;
-    a decoder ignores keys it does not know (a newer server of the same version).
-    """
+    """The server's reply to ATTACH; ring segment 0's memfd travels with it (SCM_RIGHTS).
+    ``epoch``/``position``: the member's next batch. A decoder ignores unknown keys."""
 
     loader: str
     member: int
@@ -223,14 +219,14 @@ class Attached:
     nslots: int
     slot_bytes: int
     layout: Layout
-    batches_per_epoch: int
+    batches_per_epoch: int | None  # None: an iterable without __len__
     group_size: int
     group_mode: str
     epoch: int
     position: int
     config: dict[str, Any]  # the loader's config: DataLoader's attributes (pinfeed._info)
-    dataset_length: int
-    sampler_length: int
+    dataset_length: int | None
+    sampler_length: int | None  # None: an IterableDataset's (no sampler)
     sample: Any
     version: int = PROTOCOL_VERSION
 
@@ -317,11 +313,8 @@ def encode_release(kind: int, slots: list[int], wait_us: int = 0) -> bytes:
     wait_us = min(wait_us, 0xFFFFFFFF)
     if len(slots) == 1:  # the per-batch case: one pack, no joins
         return _ONE_RELEASE.pack(kind, 1, slots[0], wait_us)
-    return (
-        RELEASE_HEAD.pack(kind, len(slots))
-        + b"".join(SLOT.pack(s) for s in slots)
-        + WAIT.pack(wait_us)
-    )
+    packed = b"".join(SLOT.pack(s) for s in slots)
+    return RELEASE_HEAD.pack(kind, len(slots)) + packed + WAIT.pack(wait_us)
 
 
 def decode_release(data: Buffer) -> tuple[list[int], int | None]:
@@ -361,16 +354,17 @@ def decode_end(data: Buffer) -> tuple[int, int]:
 
 
 def batch_parts(
-    slot: int, seq: int, epoch: int, index: int, dims: bytes, strings: bytes
+    slot: int, seq: int, epoch: int, index: int, dims: bytes, body: bytes, flags: int = 0
 ) -> list[bytes]:
-    """A BATCH as the parts of one scatter ``sendmsg`` (the server sends it this way)."""
-    return [BATCH_HEAD.pack(BATCH, slot, seq, epoch, index, len(strings)), dims, strings]
+    """A BATCH as the parts of one scatter ``sendmsg`` (the server sends it this way);
+    with FLAG_LAYOUT, ``dims`` is empty and ``body`` is ``encode_batch_layout``'s."""
+    return [BATCH_HEAD.pack(BATCH | flags << 8, slot, seq, epoch, index, len(body)), dims, body]
 
 
 def decode_batch(
     data: Buffer, dims: struct.Struct
 ) -> tuple[int, int, int, int, tuple[int, ...], bytes]:
-    """(slot, seq, epoch, index, dims, strings JSON) of a BATCH; ``dims`` from dims_struct."""
+    """(slot, seq, epoch, index, dims, strings JSON) of a BATCH without FLAG_LAYOUT."""
     _, slot, seq, epoch, index, nstr = BATCH_HEAD.unpack_from(data)
     start = BATCH_HEAD.size + dims.size
     strings = bytes(data[start : start + nstr])

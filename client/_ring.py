@@ -92,3 +92,53 @@ def reclaim_parked() -> None:
         _parked.clear()
     for ring in parked:
         ring.close()
+
+
+class RingSegments:
+    """A ring's segments as the trainer maps them: segment 0 from ATTACHED, further ones
+    from SEGMENT messages (a live PATCH grew the ring). Slot ``s`` lives in the segment
+    whose slots cover it, at ``(s - first) * slot_bytes``. A closed segment is unmapped
+    once no view uses it (``RingMapping.close`` parks it until then)."""
+
+    def __init__(self, first: RingMapping, nslots: int, slot_bytes: int) -> None:
+        self.slot_bytes = slot_bytes
+        self.cuda = False  # register new segments with CUDA, as segment 0 was
+        self._maps: dict[int, tuple[int, int, RingMapping]] = {0: (0, nslots, first)}
+        self._by_slot: list[tuple[RingMapping, int]] = []
+        self._index()
+
+    def _index(self) -> None:
+        end = max(first + n for first, n, _ in self._maps.values())
+        by_slot: list[tuple[RingMapping, int]] = [(self._maps[0][2], 0)] * end
+        for first, n, ring in self._maps.values():
+            by_slot[first : first + n] = [(ring, first)] * n
+        self._by_slot = by_slot
+
+    def of(self, slot: int) -> tuple[RingMapping, int]:
+        """(the mapping holding ``slot``, the first slot of that mapping)."""
+        return self._by_slot[slot]
+
+    def update(self, segment: int, first: int, nslots: int, fds: list[int]) -> None:
+        """Apply a SEGMENT message: map segment ``segment`` (its memfd in ``fds``), or,
+        with 0 slots, let it go."""
+        if nslots:
+            if len(fds) != 1:
+                for fd in fds:
+                    os.close(fd)
+                raise ValueError("a SEGMENT that adds slots carries one memfd")
+            ring = RingMapping(fds[0], nslots * self.slot_bytes)
+            if self.cuda:
+                ring.register_cuda()
+            self._maps[segment] = (first, nslots, ring)
+        elif segment in self._maps and segment != 0:
+            self._maps.pop(segment)[2].close()
+        self._index()
+
+    def contains(self, t: torch.Tensor) -> bool:
+        return any(ring.contains(t) for _, _, ring in self._maps.values())
+
+    def close_extra(self) -> None:
+        """Unmap (or park) every segment but 0, which the loader closes itself."""
+        for sid in [s for s in self._maps if s != 0]:
+            self._maps.pop(sid)[2].close()
+        self._index()

@@ -1,6 +1,11 @@
 """From a BATCH message to the trainer's batch: tensor views over a ring slot
 (``BatchViews``), then as views, owned copies or a CUDA copy (``Delivery``), and which
 slots can go back to the server.
+
+A BATCH in the loader's fixed layout carries dims (rows, shapes); one with
+``FLAG_LAYOUT`` carries its own layout (a ``collate_fn``'s output): its structure is
+parsed once per distinct structure and cached, so the per-batch cost is a dict lookup,
+one ``struct`` unpack and one view per leaf, as for a fixed layout.
 """
 
 from __future__ import annotations
@@ -11,10 +16,11 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from pinfeed import _protocol as p
-from pinfeed._ring import RingMapping
+from pinfeed._ring import RingSegments
 
 Builder = Callable[[list[Any]], Any]
 
@@ -40,6 +46,21 @@ def builder(node: list[Any]) -> Builder:
     return lambda leaves: tuple(f(leaves) for f in subs)
 
 
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+
+
+# A per-batch layout's parsed structure: (builder, leaves as (kind, dtype, ndim), dims).
+Structure = tuple[Builder, list[tuple[str, torch.dtype | None, int]], Any]
+MAX_STRUCTURES = 256
+
+
+def _parse_structure(raw: bytes) -> Structure:
+    treedef, leaves = json.loads(raw)
+    specs = [(k, getattr(torch, d) if k != "o" else None, int(n)) for k, d, n in leaves]
+    return builder(treedef), specs, p.layout_dims(leaves)
+
+
 def _tensors(batch: Any) -> list[torch.Tensor]:
     if isinstance(batch, torch.Tensor):
         return [batch]
@@ -51,21 +72,26 @@ def _tensors(batch: Any) -> list[torch.Tensor]:
 
 
 def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``batch`` with ``fn`` applied to its tensors; numpy views into the slot are
+    copied (DataLoader's pin_memory leaves arrays alone, but the slot goes back)."""
     if isinstance(batch, torch.Tensor):
         return fn(batch)
+    if isinstance(batch, np.ndarray):
+        return batch.copy()
     if isinstance(batch, dict):
         return {k: _map_tensors(v, fn) for k, v in batch.items()}
     if isinstance(batch, list):
         return [_map_tensors(v, fn) for v in batch]
     if isinstance(batch, tuple):
-        return tuple(_map_tensors(v, fn) for v in batch)
+        items = (_map_tensors(v, fn) for v in batch)
+        return type(batch)(*items) if hasattr(batch, "_fields") else tuple(items)
     return batch
 
 
 class BatchViews:
     """The batch a BATCH message announces, as tensor views into the ring."""
 
-    def __init__(self, ring: RingMapping, layout: p.Layout, nslots: int, slot_bytes: int):
+    def __init__(self, ring: RingSegments, layout: p.Layout, nslots: int, slot_bytes: int):
         self._ring = ring
         self._nslots = nslots
         self._slot_bytes = slot_bytes
@@ -85,9 +111,12 @@ class BatchViews:
         # in place), for a quarter of the cost of as_strided, and far less when the
         # trainer's step has left the caches cold.
         self._views: dict[tuple[int, tuple[int, ...]], list[torch.Tensor]] = {}
+        self._structures: dict[bytes, Structure] = {}
 
     def batch(self, buf: bytearray, slot: int, nstr: int) -> Any:
         """The nested batch of the BATCH message in ``buf`` (its head already read)."""
+        if buf[1] & p.FLAG_LAYOUT:
+            return self._own_layout(buf, slot)
         dims = self._dims.unpack_from(buf, p.BATCH_HEAD.size)
         if not nstr:
             key = (slot, dims)
@@ -103,7 +132,8 @@ class BatchViews:
 
     def _make_leaves(self, slot: int, dims: tuple[int, ...], strings: Any) -> list[Any]:
         out: list[Any] = []
-        base = slot * self._slot_bytes
+        ring, first = self._ring.of(slot)  # the segment holding the slot
+        base = (slot - first) * self._slot_bytes
         d = 0
         for offset, dtype, ndim in self._leaves:
             if dtype is None:
@@ -113,15 +143,47 @@ class BatchViews:
             d += ndim
             stride = self._strides.get(shape)
             if stride is None:
-                stride = self._strides[shape] = tuple(
-                    math.prod(shape[i + 1 :]) for i in range(len(shape))
-                )
-            typed = self._ring.typed(dtype)
+                stride = self._strides[shape] = _strides(shape)
+            typed = ring.typed(dtype)
             out.append(torch.as_strided(typed, shape, stride, (base + offset) // dtype.itemsize))
         return out
 
+    def _own_layout(self, buf: bytearray, slot: int) -> Any:
+        """A FLAG_LAYOUT batch: its structure (cached), then per array leaf its offset
+        and shape, then its objects (numbers, strings) as JSON."""
+        at = p.BATCH_HEAD.size
+        _, nstruct, nobj = p.BATCH_LAYOUT_HEAD.unpack_from(buf, at)
+        at += p.BATCH_LAYOUT_HEAD.size
+        raw = bytes(buf[at : at + nstruct])
+        structure = self._structures.get(raw)
+        if structure is None:
+            if len(self._structures) >= MAX_STRUCTURES:
+                self._structures.clear()
+            structure = self._structures[raw] = _parse_structure(raw)
+        build, specs, dims_struct = structure
+        at += nstruct
+        dims = dims_struct.unpack_from(buf, at)
+        at += dims_struct.size
+        objects = iter(json.loads(bytes(buf[at : at + nobj])) if nobj else ())
+        ring, first = self._ring.of(slot)  # the segment holding the slot
+        base = (slot - first) * self._slot_bytes
+        out: list[Any] = []
+        d = 0
+        for kind, dtype, ndim in specs:
+            if dtype is None:
+                out.append(next(objects))
+                continue
+            offset, shape = dims[d], dims[d + 1 : d + 1 + ndim]
+            d += ndim + 1
+            t = torch.as_strided(
+                ring.typed(dtype), shape, _strides(shape), (base + offset) // dtype.itemsize
+            )
+            out.append(t if kind == "t" else t.numpy() if kind == "n" else t.numpy()[()])
+        return build(out)
+
     def clear(self) -> None:
         self._views.clear()
+        self._structures.clear()
 
 
 class Delivery:

@@ -9,7 +9,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from pinfeed_server.datasets import images, npy, python, synthetic, tensors
+from pinfeed_server.datasets import (
+    hf,
+    images,
+    npy,
+    parquet,
+    python,
+    synthetic,
+    tensors,
+    tokens,
+    webdataset,
+)
 from pinfeed_server.datasets.base import (
     BatchFetcher,
     DatasetContext,
@@ -19,7 +29,18 @@ from pinfeed_server.datasets.base import (
 )
 
 KINDS: dict[str, Kind[Any]] = {
-    k.name: k for k in (synthetic.KIND, tensors.KIND, npy.KIND, python.KIND, images.KIND)
+    k.name: k
+    for k in (
+        synthetic.KIND,
+        tensors.KIND,
+        npy.KIND,
+        python.KIND,
+        images.KIND,
+        tokens.KIND,
+        parquet.KIND,
+        hf.KIND,
+        webdataset.KIND,
+    )
 }
 
 

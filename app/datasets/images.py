@@ -109,6 +109,11 @@ def decode(path: str, size: int) -> Image.Image:
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     with os.fdopen(fd, "rb") as f:
         img = Image.open(f).convert("RGB")
+    return fit(img, size)
+
+
+def fit(img: Image.Image, size: int) -> Image.Image:
+    """torchvision's ``Resize(size)`` (shorter side, bilinear) then ``CenterCrop(size)``."""
     w, h = img.size
     short, long = (w, h) if w <= h else (h, w)
     if short != size:

@@ -1,4 +1,4 @@
-"""``python``: a map-style Dataset built by a factory the operator allowed.
+"""``python``: a map-style or iterable Dataset built by a factory the operator allowed.
 
 ``{"factory": "package.module:callable", "kwargs": {...}}``. Only modules under a
 prefix in ``PINFEED_ALLOWED_PLUGINS`` may be imported: importing code named in an
@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import Field
+from torch.utils.data import IterableDataset
 
 from pinfeed_server.datasets.base import DatasetContext, DatasetError, Kind, Params
 from pinfeed_server.plugins import SPEC, PluginError, resolve
@@ -29,8 +30,13 @@ def build(p: PythonParams, ctx: DatasetContext) -> Any:
         dataset = factory(**p.kwargs)
     except Exception as exc:
         raise DatasetError(f"{p.factory}(**kwargs) raised {type(exc).__name__}: {exc}") from None
+    if isinstance(dataset, IterableDataset):  # DataLoader's test (engine/iterable.py)
+        return dataset
     if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-        raise DatasetError(f"{p.factory} did not return a map-style dataset (__len__, __getitem__)")
+        raise DatasetError(
+            f"{p.factory} did not return a map-style dataset (__len__, __getitem__) or an "
+            "IterableDataset"
+        )
     return dataset
 
 

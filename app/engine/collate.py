@@ -1,36 +1,66 @@
 """Batch layout and collation straight into a ring slot.
 
 ``probe`` reads one sample and records default_collate's structure (the *treedef*)
-and one *leaf* per tensor-like value. ``SlotWriter`` writes batches into ring slots:
-array-backed datasets through ``fetch_into`` (one gather per leaf), all others by
-``torch.stack(..., out=leaf_view)``. There is no intermediate batch tensor: the
-collate is the batch's one host copy.
+and one *leaf* per tensor-like value: the loader's fixed layout. ``SlotWriter`` writes
+batches into ring slots: array-backed datasets through ``fetch_into`` (one gather per
+leaf), all others by ``torch.stack(..., out=leaf_view)``. There is no intermediate
+batch tensor: the collate is the batch's one host copy.
 
 default_collate's rules that we keep: tensors stack; numpy arrays and scalars become
 tensors; Python ``int`` -> int64, ``float`` -> float64, ``bool`` -> bool; ``str``
 comes back as a list of strings; tuples, lists and dicts keep their structure.
+
+A batch that does not fit the fixed layout (its shapes or structure are not the first
+sample's) is collated by torch's own ``default_collate``, so that ragged samples fail
+with DataLoader's own error, and a batch it can make (equal shapes within the batch,
+as a length-bucketing sampler gives) is written with a layout of its own
+(``batchlayout.py``). A loader with a ``collate_fn`` writes every batch that way: the
+function is called with the list of samples, as DataLoader calls it, in the worker.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import default_collate
 
 from pinfeed._protocol import MAX_MESSAGE, Layout, Leaf, align
 from pinfeed_server.datasets.base import BatchFetcher
+from pinfeed_server.engine.batchlayout import OutputError, output_leaves, write_output
 from pinfeed_server.engine.errors import BatchTooLarge, SampleError
+from pinfeed_server.engine.ring import SlotSpace  # a ring of several segments
 
-__all__ = ["Layout", "LayoutError", "Leaf", "SlotWriter", "probe"]
+__all__ = [
+    "Layout",
+    "LayoutError",
+    "Leaf",
+    "SlotWriter",
+    "describe",
+    "loader_layout",
+    "per_batch_layout",
+    "probe",
+]
 
 TreeDef = list[Any]  # see pinfeed._protocol.Layout
+Collate = Callable[[list[Any]], Any]
+
+
+# A collate_fn loader's slots without max_batch_bytes: MARGIN x its first batch.
+MARGIN = 4
+MIN_SLOT_BYTES = 1 << 20
 
 
 class LayoutError(ValueError):
     """A sample's structure cannot be batched the way the first sample was."""
+
+
+class _NotTheLayout(Exception):
+    """This batch is not shaped as the fixed layout: default_collate makes it."""
 
 
 def _leaf_of(value: Any) -> tuple[str, str, tuple[int, ...]] | None:
@@ -92,6 +122,74 @@ def probe(sample: Any, batch_size: int) -> Layout:
     return Layout(treedef, tuple(leaves), batch_size, max(offset, 64))
 
 
+def describe(layout: Layout) -> Any:
+    """The batch structure with shapes and dtypes, for humans and the HTTP API: one
+    sample's (a fixed layout), or the first batch's (a per-batch layout)."""
+
+    def walk(node: list[Any]) -> Any:
+        tag, body = node
+        if tag == "leaf":
+            leaf = layout.leaves[body]
+            if leaf.kind in ("str", "obj"):
+                return {"kind": leaf.dtype or leaf.kind}
+            shape = {"dtype": leaf.dtype, "shape": list(leaf.shape)}
+            return shape if leaf.kind == "tensor" else {"kind": leaf.kind, **shape}
+        if tag == "dict":
+            return {str(k): walk(v) for k, v in body}
+        if tag == "namedtuple":
+            return {
+                "namedtuple": body[0],
+                "fields": dict(zip(body[1], map(walk, body[2]), strict=True)),
+            }
+        return [walk(c) for c in body]
+
+    return walk(layout.treedef)
+
+
+def per_batch_layout(out: Any, batch_size: int, slot_bytes: int | None, cap: int) -> Layout:
+    """The layout of a ``collate_fn`` loader from its first batch's output ``out``.
+
+    Slots hold ``slot_bytes`` (the loader's ``max_batch_bytes``) if given; else
+    ``MARGIN`` times the first batch, at least ``MIN_SLOT_BYTES``, at most ``cap``
+    (a share of the memory budget), and never less than the first batch."""
+    treedef, leaves, first = output_leaves(out)
+    if slot_bytes is None:
+        slot_bytes = max(first, min(max(MARGIN * first, MIN_SLOT_BYTES), cap))
+    return Layout(treedef, tuple(leaves), batch_size, align(max(slot_bytes, 64)), per_batch=True)
+
+
+def loader_layout(
+    first_batch: Sequence[Any],
+    batch_size: int,
+    collate_fn: Collate | None = None,
+    max_batch_bytes: int | None = None,
+    cap: int = 1 << 62,
+    where: str = "sample 0",
+) -> Layout:
+    """A new loader's layout, from its first batch's samples (``where``: what they are,
+    for messages): default collate probes the first sample (slots hold ``batch_size`` of
+    it, or ``max_batch_bytes`` if more); a ``collate_fn`` is called on the first batch
+    (``per_batch_layout``). LayoutError (a 422) when neither can be used."""
+    if collate_fn is None:
+        try:
+            layout = probe(first_batch[0], batch_size)
+        except LayoutError as exc:
+            raise LayoutError(f"{where}: {exc}") from None
+        if max_batch_bytes is not None and max_batch_bytes > layout.slot_bytes:
+            layout = replace(layout, slot_bytes=align(max_batch_bytes))
+        return layout
+    try:
+        out = collate_fn(list(first_batch))
+    except Exception as exc:
+        raise LayoutError(
+            f"collate_fn raised on the first batch ({where}): {type(exc).__name__}: {exc}"
+        ) from None
+    try:
+        return per_batch_layout(out, batch_size, max_batch_bytes, cap)
+    except OutputError as exc:
+        raise LayoutError(f"collate_fn's output cannot be carried: {exc}") from None
+
+
 def flatten(sample: Any, treedef: TreeDef, out: list[Any]) -> None:
     """Append ``sample``'s leaves in treedef order; LayoutError if its structure differs."""
     tag, body = treedef
@@ -151,19 +249,11 @@ def _fetch_samples(dataset: Any, indices: Sequence[int]) -> list[Any]:
     return samples
 
 
-def _write_leaf(leaf: Leaf, view: torch.Tensor, values: list[Any], indices: Sequence[int]) -> None:
-    for value, index in zip(values, indices, strict=True):
+def _write_leaf(leaf: Leaf, view: torch.Tensor, values: list[Any]) -> None:
+    for value in values:
         spec = _leaf_of(value)
         if spec is None or spec[1] != leaf.dtype or spec[2] != leaf.shape:
-            got = "unbatchable value" if spec is None else f"{spec[1]} {list(spec[2])}"
-            error = BatchTooLarge if spec and _nbytes(spec) > _nbytes(leaf) else SampleError
-            raise error(
-                f"sample {index}: a field is {got}, but the loader's layout (from the first "
-                f"sample) is {leaf.dtype} {list(leaf.shape)}; samples must have equal shapes "
-                "and dtypes, as default_collate requires",
-                index=index,
-                error_type="LayoutError",
-            )
+            raise _NotTheLayout
     first = values[0]
     if isinstance(first, torch.Tensor):
         torch.stack(values, out=view)
@@ -173,40 +263,69 @@ def _write_leaf(leaf: Leaf, view: torch.Tensor, values: list[Any], indices: Sequ
         view.numpy()[:] = values
 
 
-def _nbytes(spec: Leaf | tuple[str, str, tuple[int, ...]]) -> int:
-    if isinstance(spec, Leaf):
-        return spec.row_bytes
-    itemsize: int = getattr(torch, spec[1]).itemsize
-    return int(np.prod(spec[2], dtype=np.int64)) * itemsize
-
-
 class SlotWriter:
-    """Writes one loader's batches into its ring. What is the same for every batch is
-    worked out once: whether the dataset fetches whole batches, and each slot's leaf
-    views (a slot holds a full batch or the epoch's last, shorter one)."""
+    """Writes one loader's batches into its ring (or into any uint8 buffer of whole
+    slots: a remote producer's own one-slot buffer). What is the same for every batch
+    is worked out once: whether the dataset fetches whole batches, and each slot's leaf
+    views (a slot holds a full batch or the epoch's last, shorter one).
 
-    def __init__(self, dataset: Any, layout: Layout, ring: torch.Tensor, slot_bytes: int) -> None:
+    ``write`` returns the BATCH body: the strings JSON (b"" if none) of a batch in the
+    fixed layout, or a layout of its own (``batchlayout.write_output``)."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        layout: Layout,
+        ring: torch.Tensor | SlotSpace,
+        slot_bytes: int,
+        collate_fn: Collate | None = None,
+    ) -> None:
         self.dataset = dataset
         self.layout = layout
+        self.collate_fn = collate_fn
         self._ring = ring
         self._slot_bytes = slot_bytes
-        self._batched = isinstance(dataset, BatchFetcher) and not layout.has_strings
+        strings = any(x.kind == "str" for x in layout.leaves)
+        self._batched = isinstance(dataset, BatchFetcher) and not strings and collate_fn is None
         self._views: dict[tuple[int, int], list[torch.Tensor | None]] = {}
 
+    def _slot(self, slot: int) -> torch.Tensor:
+        start = slot * self._slot_bytes
+        return self._ring[start : start + self._slot_bytes]
+
     def write(self, slot: int, indices: Sequence[int]) -> bytes:
-        rows = len(indices)
+        """Fetch the samples of ``indices`` and write their batch into ``slot``."""
+        if self.collate_fn is None and self._batched:
+            try:
+                self.dataset.fetch_into(
+                    indices, [v for v in self._fixed(slot, len(indices)) if v is not None]
+                )
+                return b""
+            except Exception:
+                pass  # the per-sample path says what is wrong, as DataLoader would
+        return self.write_samples(slot, _fetch_samples(self.dataset, indices), indices)
+
+    def write_samples(
+        self, slot: int, samples: list[Any], indices: Sequence[int] | None = None
+    ) -> bytes:
+        """Collate ``samples`` (of ``indices``, if known: for error messages) into ``slot``."""
+        if self.collate_fn is not None:
+            return write_output(self.collate_fn(samples), self._slot(slot))
+        if not samples:
+            raise SampleError("an empty batch", index=None, error_type="")
+        try:
+            return _write_fixed(self.layout, self._fixed(slot, len(samples)), samples)
+        except _NotTheLayout:
+            # DataLoader's own collate: its errors (ragged samples) are DataLoader's.
+            return write_output(default_collate(samples), self._slot(slot), "default_collate")
+
+    def _fixed(self, slot: int, rows: int) -> list[torch.Tensor | None]:
         views = self._views.get((slot, rows))
         if views is None:
             if rows > self.layout.batch_size:
-                raise BatchTooLarge(
-                    f"{rows} samples exceed batch_size {self.layout.batch_size}",
-                    index=None,
-                    error_type="",
-                )
-            start = slot * self._slot_bytes
-            views = leaf_views(self.layout, self._ring[start : start + self._slot_bytes], rows)
-            self._views[(slot, rows)] = views
-        return write_batch(self.dataset, self.layout, views, indices, self._batched)
+                raise _NotTheLayout
+            views = self._views[(slot, rows)] = leaf_views(self.layout, self._slot(slot), rows)
+        return views
 
     def close(self) -> None:
         """Drop the cached views (they keep the ring's mapping alive)."""
@@ -214,42 +333,25 @@ class SlotWriter:
         del self._ring
 
 
-def write_batch(
-    dataset: Any,
-    layout: Layout,
-    views: list[torch.Tensor | None],
-    indices: Sequence[int],
-    batched: bool,
-) -> bytes:
-    """Write a batch into its leaf views; return the strings JSON (or b"")."""
-    if batched:
-        try:
-            dataset.fetch_into(indices, [v for v in views if v is not None])
-            return b""
-        except Exception:
-            pass
-    samples = _fetch_samples(dataset, indices)
+def _write_fixed(layout: Layout, views: list[torch.Tensor | None], samples: list[Any]) -> bytes:
+    """Write samples shaped as the fixed layout into its leaf views; the strings JSON."""
     flats: list[list[Any]] = []
-    for sample, index in zip(samples, indices, strict=True):
+    for sample in samples:
         flat: list[Any] = []
         try:
             flatten(sample, layout.treedef, flat)
-        except LayoutError as exc:
-            raise SampleError(
-                f"sample {index}: {exc}", index=index, error_type="LayoutError"
-            ) from None
+        except LayoutError:
+            raise _NotTheLayout from None
         flats.append(flat)
     strings: list[list[str]] = []
     for j, (leaf, view) in enumerate(zip(layout.leaves, views, strict=True)):
         values = [flat[j] for flat in flats]
         if view is None:
             if not all(isinstance(v, str) for v in values):
-                raise SampleError(
-                    "a string field holds a non-string value", index=None, error_type="LayoutError"
-                )
+                raise _NotTheLayout
             strings.append(values)
         else:
-            _write_leaf(leaf, view, values, indices)
+            _write_leaf(leaf, view, values)
     if not strings:
         return b""
     encoded = json.dumps(strings).encode()

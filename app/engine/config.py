@@ -14,7 +14,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pinfeed_server.engine.autotune import AutotuneSpec
 from pinfeed_server.engine.custom_sampler import BatchSamplerSpec, SamplerSpec, custom_plan
+from pinfeed_server.engine.iterable import IterablePlan, is_iterable
 from pinfeed_server.engine.sampler import BatchPlan, EpochSampler
 from pinfeed_server.plugins import SPEC
 
@@ -97,6 +99,29 @@ class LoaderFields(BaseModel):
         "seeding, as DataLoader calls it (modules under PINFEED_ALLOWED_PLUGINS)",
     )
 
+    collate_fn: str | None = Field(
+        None,
+        pattern=SPEC,
+        description="'package.module:callable' called with the list of samples, as "
+        "DataLoader calls it, in the worker (modules under PINFEED_ALLOWED_PLUGINS); its "
+        "output (any nesting, shapes that change per batch) is written into the slot as "
+        "it comes. null: default_collate",
+    )
+    max_batch_bytes: int | None = Field(
+        None,
+        ge=64,
+        le=1 << 40,
+        description="slot capacity in bytes, for batches whose size the first one does not "
+        "tell; null: a collate_fn loader's slots hold 4x its first batch (at least 1 MiB), "
+        "a default-collated loader's batch_size x the first sample",
+    )
+    autotune: AutotuneSpec | None = Field(
+        None,
+        description="set num_workers and prefetch_factor from the trainers' wait share and "
+        "the workers' busy share ({max_workers, max_prefetch_factor, interval_s}); a PATCH "
+        "of explicit values turns it off",
+    )
+
     @model_validator(mode="after")
     def _persistent_needs_workers(self) -> LoaderFields:
         if self.persistent_workers and self.num_workers == 0:
@@ -149,6 +174,11 @@ class LoaderConfig(LoaderFields):
 
     seed: int = Field(ge=0, lt=2**63, description="shuffle seed")
 
+    @model_validator(mode="after")
+    def _persistent_needs_workers(self) -> LoaderConfig:
+        # A live PATCH may take a persistent loader to 0 (its workers' streams stay).
+        return self
+
 
 def prefetch_depth(config: LoaderConfig) -> int:
     """Batches being made or ready ahead of the trainers, as DataLoader keeps
@@ -164,6 +194,8 @@ def ring_slots(config: LoaderConfig) -> int:
 
 def make_sampler(config: LoaderConfig, dataset: Any, allowed: tuple[str, ...] = ()) -> BatchPlan:
     """The loader's batch plan; ``SamplerError`` when its sampler cannot be used."""
+    if is_iterable(dataset):
+        return IterablePlan(dataset, config.batch_size, config.drop_last)
     for field in ("batch_sampler", "sampler"):
         spec = getattr(config, field)
         if spec is not None:

@@ -6,7 +6,9 @@ Each member has a cursor into that stream and receives:
 - ``broadcast``: every item; a batch's slot is shared, one copy in memory, and is
   freed when every member has released it;
 - ``split``: batch ``i`` of each epoch goes to member ``i % size`` (round-robin, in
-  order); end-of-epoch markers go to every member.
+  order); end-of-epoch markers go to every member. An iterable's indices are turns,
+  with gaps once a worker has run out: its ``k``-th published item of an epoch goes to
+  member ``k % size`` (``by_arrival``).
 
 A single trainer is a broadcast group of size 1. A member that disconnects keeps its
 cursor; the group waits for it to come back (bounded by the loader's
@@ -87,6 +89,8 @@ class Consumers:
         self._next_pos = 0
         self._holders: dict[int, set[int]] = {}  # slot -> members holding it
         self._pending: dict[int, set[int]] = {}  # slot -> members yet to take it
+        self.by_arrival = False  # split by arrival order in the epoch, not by index
+        self._arrived = 0  # items published in the epoch so far
 
     # -- membership ------------------------------------------------------------------
     def join(self, member: int | None) -> int:
@@ -128,8 +132,11 @@ class Consumers:
 
     # -- publishing ------------------------------------------------------------------
     def _recipients(self, item: Item) -> set[int]:
-        if self.mode == "split" and not isinstance(item, EndItem):
-            return {item.index % self.size}
+        if isinstance(item, EndItem):
+            self._arrived = 0
+        elif self.mode == "split":
+            self._arrived += 1
+            return {(self._arrived - 1 if self.by_arrival else item.index) % self.size}
         return set(range(self.size))
 
     def publish(self, item: Item) -> None:
@@ -197,5 +204,6 @@ class Consumers:
                 self._pending[entry.item.slot] = set()
                 self._maybe_free(entry.item.slot)
         self._log.clear()
+        self._arrived = 0
         for m in self.members:
             m.cursor = self._next_pos

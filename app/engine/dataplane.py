@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pinfeed import _protocol as p
+from pinfeed_server.engine.collate import describe
 from pinfeed_server.engine.consumers import BatchItem, EndItem, ErrorItem, Item
 from pinfeed_server.engine.errors import (
     DataPlaneError,
@@ -28,7 +29,9 @@ from pinfeed_server.engine.errors import (
     LoaderNotFound,
     ProtocolError,
 )
+from pinfeed_server.engine.iterable import dataset_length, sampler_length
 from pinfeed_server.engine.loader import LoaderEngine
+from pinfeed_server.engine.resize import announce_segments
 
 log = logging.getLogger("pinfeed.dataplane")
 
@@ -196,7 +199,7 @@ class DataPlaneServer:
         attached = p.Attached(
             loader=request.loader,
             member=member,
-            ring_bytes=engine.ring.size,
+            ring_bytes=engine.nslots * engine.ring.slot_bytes,  # segment 0; SEGMENT the rest
             nslots=engine.nslots,
             slot_bytes=engine.ring.slot_bytes,
             layout=engine.layout,
@@ -207,9 +210,9 @@ class DataPlaneServer:
             position=index,
             # What the trainer reports as DataLoader's attributes (pinfeed._info).
             config=cfg.model_dump(),
-            dataset_length=engine.sampler.length,
-            sampler_length=engine.sampler.samples,
-            sample=engine.layout.describe(),
+            dataset_length=dataset_length(engine.sampler),
+            sampler_length=sampler_length(engine.sampler),
+            sample=describe(engine.layout),
         )
         try:
             conn.sendmsg(
@@ -258,6 +261,8 @@ class _Session:
         self.buf = bytearray(p.MAX_MESSAGE)
         self.view = memoryview(self.buf)
         self.dims: dict[int, bytes] = {}  # packed leaf dims by batch length
+        self.segments = {0}  # ring segments the trainer has (ATTACHED carried 0)
+        self.generation = -1  # the ring's generation they are of
         self.poller = select.poll()
         self.poller.register(conn, select.POLLIN | select.POLLRDHUP)
 
@@ -314,16 +319,21 @@ class _Session:
 
     def send(self, item: Item) -> bool:
         """Send one item; False once the loader itself failed or closed."""
+        ring = self.engine.ring
+        if ring is not None and self.generation != ring.generation:  # before a batch in them
+            self.generation, self.segments = announce_segments(self.conn, ring, self.segments)
         if isinstance(item, BatchItem):
             self.leased.add(item.slot)
-            dims = self.dims.get(item.rows)
-            if dims is None:
-                dims = self.dims[item.rows] = p.pack_dims(self.engine.layout, item.rows)
+            body = item.strings
+            kind, dims = p.BATCH | p.FLAG_LAYOUT << 8, b""
+            if body[:1] != b"\0":  # else a layout of its own (BATCH_LAYOUT_HEAD's mark)
+                kind = p.BATCH
+                dims = self.dims.get(item.rows) or b""
+                if not dims:
+                    dims = self.dims[item.rows] = p.pack_dims(self.engine.layout, item.rows)
             # BATCH, as p.batch_parts builds it, without the call on the per-batch path.
-            head = p.BATCH_HEAD.pack(
-                p.BATCH, item.slot, item.seq, item.epoch, item.index, len(item.strings)
-            )
-            self.conn.sendmsg([head, dims, item.strings])
+            head = p.BATCH_HEAD.pack(kind, item.slot, item.seq, item.epoch, item.index, len(body))
+            self.conn.sendmsg([head, dims, body])
         elif isinstance(item, EndItem):
             self.conn.send(p.encode_end(item.epoch, item.seq))
         else:

@@ -20,6 +20,7 @@ from typing import Any
 
 from pinfeed._protocol import ErrorInfo
 from pinfeed_server.datasets import DatasetContext
+from pinfeed_server.engine.autotune import Sample, Tuner
 from pinfeed_server.engine.collate import Layout
 from pinfeed_server.engine.config import LoaderConfig, make_sampler, prefetch_depth, ring_slots
 from pinfeed_server.engine.consumers import BatchItem, Consumers, EndItem, ErrorItem, Item
@@ -31,6 +32,7 @@ from pinfeed_server.engine.errors import (
     LoaderFailed,
     LoaderStopping,
 )
+from pinfeed_server.engine.iterable import MAX_TURN, IterablePlan, plan_len
 from pinfeed_server.engine.producers import (
     Producer,
     ProducerContext,
@@ -38,10 +40,9 @@ from pinfeed_server.engine.producers import (
     Result,
     Task,
     make_producer,
-    producer_kind,
 )
-from pinfeed_server.engine.producers.inline import SWITCH
 from pinfeed_server.engine.publisher import Publisher
+from pinfeed_server.engine.resize import LiveResize
 from pinfeed_server.engine.ring import Ring, SlotState, SlotTable
 from pinfeed_server.engine.sampler import BatchPlan, with_last
 from pinfeed_server.engine.stats import LoaderStats
@@ -52,7 +53,7 @@ log = logging.getLogger("pinfeed.loader")
 __all__ = ["BatchItem", "EndItem", "ErrorItem", "Item", "LoaderConfig", "LoaderEngine"]
 
 
-class LoaderEngine:
+class LoaderEngine(LiveResize):
     """States: starting -> ready | failed; draining -> closed when deleted."""
 
     def __init__(
@@ -74,18 +75,30 @@ class LoaderEngine:
         self.sampler: BatchPlan = (
             plan if plan is not None else make_sampler(config, dataset, context.allowed_plugins)
         )
-        self.batches_per_epoch = len(self.sampler)
+        iterable = isinstance(self.sampler, IterablePlan)  # its epochs have no known end
+        self.batches_per_epoch = plan_len(self.sampler)  # DataLoader's len(), or None
+        self._turns = MAX_TURN if iterable else len(self.sampler)  # seek's bound
         self.state: LoaderState = "starting"
         self.failure: ErrorInfo | None = None
         self.stats = LoaderStats()
+        spec = config.autotune
+        self.tuner = Tuner(spec, config.num_workers, config.prefetch_factor) if spec else None
         self._kind, self._params, self._context = kind, params, context
-        self.nslots = ring_slots(config)
+        self.nslots = ring_slots(config)  # segment 0's slots (the ring as created)
+        self.target_slots = self.nslots  # what the current config wants (live PATCH)
         self.ring: Ring | None = None
         self._make_producer = producers
         self.producer: Producer | None = None
+        # The RNG streams stay the num_workers the loader was created with (seeding.py);
+        # with autotune, its max_workers: any count it picks then adds speed.
+        streams = config.autotune.max_workers if config.autotune else config.num_workers
+        self._streams_config = config.model_copy(update={"num_workers": streams})
+        self._submit = threading.Lock()  # held around submit: a producer swap waits
+        self._resize = threading.Lock()  # one reconfigure or ring upkeep at a time
         self.slots = SlotTable(self.nslots)
         self.slots.set_limit(prefetch_depth(config))
         self.consumers = Consumers(config.group_size, config.group_mode, self.slots)
+        self.consumers.by_arrival = iterable
         self._stop = threading.Event()
         self._cond = threading.Condition()
         self.publisher = Publisher(
@@ -112,19 +125,7 @@ class LoaderEngine:
     def _boot(self) -> None:
         try:
             self.ring = Ring(self.config.name, self.nslots, self.layout.slot_bytes)
-            self.producer = self._make_producer(
-                ProducerContext(
-                    self.config,
-                    self._kind,
-                    self._params,
-                    self._context,
-                    self.dataset,
-                    self.layout,
-                    self.ring,
-                    self._on_result,
-                    self._fail,
-                )
-            )
+            self.producer = self._new_producer(self.config.num_workers)
         except Exception as exc:
             log.exception("loader %s failed to start", self.config.name)
             self._fail(f"{type(exc).__name__}: {exc}")
@@ -138,6 +139,23 @@ class LoaderEngine:
                 self.state = "ready"
             self._cond.notify_all()
         producer.start()
+
+    def _new_producer(self, processes: int) -> Producer:
+        assert self.ring is not None
+        return self._make_producer(
+            ProducerContext(
+                self._streams_config,
+                self._kind,
+                self._params,
+                self._context,
+                self.dataset,
+                self.layout,
+                self.ring,
+                self._on_result,
+                self._fail,
+                processes=processes,
+            )
+        )
 
     def _fail(self, detail: str) -> None:
         with self._cond:
@@ -211,7 +229,8 @@ class LoaderEngine:
                 if error is not None:  # a batch_sampler's batch larger than the slots
                     self._on_result(Result(seq, error=error))
                     continue
-                self.producer.submit(Task(seq, epoch, i, slot, indices))
+                with self._submit:
+                    self.producer.submit(Task(seq, epoch, i, slot, indices))
             epoch, index = epoch + 1, 0
             with self._cond:
                 if self._gen != gen:
@@ -229,48 +248,18 @@ class LoaderEngine:
                 self._cursor = (ended + 1, 0)
             self._cond.notify_all()
 
-    def reconfigure(self, num_workers: int, prefetch_factor: int) -> None:
-        """Apply new ``num_workers``/``prefetch_factor`` live, keeping position and batches.
-
-        Raises ValueError when the change needs a different ring (more slots than it
-        has) or moves between in-server (0) and worker-process production.
-        """
-        new = self.config.model_copy(
-            update={"num_workers": num_workers, "prefetch_factor": prefetch_factor}
-        )
-        need = ring_slots(new)
-        if producer_kind(new) != producer_kind(self.config):
-            raise ValueError(SWITCH)
-        if need > self.nslots:
-            raise ValueError(
-                f"num_workers={num_workers} x prefetch_factor={prefetch_factor} needs {need} "
-                f"ring slots; this loader's ring has {self.nslots}. Lower them, or recreate "
-                "the loader (carry the position with Loader.state_dict())"
-            )
-        if self.producer is not None:
-            self.producer.resize(num_workers)
-        self.slots.set_limit(prefetch_depth(new))
-        self.config = new
-        log.info(
-            "loader %s: num_workers=%d prefetch_factor=%d (%d of %d slots ahead)",
-            new.name,
-            num_workers,
-            prefetch_factor,
-            prefetch_depth(new),
-            self.nslots,
-        )
-
     def seek(self, member: int, epoch: int, index: int) -> None:
         """Make (epoch, index) the next batch; keep the warm queue if it already is."""
-        if not (0 <= index < self.batches_per_epoch and 0 <= epoch < 2**31):
+        if not (0 <= index < self._turns and 0 <= epoch < 2**31):
             raise InvalidPosition(
                 f"position ({epoch}, {index}) is outside the loader's "
-                f"{self.batches_per_epoch} batches per epoch"
+                f"{self._turns} batches per epoch"
             )
         with self._cond:
             if self.consumers.position(member, self.publisher.head) == (epoch, index):
                 return
             self._seek_locked(epoch, index)
+        self.upkeep()
         log.info("loader %s: seek to epoch %d batch %d", self.config.name, epoch, index)
 
     def _seek_locked(self, epoch: int, index: int) -> None:
@@ -315,10 +304,12 @@ class LoaderEngine:
             self.consumers.leave(member, leased)
             self.cuda_registered.discard(member)
             self._cond.notify_all()
+        self.upkeep()
 
     def release(self, member: int, slots: set[int] | list[int]) -> None:
         with self._cond:
             self.consumers.release(member, slots)
+        self.upkeep()
 
     def position(self, member: int) -> tuple[int, int]:
         with self._cond:
@@ -356,7 +347,19 @@ class LoaderEngine:
     def stats_snapshot(self) -> dict[str, Any]:
         busy = self.producer.busy_seconds() if self.producer else 0.0
         members = max(1, self.consumers.attached)  # a sum of bools: no lock needed
-        return self.stats.snapshot(busy, self.config.num_workers, members)
+        tuner = self.tuner
+        return self.stats.snapshot(busy, self.config.num_workers, members) | {
+            "autotune": tuner.report() if tuner is not None else None
+        }
+
+    def tune_sample(self) -> Sample:
+        """The counters autotune measures over its intervals."""
+        busy = (self.producer.busy_seconds() if self.producer else 0.0) + self.stats.busy_s
+        members = max(1, self.consumers.attached)
+        st = self.stats
+        return Sample(
+            time.monotonic(), st.batches_consumed, st.samples_consumed, st.wait_s, busy, members
+        )
 
     def status(self) -> LoaderStatus:
         """Built without validation (``model_construct``: every value is typed here) and
@@ -379,9 +382,10 @@ class LoaderEngine:
         return LoaderStatus.model_construct(
             state=self.state,
             failure=self.failure.to_json() if self.failure else None,
-            ring_bytes=self.nslots * self.layout.slot_bytes,
+            ring_bytes=ring.size if ring else self.nslots * self.layout.slot_bytes,
             slot_bytes=self.layout.slot_bytes,
-            slots=SlotCounts(**self.slots.counts(), total=self.nslots),
+            slots=SlotCounts(**self.slots.counts(), total=ring.nslots if ring else self.nslots),
+            ring_segments=len(ring.space.parts) if ring else 0,  # one tuple: no lock
             page_locked=bool(ring and ring.page_locked),
             consumer_attached=any(up for _, up, _ in raw),
             consumer_cuda_registered=bool(cuda),

@@ -91,6 +91,10 @@ class Publisher:
             self._end_epoch(task.epoch, result.seq)
             return task.epoch
         self.head = (task.epoch, task.index + 1)
+        if result.rows == 0 and result.error is None:
+            # An iterable's turn whose worker has run out: nothing to publish.
+            self.slots.move(task.slot, SlotState.FILLING, SlotState.FREE)
+            return None
         rows = task.rows if result.rows is None else result.rows
         if result.error is None:
             self.slots.move(task.slot, SlotState.FILLING, SlotState.READY)

@@ -33,8 +33,14 @@ class MemberStatus(BaseModel):
 class LoaderStatus(BaseModel):
     state: LoaderState
     failure: dict[str, Any] | None = Field(None, description="why the loader failed, if it did")
-    batches_per_epoch: int
-    ring_bytes: int
+    batches_per_epoch: int | None = Field(
+        description="len(DataLoader): batches per epoch; null for an IterableDataset "
+        "without __len__"
+    )
+    ring_bytes: int = Field(description="bytes of all the ring's segments")
+    ring_segments: int = Field(
+        1, description="memfd segments of the ring: 1 as created, more after a PATCH grew it"
+    )
     slot_bytes: int
     slots: SlotCounts
     page_locked: bool = Field(description="the ring is mlock'ed (page-locked) in the server")
@@ -56,6 +62,7 @@ class LoaderStatus(BaseModel):
             failure=LoaderFailed(detail).info().to_json(),
             batches_per_epoch=0,
             ring_bytes=0,
+            ring_segments=0,
             slot_bytes=0,
             slots=SlotCounts(),
             page_locked=False,

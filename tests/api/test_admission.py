@@ -71,3 +71,19 @@ def test_worker_processes_past_the_server_bound_get_409_worker_limit(
         assert {lo["name"] for lo in c.loaders()} == {"two", "one"}
         c.delete_loader("one")
         assert c.create_loader("more", dataset="d", batch_size=4, num_workers=2)["num_workers"] == 2
+
+
+def test_a_patch_whose_ring_outgrows_the_budget_gets_507(make_server: MakeServer) -> None:
+    server = make_server(PINFEED_MAX_SHM_BYTES=str(8 << 20))
+    with server.client() as c:
+        c.create_dataset("img", "synthetic", synthetic(64, (3, 64, 64)))
+        lo = c.create_loader("lo", dataset="img", batch_size=16, num_workers=1)
+        slot = lo["slot_bytes"]
+        r = httpx.patch(f"{server.url}/v1/loaders/lo", json={"num_workers": 8})
+        problem = _problem(r, 507, "insufficient-memory")
+        assert problem["need_bytes"] == (8 * 2 + 2) * slot
+        assert problem["free_bytes"] == 8 << 20  # this loader's own ring is in the free
+        with pytest.raises(InsufficientMemory):
+            c.patch_loader("lo", prefetch_factor=64)
+        assert c.loader("lo")["num_workers"] == 1
+        assert c.patch_loader("lo", num_workers=2)["slots"]["total"] == 6

@@ -89,7 +89,7 @@ def test_delete_unknown_is_404(server: Server) -> None:
 @pytest.mark.parametrize(
     ("body", "needle"),
     [
-        ({"name": "x", "kind": "parquet"}, "kind"),
+        ({"name": "x", "kind": "zarr"}, "kind"),
         ({"name": "-bad", "kind": "synthetic"}, "name"),
         ({"name": "x" * 64, "kind": "synthetic"}, "name"),
         ({"kind": "synthetic"}, "name"),

@@ -42,7 +42,7 @@ def test_datasets_add_ls_rm(server: Server) -> None:
     ("args", "code", "needle"),
     [
         (("datasets", "add", "x", "synthetic", "--params", "{nope"), 2, "not JSON"),
-        (("datasets", "add", "x", "parquet"), 1, "kind"),
+        (("datasets", "add", "x", "zarr"), 1, "kind"),
         (("datasets", "rm", "no-such-dataset"), 1, "no dataset"),
         (("loaders", "rm", "no-such-loader"), 1, "no loader"),
         (("loaders", "show", "no-such-loader"), 1, "no loader"),

@@ -107,6 +107,9 @@ class FakeServer:
             raise TimeoutError("the loader waits for a reply the fake server never sends")
         return self._put(self._replies.popleft())
 
+    def take_fds(self) -> list[int]:
+        return []  # the fake ring never grows
+
     def try_recv(self) -> int | None:
         if self.crash:
             return self.recv()

@@ -8,6 +8,7 @@ import struct
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,10 @@ ROUND_TRIPS: dict[int, tuple[bytes, Callable[[bytes], object]]] = {
     ),
     p.END: (p.encode_end(4, 99), lambda m: p.decode_end(m) == (4, 99)),
     p.POSITION: (p.encode_position(p.POSITION, 1, 0), lambda m: p.decode_position(m) == (1, 0)),
+    p.SEGMENT: (
+        p.SEGMENT_BODY.pack(p.SEGMENT, 2, 10, 8),
+        lambda m: p.SEGMENT_BODY.unpack(m) == (p.SEGMENT, 2, 10, 8),
+    ),
     p.ERROR: (
         p.ErrorInfo.of("sample-error", "sample 13 raised", index=13, error_type="E")
         .at(2, 3)
@@ -115,11 +120,33 @@ def test_dims_are_rows_then_shape_of_each_tensor_leaf() -> None:
 def test_layout_json_round_trips_and_sizes_rows() -> None:
     assert p.Layout.from_json(LAYOUT.to_json()) == LAYOUT
     assert LAYOUT.leaves[0].row_bytes == 3 * 8 * 8 * 4
-    assert LAYOUT.has_strings
-    assert LAYOUT.describe() == [
-        {"dtype": "float32", "shape": [3, 8, 8]},
-        {"label": {"dtype": "int64", "shape": []}, "name": {"kind": "str"}},
-    ]
+    per_batch = replace(LAYOUT, per_batch=True)
+    assert p.Layout.from_json(per_batch.to_json()) == per_batch
+    older = {k: v for k, v in LAYOUT.to_json().items() if k != "per_batch"}
+    assert p.Layout.from_json(older) == LAYOUT
+
+
+STRUCTURE = (
+    b'[["tuple",[["leaf",0],["list",[["leaf",1],["leaf",2]]]]],'
+    b'[["t","int64",2],["o","",0],["n","float32",1]]]'
+)
+
+
+def test_a_batch_with_its_own_layout_round_trips() -> None:
+    body = p.encode_batch_layout(STRUCTURE, [0, 4, 9, 320, 7], b'[["a",1]]')
+    assert body[0] == 0  # the mark: never the first byte of a strings JSON
+    message = b"".join(p.batch_parts(2, 9, 1, 5, b"", body, p.FLAG_LAYOUT))
+    kind_flags, slot, seq, epoch, index, nbody = p.BATCH_HEAD.unpack_from(message)
+    assert (kind_flags & 0xFF, kind_flags >> 8, slot, seq, epoch, index) == (p.BATCH, 1, 2, 9, 1, 5)
+    assert message[0] == p.BATCH and message[1] & p.FLAG_LAYOUT
+    structure, dims, objects = p.decode_batch_layout(message[p.BATCH_HEAD.size :])
+    assert structure[1] == [["t", "int64", 2], ["o", "", 0], ["n", "float32", 1]]
+    assert dims == (0, 4, 9, 320, 7)
+    assert objects == [["a", 1]]
+    assert p.layout_dims(structure[1]).size == 5 * 8
+    assert nbody == len(body)
+    # A fixed-layout BATCH has no flags: byte 1 is 0.
+    assert _batch()[1] == 0
 
 
 def test_release_wait_is_optional_and_bounded() -> None:

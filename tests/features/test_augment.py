@@ -8,6 +8,7 @@ a server restart)."""
 
 from __future__ import annotations
 
+import functools
 import signal
 import subprocess
 import warnings
@@ -22,8 +23,13 @@ from pinfeed import Client, InvalidRequest, Loader
 from tests.conftest import REPO, Server
 from tests.fixtures.datasets import Augmented, set_offset
 from tests.fixtures.trainer import command, digest, read_log
-from tests.helpers import assert_same, unique
-from tests.reliability.procs import gone, wait_for, workers_of
+from tests.helpers import (
+    across_restart,
+    assert_epochs_same,
+    epochs_with,
+    sigkill_worker,
+    unique,
+)
 
 FACTORY = "tests.fixtures.datasets:Augmented"
 INIT = "tests.fixtures.datasets:set_offset"
@@ -68,11 +74,7 @@ def _epoch(loader: Loader) -> list[Any]:
     return [_copy(b) for b in loader]
 
 
-def _check(got: list[list[Any]], want: list[list[Any]]) -> None:
-    assert [len(e) for e in got] == [len(e) for e in want]
-    for e, (g, w) in enumerate(zip(got, want, strict=True)):
-        for i, (gb, wb) in enumerate(zip(g, w, strict=True)):
-            assert_same(gb, wb, f"epoch {e} batch {i}")
+_check = assert_epochs_same
 
 
 @pytest.mark.parametrize(
@@ -128,18 +130,9 @@ def test_sigkilled_worker_keeps_dataloaders_sequence(
 ) -> None:
     want = _reference(2, 2, persistent=persistent)
     name = _loader(admin, 2, persistent_workers=persistent)
-    pid = server.proc.pid  # type: ignore[union-attr]
-    got: list[list[Any]] = []
+    kill = {(0, 2): lambda: sigkill_worker(admin, server, name, 2, 1)}
     with Loader(name, socket=server.socket) as loader:
-        workers = wait_for(lambda: len(w := workers_of(pid, name)) == 2 and w, "2 workers")
-        for epoch in range(2):
-            got.append([])
-            for index, batch in enumerate(loader):
-                got[-1].append(_copy(batch))
-                if (epoch, index) == (0, 2):
-                    workers[1].send_signal(signal.SIGKILL)
-                    wait_for(lambda: gone([workers[1].pid]), "the killed worker to be reaped")
-                    wait_for(lambda: admin.loader(name)["worker_restarts"] == 1, "a restart")
+        got = epochs_with(loader, 2, _copy, kill)
     _check(got, want)
     admin.delete_loader(name)
 
@@ -154,14 +147,9 @@ def test_patch_num_workers_changes_no_batch(admin: Client, server: Server) -> No
         (0, 4): {"num_workers": 2},
         (1, 2): {"num_workers": 4, "prefetch_factor": 1},  # more processes than streams
     }
-    got: list[list[Any]] = []
+    at = {place: functools.partial(admin.patch_loader, name, **c) for place, c in changes.items()}
     with Loader(name, socket=server.socket) as loader:
-        for epoch in range(2):
-            got.append([])
-            for index, batch in enumerate(loader):
-                got[-1].append(_copy(batch))
-                if (epoch, index) in changes:
-                    admin.patch_loader(name, **changes[(epoch, index)])
+        got = epochs_with(loader, 2, _copy, at)
     _check(got, want)
     admin.delete_loader(name)
 
@@ -194,24 +182,12 @@ def test_resume_in_a_new_trainer_process(
 
 def test_resume_across_server_restart(tmp_path: Path) -> None:
     want = _reference(2, 2, persistent=True, init=True)
-    srv = Server(tmp_path / "srv")
-    srv.start()
-    try:
-        with srv.client() as admin:
-            name = _loader(admin, 2, persistent_workers=True, worker_init_fn=INIT)
-        with Loader(name, socket=srv.socket) as loader:
-            it = iter(loader)
-            got = [_copy(next(it)) for _ in range(5)]
-            state = loader.state_dict()
-        assert srv.stop() == 0
-        srv.start()
-        with Loader(name, socket=srv.socket) as loader:
-            loader.load_state_dict(state)
-            got += _epoch(loader)
-            rest = _epoch(loader)
-    finally:
-        srv.stop()
-    _check([got, rest], want)
+    got = across_restart(
+        Server(tmp_path / "srv"),
+        lambda admin: _loader(admin, 2, persistent_workers=True, worker_init_fn=INIT),
+        _copy,
+    )
+    _check(got, want)
 
 
 @pytest.mark.parametrize(

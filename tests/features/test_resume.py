@@ -18,7 +18,7 @@ from pinfeed import Client, Loader, ServerUnavailable
 from pinfeed_server.datasets import DatasetContext, build_dataset
 from tests.conftest import REPO, Server
 from tests.fixtures.trainer import command, digest, read_log
-from tests.helpers import unique
+from tests.helpers import across_restart, unique
 
 PARAMS: dict[str, Any] = {
     "length": 60,
@@ -103,23 +103,8 @@ def test_resume_after_trainer_sigkill(admin: Client, server: Server, tmp_path: P
 
 def test_resume_across_server_restart(tmp_path: Path) -> None:
     srv = Server(tmp_path / "srv")
-    srv.start()
-    try:
-        with srv.client() as admin:
-            name = _new_loader(admin, num_workers=1)
-        with Loader(name, socket=srv.socket) as loader:
-            it = iter(loader)
-            got = [digest(next(it)) for _ in range(9)]
-            state = loader.state_dict()
-        assert srv.stop() == 0
-        srv.start()
-        with Loader(name, socket=srv.socket) as loader:
-            loader.load_state_dict(state)
-            got += [digest(b) for b in loader]
-            got += [digest(b) for b in loader]
-    finally:
-        srv.stop()
-    assert got == _reference(srv.data_root, 2, 21)
+    epochs = across_restart(srv, lambda admin: _new_loader(admin, num_workers=1), digest, 9)
+    assert epochs[0] + epochs[1] == _reference(srv.data_root, 2, 21)
 
 
 def test_reconnect_after_server_crash(tmp_path: Path) -> None:

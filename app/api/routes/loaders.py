@@ -60,14 +60,16 @@ async def get_loader_stats(name: LoaderName, service: ServiceDep) -> Any:
         404,
         409,
         422,
-        d409="the change needs a new ring (recreate the loader), or more workers than "
-        "PINFEED_MAX_WORKERS has free (worker-limit)",
+        507,
+        d409="more workers than PINFEED_MAX_WORKERS has free (worker-limit), or the "
+        "loader failed to start",
+        d507="the grown ring would exceed PINFEED_MAX_SHM_BYTES (need and free bytes)",
     ),
 )
 def patch_loader(name: LoaderName, body: LoaderPatch, service: ServiceDep) -> Any:
-    """Change ``num_workers`` or ``prefetch_factor`` live: position and batches are kept.
-
-    More prefetch than the ring has slots needs a new ring: 409 says so.
+    """Change ``num_workers`` or ``prefetch_factor`` live (0 and >0 alike): position and
+    batches are kept; the ring grows or shrinks to fit. ``autotune`` turns autotune on
+    (null: off); explicit values alone turn it off.
     """
     return service.patch_loader(name, body)
 

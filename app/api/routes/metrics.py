@@ -95,6 +95,8 @@ def _esc(value: str) -> str:
 
 
 def _num(v: Any) -> str:
+    if v is None:  # unknown (an IterableDataset's batches per epoch)
+        return "NaN"
     return repr(float(v)) if isinstance(v, float) else str(int(v))
 
 

@@ -25,13 +25,13 @@ from pinfeed_server.engine.producers.pool import WorkerPool
 
 
 def producer_kind(config: LoaderConfig) -> str:
-    """Which producer makes ``config``'s batches; fixed for a loader's life."""
+    """Which producer makes ``config``'s batches (a PATCH across 0 swaps it live)."""
     return "pool" if config.num_workers > 0 else "inline"
 
 
 def make_producer(ctx: ProducerContext) -> Producer:
-    """The producer for ``ctx.config``; it starts its workers before returning."""
-    if producer_kind(ctx.config) == "pool":
+    """The producer for ``ctx.num_processes``; it starts its workers before returning."""
+    if ctx.num_processes > 0:
         return WorkerPool(ctx)
     return InlineProducer(ctx)
 

@@ -9,9 +9,12 @@ A producer that can no longer make anything calls ``on_fatal`` once; the loader 
 
     submit(task)        hand over one batch to make; never blocks on the making
     resize(n)           change the number of workers live, losing no task
+    segments_changed()  the ring lost a segment: unmap it (added ones are mapped lazily,
+                        before the first task into them: ``ctx.ring.generation``)
     busy_seconds()      time spent making batches (worker_busy_share)
     restarts            workers replaced after dying
-    close()             stop; idempotent; the engine frees the ring afterwards
+    close(drain)        stop (after finishing every task held, if ``drain``); idempotent;
+                        the engine frees the ring afterwards
 
 Implementations: ``inline`` (``num_workers=0``: made in the engine's producer
 thread, as DataLoader's main process does) and ``pool`` (local worker processes that
@@ -22,16 +25,18 @@ How the next ones plug in, with no change to the engine:
 - A remote executor (Ray actors): its ``submit`` ships ``(task.epoch, task.index,
   task.indices)`` to an actor that builds the dataset from ``ctx.kind``/``ctx.params``
   and returns the batch's bytes; a thread of the producer copies them into
-  ``ctx.ring.base[task.slot * ctx.ring.slot_bytes:]`` (the one host copy) and calls
+  ``ctx.ring.space[task.slot * ctx.ring.slot_bytes:]`` (the one host copy; ``space``
+  finds the segment the slot is in) and calls
   ``on_result(Result(task.seq, strings))``. An actor lost mid-task is the producer's
   business (resubmit elsewhere, count ``restarts``); the engine sees results only.
-- An iterator (``IterableDataset``): a batch plan that yields ``None`` instead of index
-  lists (the producer draws the batch from its workers' iterators, DataLoader's
-  round-robin keyed by ``task.index``), and a producer that reports ``rows`` (a
-  worker's last batch may be short) and, once every iterator of the epoch is done,
-  ``Result(seq, end=True)``. The publisher then publishes the epoch's END, drops the
-  epoch's tasks still in flight (in order, their slots freed) and moves the plan to
-  the next epoch.
+- An iterator (``IterableDataset``, ``engine/iterable.py``): a batch plan that yields
+  ``None`` instead of index lists; ``task.index`` is a *turn* of DataLoader's
+  round-robin (worker ``index % N``'s ``index // N``-th request), which the producer
+  draws from that worker's iterator (``producers/iterating.py``). It reports ``rows``
+  (a worker's last batch may be short), ``rows=0`` for a turn whose worker has run
+  out (skipped), and, once every iterator of the epoch is done, ``Result(seq,
+  end=True)``. The publisher then publishes the epoch's END, drops the epoch's tasks
+  still in flight (in order, their slots freed) and moves the plan to the next epoch.
 - Per-worker RNG seeding as DataLoader does it: ``task.epoch`` and ``task.index``
   name the batch, so a producer can derive the worker (``index % num_workers``) and
   that epoch's worker seed from ``ctx.config.seed`` without the engine's help.
@@ -66,7 +71,9 @@ class Task:
 @dataclass(slots=True)
 class Result:
     """What became of a task. ``error``: the batch failed (a sample raised); ``end``:
-    the producer's stream for the task's epoch ran out, the slot holds nothing."""
+    the producer's stream for the task's epoch ran out, the slot holds nothing;
+    ``rows == 0`` (no error, not ``end``): the task yields nothing and is skipped (an
+    iterable's turn whose worker has run out while others go on)."""
 
     seq: int
     strings: bytes = b""  # the batch's strings JSON (b"" when it has none)
@@ -92,6 +99,13 @@ class ProducerContext:
     ring: Ring
     on_result: ResultSink
     on_fatal: FatalSink
+    # Processes to start (a live PATCH); None: config.num_workers. ``config`` stays the
+    # loader's as created: its num_workers is the RNG streams' (seeding.py).
+    processes: int | None = None
+
+    @property
+    def num_processes(self) -> int:
+        return self.config.num_workers if self.processes is None else self.processes
 
 
 class Producer(Protocol):
@@ -104,9 +118,11 @@ class Producer(Protocol):
 
     def resize(self, num_workers: int) -> None: ...
 
+    def segments_changed(self) -> None: ...
+
     def busy_seconds(self) -> float: ...
 
-    def close(self) -> None: ...
+    def close(self, drain: bool = False) -> None: ...
 
 
 ProducerFactory = Callable[[ProducerContext], Producer]

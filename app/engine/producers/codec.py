@@ -1,7 +1,8 @@
 """The pool's pipe format: tasks and results as fixed ``struct`` layouts over
 ``send_bytes``/``recv_bytes``, so nothing is pickled per batch.
 
-A task: ``seq, epoch, index, slot``, then the indices as int64. An empty message tells
+A task: ``seq, epoch, index, slot`` and whether indices follow (an iterable's turn
+has none), then the indices as int64. An empty message tells
 the worker to exit. A result: ``seq, status, rows`` (-1: one per index), then the
 batch's strings JSON (status ``OK``) or its ``ErrorInfo`` as JSON (``ERROR``); ``END`` has no
 payload. ``seq`` -1 is a worker's start-up report.
@@ -16,7 +17,7 @@ from array import array
 from pinfeed._protocol import ErrorInfo
 from pinfeed_server.engine.producers.base import Result, Task
 
-_TASK = struct.Struct("<qqqI")
+_TASK = struct.Struct("<qqqIb")  # ..., slot, 1: indices follow (0: an iterable's turn)
 _RESULT = struct.Struct("<qBq")
 OK, ERROR, END = 0, 1, 2
 STOP = b""
@@ -25,13 +26,15 @@ STARTUP_SEQ = -1
 
 def encode_task(task: Task) -> bytes:
     if task.indices is None:
-        raise ValueError("pool workers make batches from index lists")
-    head = _TASK.pack(task.seq, task.epoch, task.index, task.slot)
+        return _TASK.pack(task.seq, task.epoch, task.index, task.slot, 0)
+    head = _TASK.pack(task.seq, task.epoch, task.index, task.slot, 1)
     return head + array("q", task.indices).tobytes()
 
 
 def decode_task(buf: bytes) -> Task:
-    seq, epoch, index, slot = _TASK.unpack_from(buf)
+    seq, epoch, index, slot, listed = _TASK.unpack_from(buf)
+    if not listed:
+        return Task(seq, epoch, index, slot, None)
     return Task(seq, epoch, index, slot, memoryview(buf)[_TASK.size :].cast("q").tolist())
 
 

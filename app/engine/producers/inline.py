@@ -7,22 +7,36 @@ one process-wide lock, so loaders in the same server never disturb each other. T
 loader's RNGs are seeded as DataLoader seeds the one worker of a
 ``num_workers=1, persistent_workers=False`` loader (``seeding.py``), each epoch afresh:
 the batches equal that DataLoader's, and a resume replays at most one epoch.
+
+A loader created with ``num_workers=N > 0`` and PATCHed to 0 keeps its N streams
+(``seeding.py``): this producer then serves them as one worker process serving N
+would (``WorkerRngs``: states swapped per batch, ``get_worker_info()`` and
+``worker_init_fn`` as in a worker, a shallow copy of the dataset per stream), so its
+batches stay ``DataLoader(num_workers=N)``'s.
 """
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 
+from torch.utils.data._utils import worker as torch_worker
+
 from pinfeed_server.engine.collate import SlotWriter
 from pinfeed_server.engine.errors import error_info
+from pinfeed_server.engine.iterable import EndJudge, is_iterable, shard_env
 from pinfeed_server.engine.producers.base import ProducerContext, Result, Task
-from pinfeed_server.engine.producers.seeding import RngState, Streams, apply, capture, restore
-
-SWITCH = (
-    "switching between num_workers=0 (in-server) and worker processes needs the "
-    "loader recreated; carry the position with Loader.state_dict()"
+from pinfeed_server.engine.producers.iterating import IterStreams, make_turn
+from pinfeed_server.engine.producers.seeding import (
+    RngState,
+    Streams,
+    WorkerRngs,
+    apply,
+    capture,
+    restore,
 )
+from pinfeed_server.plugins import resolve
 
 # The global RNGs are the process's: one inline batch at a time may have them swapped,
 # and other dataset code run in the server (the service's probe of a first sample)
@@ -35,24 +49,47 @@ class InlineProducer:
 
     def __init__(self, ctx: ProducerContext) -> None:
         self._on_result = ctx.on_result
-        self._writer = SlotWriter(ctx.dataset, ctx.layout, ctx.ring.base, ctx.ring.slot_bytes)
+        self._ctx = ctx
+        self._generation = ctx.ring.generation
+        collate = ctx.config.collate_fn
+        fn = None if collate is None else resolve(collate, ctx.datasets.allowed_plugins)
+        self._writer = SlotWriter(ctx.dataset, ctx.layout, ctx.ring.space, ctx.ring.slot_bytes, fn)
         self._busy_s = 0.0
         self._closed = False
         self._dataset = ctx.dataset
+        self._rng: RngState | None = None  # the loader's RNGs between its batches
+        self._config = ctx.config
+        # Created with workers: their streams, served here (see the module docstring).
+        self._workers: WorkerRngs | None = None
+        if is_iterable(ctx.dataset):
+            # An iterable: one stream, its own RNGs (iterating.py); no index plan.
+            self._iter: IterStreams | None = IterStreams(ctx.dataset, ctx.config, worker=False)
+            self._judge = EndJudge(1)
+            return
+        self._iter = None
         self.streams = Streams(
             ctx.config,
             ctx.dataset,
-            replay=ctx.kind == "python",
+            replay=ctx.kind == "python" or collate is not None,
             allowed=ctx.datasets.allowed_plugins,
         )
-        self._rng: RngState | None = None  # the loader's RNGs between its batches
+        if self.streams.replay and ctx.config.num_workers > 0:
+            init, allowed = ctx.config.worker_init_fn, ctx.datasets.allowed_plugins
+            init_fn = resolve(init, allowed, what="worker_init_fn") if init else None
+            self._workers = WorkerRngs(copy.copy(ctx.dataset), ctx.config.num_workers, init_fn)
 
     def submit(self, task: Task) -> None:
         """Make the batch now, in the caller's thread, and report it before returning."""
-        if task.indices is None:
-            raise ValueError("the in-process producer makes batches from index lists")
         t0 = time.perf_counter()
-        if self.streams.replay:
+        if self._generation != self._ctx.ring.generation:
+            self.segments_changed()
+        if self._iter is not None:
+            result = self._make_from_iterator(self._iter, task)
+        elif task.indices is None:
+            raise ValueError("a map-style dataset's batches come from index lists")
+        elif self._workers is not None:
+            result = self._make_as_workers(task, task.indices)
+        elif self.streams.replay:
             result = self._make_with_own_rngs(task, task.indices)
         else:  # a built-in kind: it draws nothing from the global RNGs
             result = self._make(task.seq, task.slot, task.indices)
@@ -73,6 +110,36 @@ class InlineProducer:
                 self._rng = capture()
                 restore(server)
 
+    def _make_as_workers(self, task: Task, indices: list[int]) -> Result:
+        assert self._workers is not None
+        with GLOBAL_RNG:
+            server, info = capture(), torch_worker._worker_info
+            try:
+                reseed = self.streams.prepare(task.epoch, task.index)
+                if reseed is not None:
+                    self._workers.reseed(reseed)
+                self._workers.enter(task.index)
+                self._writer.dataset = self._workers.dataset
+                return self._make(task.seq, task.slot, indices)
+            finally:
+                self._workers.park()
+                self._writer.dataset = self._dataset
+                restore(server)
+                torch_worker._worker_info = info
+
+    def _make_from_iterator(self, streams: IterStreams, task: Task) -> Result:
+        cfg = self._config
+        with GLOBAL_RNG, shard_env(cfg.rank, cfg.world_size):
+            server = capture()
+            try:
+                result = make_turn(streams, self._writer, task)
+            finally:
+                streams.park()
+                restore(server)
+        if result.end:  # the one stream ran out: the epoch's end
+            result.end = self._judge.ran_out(task.epoch, task.index)
+        return result
+
     def _make(self, seq: int, slot: int, indices: list[int]) -> Result:
         try:
             return Result(seq, self._writer.write(slot, indices))
@@ -81,12 +148,21 @@ class InlineProducer:
 
     def resize(self, num_workers: int) -> None:
         if num_workers != 0:
-            raise ValueError(SWITCH)
+            raise ValueError("the in-server producer has no workers; the engine swaps it")
+
+    def segments_changed(self) -> None:
+        """A new writer: the old one's cached slot views may be of a closed segment."""
+        ctx = self._ctx
+        self._generation = ctx.ring.generation
+        old = self._writer
+        self._writer = SlotWriter(
+            old.dataset, ctx.layout, ctx.ring.space, ctx.ring.slot_bytes, old.collate_fn
+        )
 
     def busy_seconds(self) -> float:
         return self._busy_s
 
-    def close(self) -> None:
+    def close(self, drain: bool = False) -> None:  # nothing outstanding: submit makes it
         if not self._closed:
             self._closed = True
             self._writer.close()

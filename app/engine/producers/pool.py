@@ -27,9 +27,9 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from pinfeed_server.engine.errors import SampleError
+from pinfeed_server.engine.iterable import EndJudge, IterRoutes, is_iterable
 from pinfeed_server.engine.producers.base import ProducerContext, Result, Task
 from pinfeed_server.engine.producers.codec import STOP, decode_result, encode_task
-from pinfeed_server.engine.producers.inline import SWITCH
 from pinfeed_server.engine.producers.seeding import (
     SNAPSHOT_TAG,
     TASK_TAG,
@@ -37,7 +37,13 @@ from pinfeed_server.engine.producers.seeding import (
     decode_snapshot,
     encode_reseed,
 )
-from pinfeed_server.engine.producers.worker import WorkerSpec, worker_main
+from pinfeed_server.engine.producers.worker import (
+    DROP_TAG,
+    SEGMENT,
+    SEGMENT_TAG,
+    WorkerSpec,
+    worker_main,
+)
 
 log = logging.getLogger("pinfeed.workers")
 
@@ -55,6 +61,8 @@ class _Worker:
     outstanding: dict[int, Task] = field(default_factory=dict)
     busy_s: float = 0.0
     started: dict[int, float] = field(default_factory=dict)
+    segments: set[int] = field(default_factory=lambda: {0})  # ring segments it has mapped
+    generation: int = -1  # the ring's generation it last synced with
 
 
 class WorkerPool:
@@ -62,26 +70,41 @@ class WorkerPool:
 
     def __init__(self, ctx: ProducerContext) -> None:
         self.name = ctx.config.name
+        iterable = is_iterable(ctx.dataset)
         self.spec = WorkerSpec(
             ctx.config.name,
             ctx.kind,
             ctx.params,
             ctx.datasets,
             ctx.layout.to_json(),
-            ctx.ring.size,
+            ctx.ring.segments()[0][0].nslots * ctx.ring.slot_bytes,  # segment 0
             ctx.ring.slot_bytes,
             ctx.config.worker_init_fn,
-            ctx.config.num_workers,
-            # Built-in kinds draw nothing from the global RNGs: no replay, no snapshots.
-            snapshots=ctx.kind == "python",
+            max(1, ctx.config.num_workers),
+            # Built-in kinds draw nothing from the global RNGs: no replay, no snapshots
+            # (unless a collate_fn may draw); an iterable's workers keep their own.
+            snapshots=(ctx.kind == "python" or ctx.config.collate_fn is not None) and not iterable,
+            collate_fn=ctx.config.collate_fn,
+            iterable=ctx.config if iterable else None,
         )
-        self.streams = Streams(
-            ctx.config,
-            ctx.dataset,
-            replay=self.spec.snapshots,
-            allowed=ctx.datasets.allowed_plugins,
+        # An iterable's turns: its workers position their iterators themselves.
+        self._judge = EndJudge(ctx.config.num_workers) if iterable else None
+        self.streams: Streams | IterRoutes = (
+            IterRoutes(ctx.config.num_workers)
+            if iterable
+            else Streams(
+                ctx.config,
+                ctx.dataset,
+                replay=self.spec.snapshots,
+                allowed=ctx.datasets.allowed_plugins,
+            )
         )
+        self._ring = ctx.ring
         self._ring_fd = ctx.ring.fd
+        # Without global RNG draws (built-in kinds) the streams do not matter: batches
+        # go round-robin over the processes there are, whatever the loader started with.
+        # An iterable's turn belongs to its worker's stream.
+        self._round_robin = not self.spec.snapshots and not iterable
         self._ctx = mp.get_context("forkserver")
         self._on_result = ctx.on_result
         self._on_fatal = ctx.on_fatal
@@ -92,7 +115,8 @@ class WorkerPool:
         self._stop = threading.Event()
         self._next_id = 0
         self.restarts = 0
-        self._workers.extend(self._spawn(ctx.config.num_workers))
+        self._idle = threading.Condition(self._lock)  # notified as tasks complete
+        self._workers.extend(self._spawn(ctx.num_processes))
         self._collector = threading.Thread(
             target=self._collect, name=f"pinfeed-collect-{self.name}", daemon=True
         )
@@ -140,7 +164,7 @@ class WorkerPool:
         """Grow or shrink live: new workers take new tasks at once; removed ones first
         finish what they hold, so no batch is lost or produced twice."""
         if num_workers < 1:
-            raise ValueError(SWITCH)
+            raise ValueError("a pool has at least one worker; the engine swaps it for 0")
         new = (
             self._spawn(num_workers - len(self._workers))
             if len(self._workers) < num_workers
@@ -176,6 +200,8 @@ class WorkerPool:
     def _process_of(self, task: Task) -> _Worker:
         """Batch ``i``'s worker is ``i % num_workers`` (DataLoader's id, fixed at
         creation); after a live resize, process ``id % processes`` serves it."""
+        if self._round_robin:
+            return self._workers[task.index % len(self._workers)]
         return self._workers[self.streams.worker_of(task.index) % len(self._workers)]
 
     def _give(self, task: Task) -> None:
@@ -192,10 +218,37 @@ class WorkerPool:
                     reseed = self.streams.prepare(task.epoch, task.index)
                     worker.outstanding[task.seq] = task
                     worker.started.setdefault(task.seq, time.perf_counter())
+                self._sync(worker)
                 if reseed is not None:
                     self._send_locked(worker, encode_reseed(reseed))
                 self._send_locked(worker, TASK_TAG + encode_task(task))
                 return
+
+    def _sync(self, worker: _Worker) -> None:
+        """Map the ring's new segments in ``worker`` and unmap its closed ones; under the
+        worker's send lock, before a task that may use them."""
+        generation = self._ring.generation
+        if worker.generation == generation:
+            return
+        with self._ring.lock:  # no segment closes while its fd is on the way
+            now = {info.id: (info, fd) for info, fd in self._ring.segments()}
+            for sid in sorted(set(now) - worker.segments):
+                info, fd = now[sid]
+                self._send_locked(worker, SEGMENT_TAG + SEGMENT.pack(*_segment_fields(info)))
+                with contextlib.suppress(OSError):
+                    reduction.send_handle(worker.conn, fd, worker.process.pid)
+            for sid in sorted(worker.segments - set(now)):
+                self._send_locked(worker, DROP_TAG + SEGMENT.pack(sid, 0, 0))
+        worker.segments = set(now)
+        worker.generation = generation
+
+    def segments_changed(self) -> None:
+        """The ring closed a segment: every worker unmaps it now (not at its next task)."""
+        with self._lock:
+            everyone = self._workers + self._retiring
+        for w in everyone:
+            with w.send_lock:
+                self._sync(w)
 
     def _send(self, worker: _Worker, message: bytes) -> None:
         with worker.send_lock:
@@ -236,12 +289,17 @@ class WorkerPool:
                     continue
                 result = decode_result(message[1:])
                 with self._lock:
-                    worker.outstanding.pop(result.seq, None)
+                    task = worker.outstanding.pop(result.seq, None)
+                    if result.end and self._judge is not None and task is not None:
+                        # A stream ran out: the epoch's END, or a turn that yields nothing.
+                        result.end = self._judge.ran_out(task.epoch, task.index)
                     t0 = worker.started.pop(result.seq, None)
                     if t0 is not None:
                         worker.busy_s += time.perf_counter() - t0
                     self._retries.pop(result.seq, None)
                 self._on_result(result)
+                with self._lock:
+                    self._idle.notify_all()
         except (EOFError, OSError):
             pass  # dead: its sentinel fires and _replace handles it
 
@@ -294,6 +352,14 @@ class WorkerPool:
                 # comes back as an error; those queued behind it are simply re-sent.
                 tries = self._retries.get(seq, 0) + 1
                 self._retries[seq] = tries
+                if tries > MAX_TASK_RETRIES and self._judge is not None:
+                    # An iterator that kills its worker cannot be fast-forwarded past.
+                    self._on_fatal(
+                        f"worker {self.streams.worker_of(task.index)} died (exit code "
+                        f"{code}) {tries} times making batch {task.index} of epoch "
+                        f"{task.epoch}: its iterator cannot be fast-forwarded past it"
+                    )
+                    return
                 if tries > MAX_TASK_RETRIES:
                     with self._lock:
                         self.streams.poison(task.epoch, task.index)
@@ -301,7 +367,20 @@ class WorkerPool:
                     continue
             self._give(task)
 
-    def close(self, timeout: float = 5.0) -> None:
+    def _drain(self, timeout: float) -> None:
+        """Wait (bounded) until no task is outstanding: each has reported its result."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while any(w.outstanding for w in self._workers + self._retiring):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.warning("loader %s: closing with tasks outstanding", self.name)
+                    return
+                self._idle.wait(min(left, 0.2))
+
+    def close(self, drain: bool = False, timeout: float = 5.0) -> None:
+        if drain and not self._stop.is_set():
+            self._drain(START_TIMEOUT_S)
         self._stop.set()
         self._collector.join(timeout)
         everyone = self._workers + self._retiring
@@ -316,6 +395,10 @@ class WorkerPool:
             w.conn.close()
         self._workers.clear()
         self._retiring.clear()
+
+
+def _segment_fields(info: Any) -> tuple[int, int, int]:
+    return info.id, info.first, info.nslots
 
 
 def _worker_died(task: Task, code: int | None, tries: int) -> Result:

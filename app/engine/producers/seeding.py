@@ -282,6 +282,10 @@ class WorkerRngs:
         self.dataset = self._datasets[stream]
         self._current = stream
 
+    def park(self) -> None:
+        """Save the current stream's state (the caller restores the process's own)."""
+        self._park()
+
     def _park(self) -> None:
         if self._current is not None:
             self._saved[self._current] = (capture(), torch_worker._worker_info)

@@ -1,0 +1,99 @@
+"""``tokens``: a flat binary token file, as nanoGPT's ``train.bin`` and Megatron train from.
+
+``{"path": "train.bin", "dtype": "uint16", "seq_len": 1024}``. The file is the raw
+tokens, no header, in native byte order (``uint16``, nanoGPT's, or ``uint32`` for
+vocabularies over 65,536). Sample ``i`` starts at token ``i * stride`` (``stride``
+defaults to ``seq_len``: non-overlapping windows) and is ``(x, y)``: tokens
+``[start, start + seq_len)`` and ``[start + 1, start + seq_len + 1)``, both int64, so
+``y`` is ``x`` shifted by one (the next-token targets). There are
+``(tokens - seq_len - 1) // stride + 1`` samples: the last window needs its one extra
+target token. The file is memory-mapped read-only, never read whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from pinfeed_server.datasets.base import DatasetContext, DatasetError, Kind, Params
+
+
+class TokensParams(Params):
+    path: str = Field(description="the token file, relative to the data root")
+    dtype: Literal["uint16", "uint32"] = Field("uint16", description="the file's token type")
+    seq_len: int = Field(gt=0, le=1 << 24, description="tokens in x (and in y)")
+    stride: int | None = Field(
+        None, gt=0, description="tokens between sample starts (default: seq_len)"
+    )
+
+
+def samples(tokens: int, seq_len: int, stride: int) -> int:
+    """How many windows of ``seq_len + 1`` tokens start at multiples of ``stride``."""
+    return 0 if tokens < seq_len + 1 else (tokens - seq_len - 1) // stride + 1
+
+
+class TokensDataset:
+    def __init__(self, path: Path, shown: str, dtype: str, seq_len: int, stride: int) -> None:
+        itemsize = np.dtype(dtype).itemsize
+        size = path.stat().st_size
+        if size % itemsize:
+            raise DatasetError(
+                f"{shown}: size {size} bytes is not a multiple of {dtype}'s {itemsize} bytes "
+                "(a truncated file, or the wrong dtype)"
+            )
+        count = size // itemsize
+        n = samples(count, seq_len, stride)
+        if n == 0:
+            raise DatasetError(
+                f"{shown}: {count} tokens, fewer than seq_len + 1 = {seq_len + 1} (one sample)"
+            )
+        self.tokens: np.memmap[Any, Any] = np.memmap(path, dtype=dtype, mode="r")
+        self.seq_len = seq_len
+        self.stride = stride
+        self._length = n
+
+    def __len__(self) -> int:
+        return self._length
+
+    def _start(self, index: int) -> int:
+        i = int(index)
+        if i < 0:
+            i += self._length
+        if not 0 <= i < self._length:
+            raise IndexError(f"index {index} out of range for {self._length} samples")
+        return i * self.stride
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start, s = self._start(index), self.seq_len
+        window = self.tokens[start : start + s + 1].astype(np.int64)
+        return torch.from_numpy(window[:-1]), torch.from_numpy(window[1:])
+
+    def fetch_into(self, indices: Sequence[int], out: Sequence[torch.Tensor]) -> None:
+        # Each window is read once from the mapping and widened to int64 straight into
+        # the slot's x and y rows: no per-sample tensors, no stack.
+        xs, ys = out[0].numpy(), out[1].numpy()
+        s = self.seq_len
+        for row, index in enumerate(indices):
+            start = self._start(index)
+            window = self.tokens[start : start + s + 1]
+            np.copyto(xs[row], window[:-1], casting="safe")
+            np.copyto(ys[row], window[1:], casting="safe")
+
+    def __repr__(self) -> str:
+        return (
+            f"TokensDataset({self._length} samples of {self.seq_len} tokens, "
+            f"stride {self.stride}, {self.tokens.dtype})"
+        )
+
+
+def build(p: TokensParams, ctx: DatasetContext) -> TokensDataset:
+    path = ctx.resolve(p.path)
+    return TokensDataset(path, p.path, p.dtype, p.seq_len, p.stride or p.seq_len)
+
+
+KIND = Kind("tokens", TokensParams, build, __doc__)

@@ -1,0 +1,306 @@
+"""``webdataset``: local WebDataset tar shards, an ``IterableDataset`` as WebDataset reads them.
+
+``{"shards": "shards/train-{000000..000099}.tar", "fields": ["jpg;png", "cls"]}``.
+``shards`` is a brace pattern (or a list of them) under the data root, expanded as
+WebDataset expands it. A shard's regular files are grouped into samples as WebDataset
+groups them: consecutive members with the same key (the path up to the first dot of
+the file name) make one sample, keyed by their lower-cased extensions; ``__...__``
+metadata files and names without an extension are skipped, an extension twice in a
+sample is an error. ``fields`` picks what a sample is, as ``to_tuple`` does (a list:
+tuple samples; a dict of key -> extension: dict samples; ``a;b``: the first present),
+decoded by extension as ``.decode("torchrgb8")`` does: ``jpg``/``jpeg``/``png`` to RGB
+uint8 ``[3, H, W]`` (with ``image_size``, resized and cropped as ``images`` does),
+``cls``/``cls2``/``index``/``inx``/``id`` to ``int``, ``json``/``jsn`` parsed,
+``txt``/``text``/``transcript`` to ``str``, any other extension as ``bytes`` (nothing
+is unpickled or ``torch.load``-ed).
+
+Shards are split by rank (``shards[rank::world_size]``) and then by DataLoader worker
+(``[worker::num_workers]``), as WebDataset's ``split_by_node`` and ``split_by_worker``
+do, shard order kept. The rank is the one ``split_by_node`` finds (``torch.distributed``
+when initialized, else ``RANK``/``WORLD_SIZE`` in the environment, which a pinfeed
+worker sets to its loader's ``rank``/``world_size``), unless the params fix
+``rank``/``world_size``; ``len`` is that rank's sample count. ``shuffle_buffer`` shuffles samples
+within each worker through WebDataset's buffer (``.shuffle(n, seed=seed)``: the same
+picks from ``random.Random(seed)``, the same order every epoch). Every shard's
+headers are read once when the dataset is built: a missing or truncated shard, a member
+whose name is absolute or has a ``..`` component, or a sample missing a field is
+refused naming the shard. Samples are read from
+memory-mapped shards through the offsets found then (compact numpy arrays).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import mmap
+import os
+import random
+import re
+import tarfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from braceexpand import braceexpand
+from PIL import Image, UnidentifiedImageError
+from pydantic import Field
+
+from pinfeed_server.datasets.base import DatasetContext, DatasetError, Kind, Params
+from pinfeed_server.datasets.images import fit
+
+IMAGES = {"jpg", "jpeg", "png"}
+INTS = {"cls", "cls2", "index", "inx", "id"}
+JSONS = {"json", "jsn"}
+TEXTS = {"txt", "text", "transcript"}
+_KEY = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # WebDataset's base_plus_ext
+MAX_SHARDS = 1_000_000  # braceexpand builds a whole range at once: bound it first
+_META = re.compile(r"__[^/]*__($|/)")
+_RANGE = re.compile(r"\{(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?\}")
+_GROUP = re.compile(r"\{([^{}]*)\}")
+
+
+def _braces(pattern: str) -> int:
+    """An upper bound of the names ``pattern`` expands to (its innermost groups' sizes
+    multiplied), found without expanding it."""
+    n = 1
+    for a, b, step in _RANGE.findall(pattern):
+        n *= abs(int(b) - int(a)) // max(1, abs(int(step or 1))) + 1
+    for body in _GROUP.findall(_RANGE.sub("", pattern)):
+        n *= body.count(",") + 1
+    return n
+
+
+class WebDatasetParams(Params):
+    shards: str | list[str] = Field(description="brace pattern(s) of tar shards, under the root")
+    fields: list[str] | dict[str, str] = Field(
+        description="extensions, as to_tuple (a list) or key -> extension (a dict); 'a;b'"
+    )
+    image_size: int | None = Field(None, gt=0, le=8192, description="resize + center crop")
+    shuffle_buffer: int | None = Field(None, gt=0, description="samples in the shuffle buffer")
+    seed: int = Field(0, description="the shuffle buffer's random.Random seed")
+    rank: int | None = Field(
+        None, ge=0, description="fixed rank (default: the loader's, as RANK in the env)"
+    )
+    world_size: int | None = Field(None, ge=1, description="with rank")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One tar's samples: member ``m`` of sample ``s`` is ``first[s] <= m < first[s+1]``."""
+
+    shown: str
+    path: Path
+    first: np.ndarray[Any, Any]  # int64 [samples + 1]
+    offset: np.ndarray[Any, Any]  # int64 [members]: where a member's data starts
+    size: np.ndarray[Any, Any]  # int64 [members]
+    ext: np.ndarray[Any, Any]  # int16 [members]: index into the extension table
+
+    @property
+    def samples(self) -> int:
+        return len(self.first) - 1
+
+
+def _unsafe(name: str) -> bool:
+    return name.startswith("/") or ".." in name.split("/")
+
+
+def scan(shown: str, path: Path, exts: dict[str, int]) -> Shard:
+    """Read a shard's headers: its samples as WebDataset's ``group_by_keys`` forms them."""
+    first: list[int] = []
+    offset: list[int] = []
+    size: list[int] = []
+    ext: list[int] = []
+    key: str | None = None
+    seen: set[str] = set()
+    try:
+        with tarfile.open(path, "r:") as tar:
+            for info in tar:
+                link = (info.issym() or info.islnk()) and _unsafe(info.linkname)
+                if _unsafe(info.name) or link:
+                    raise DatasetError(
+                        f"{shown}: member {info.name!r} is a path traversal (an absolute path "
+                        "or a '..' component)"
+                    )
+                if not info.isreg() or _META.match(info.name):
+                    continue
+                if "/" not in info.name and info.name.startswith("__") and info.name.endswith("__"):
+                    continue
+                m = _KEY.match(info.name)
+                if m is None:
+                    continue
+                prefix, suffix = m.group(1), m.group(2).lower()
+                if prefix != key:
+                    key, seen = prefix, set()
+                    first.append(len(offset))
+                if suffix in seen:
+                    raise DatasetError(f"{shown}: {info.name}: duplicate file name in the sample")
+                seen.add(suffix)
+                if info.offset_data + info.size > path.stat().st_size:
+                    raise DatasetError(f"{shown}: truncated in member {info.name!r}")
+                offset.append(info.offset_data)
+                size.append(info.size)
+                ext.append(exts.setdefault(suffix, len(exts)))
+            end = tar.offset  # tarfile stops quietly at a cut header: the archive must end
+        with path.open("rb") as f:  # with a zero block, as every tar writer ends it
+            f.seek(end)
+            if f.read(512) != bytes(512):
+                raise DatasetError(f"{shown}: truncated at byte {end} (no end-of-archive block)")
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        raise DatasetError(f"{shown}: not a readable tar file ({exc})") from None
+    first.append(len(offset))
+    return Shard(
+        shown,
+        path,
+        np.array(first, dtype=np.int64),
+        np.array(offset, dtype=np.int64),
+        np.array(size, dtype=np.int64),
+        np.array(ext, dtype=np.int16),
+    )
+
+
+def decode(ext: str, data: bytes, image_size: int | None) -> Any:
+    if ext in IMAGES:
+        with Image.open(io.BytesIO(data)) as img:
+            img.load()
+            rgb = img.convert("RGB")
+        if image_size is not None:
+            rgb = fit(rgb, image_size)
+        return torch.from_numpy(np.asarray(rgb).transpose(2, 0, 1).copy())
+    if ext in INTS:
+        return int(data)
+    if ext in JSONS:
+        return json.loads(data)
+    if ext in TEXTS:
+        return data.decode("utf-8")
+    return data
+
+
+class WebDatasetShards(torch.utils.data.IterableDataset[Any]):
+    def __init__(self, shards: list[Shard], exts: dict[str, int], p: WebDatasetParams) -> None:
+        self.shards = shards  # every rank's
+        self._exts = [e for e, _ in sorted(exts.items(), key=lambda kv: kv[1])]
+        if isinstance(p.fields, dict):
+            self._keys: list[str] | None = list(p.fields)
+            wanted = list(p.fields.values())
+        else:
+            self._keys, wanted = None, list(p.fields)
+        self._fields = [[exts.get(e, -1) for e in alt.split(";")] for alt in wanted]
+        self._wanted = wanted
+        self.image_size, self.shuffle_buffer, self.seed = p.image_size, p.shuffle_buffer, p.seed
+        self._rank = None if p.rank is None else (p.rank, p.world_size or 1)
+        self._counts = np.array([sh.samples for sh in shards], dtype=np.int64)
+        for shard in shards:
+            self._check_fields(shard)
+
+    def _check_fields(self, shard: Shard) -> None:
+        for s in range(shard.samples):
+            present = set(shard.ext[shard.first[s] : shard.first[s + 1]].tolist())
+            for alts, spec in zip(self._fields, self._wanted, strict=True):
+                if not present.intersection(alts):
+                    raise DatasetError(f"{shard.shown}: sample {s} has no {spec!r} field")
+
+    def _rank_shards(self) -> tuple[int, int]:
+        """(rank, world_size) as WebDataset's ``pytorch_worker_info`` finds them."""
+        if self._rank is not None:
+            return self._rank
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        return 0, 1
+
+    def __len__(self) -> int:
+        rank, world = self._rank_shards()
+        return int(self._counts[rank::world].sum())
+
+    def _sample(self, shard: Shard, mm: mmap.mmap, s: int) -> Any:
+        members = range(int(shard.first[s]), int(shard.first[s + 1]))
+        by_ext = {int(shard.ext[m]): m for m in members}
+        out = []
+        for alts in self._fields:
+            m = next(by_ext[a] for a in alts if a in by_ext)
+            start, n = int(shard.offset[m]), int(shard.size[m])
+            ext = self._exts[int(shard.ext[m])]
+            try:
+                out.append(decode(ext, mm[start : start + n], self.image_size))
+            except (OSError, UnidentifiedImageError, ValueError) as exc:
+                raise DatasetError(f"{shard.shown}: sample {s} .{ext}: {exc}") from None
+        return dict(zip(self._keys, out, strict=True)) if self._keys is not None else tuple(out)
+
+    def __iter__(self) -> Iterator[Any]:
+        rank, world = self._rank_shards()
+        shards = self.shards[rank::world]
+        info = torch.utils.data.get_worker_info()
+        if info is not None:
+            shards = shards[info.id :: info.num_workers]
+        refs: Iterator[tuple[Shard, int]] = ((sh, s) for sh in shards for s in range(sh.samples))
+        if self.shuffle_buffer is not None:
+            refs = _shuffle(refs, self.shuffle_buffer, random.Random(self.seed))
+        maps: dict[Path, mmap.mmap] = {}
+        try:
+            for shard, s in refs:
+                mm = maps.get(shard.path)
+                if mm is None:
+                    if self.shuffle_buffer is None:  # in order: a shard at a time
+                        for old in maps.values():
+                            old.close()
+                        maps.clear()
+                    with shard.path.open("rb") as f:
+                        mm = maps[shard.path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                yield self._sample(shard, mm, s)
+        finally:
+            for mm in maps.values():
+                mm.close()
+
+    def __repr__(self) -> str:
+        return f"WebDatasetShards({len(self.shards)} shards, {self._counts.sum()} samples)"
+
+
+def _shuffle(data: Iterator[Any], bufsize: int, rng: random.Random) -> Iterator[Any]:
+    """``webdataset.filters._shuffle`` with its default ``initial`` (100): the same
+    buffer, the same ``rng.randint`` picks, so the same order for the same seed."""
+    initial = min(100, bufsize)
+    buf: list[Any] = []
+
+    def pick() -> Any:
+        k = rng.randint(0, len(buf) - 1)
+        sample, buf[k] = buf[k], buf[-1]
+        buf.pop()
+        return sample
+
+    for sample in data:
+        buf.append(sample)
+        if len(buf) < bufsize:
+            with contextlib.suppress(StopIteration):
+                buf.append(next(data))
+        if len(buf) >= initial:
+            yield pick()
+    while buf:
+        yield pick()
+
+
+def build(p: WebDatasetParams, ctx: DatasetContext) -> WebDatasetShards:
+    if (p.rank is None) != (p.world_size is None):
+        raise DatasetError("rank and world_size go together")
+    if p.rank is not None and p.world_size is not None and p.rank >= p.world_size:
+        raise DatasetError(f"rank {p.rank} must be below world_size {p.world_size}")
+    patterns = [p.shards] if isinstance(p.shards, str) else p.shards
+    if math.prod(_braces(pattern) for pattern in patterns) > MAX_SHARDS:
+        raise DatasetError(f"shards expand to more than {MAX_SHARDS:,} files")
+    names = [name for pattern in patterns for name in braceexpand(pattern)]
+    if not names:
+        raise DatasetError("shards must name at least one tar file")
+    if not p.fields:
+        raise DatasetError("fields must name at least one extension")
+    exts: dict[str, int] = {}
+    shards = [scan(name, ctx.resolve(name), exts) for name in names]
+    return WebDatasetShards(shards, exts, p)
+
+
+KIND = Kind("webdataset", WebDatasetParams, build, __doc__)

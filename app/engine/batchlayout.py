@@ -1,0 +1,172 @@
+"""Batches with a layout of their own: a ``collate_fn``'s output (any nesting, shapes
+that change from batch to batch, lists of differently shaped tensors), or a batch that
+torch's ``default_collate`` made because its shapes are not the loader's.
+
+``write_output`` walks the output once: tensors and numpy arrays are copied into the
+slot (the batch's one copy into shared memory, as DataLoader's worker makes one into
+its shared memory), one after the other at aligned offsets; numbers, strings and
+``None`` travel as JSON. What it returns is the BATCH body with ``FLAG_LAYOUT``
+(``pinfeed._protocol.encode_batch_layout``): the structure (treedef and leaf kinds, the
+same bytes for batches of the same structure, so the client parses it once), the
+offsets and shapes, and the objects.
+
+The client rebuilds what DataLoader yields: tuples stay tuples, lists lists,
+namedtuples namedtuples; a mapping becomes a ``dict``; a numpy array a numpy view.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from pinfeed._protocol import BATCH_HEAD, MAX_MESSAGE, Leaf, align, encode_batch_layout
+from pinfeed_server.engine.errors import BatchTooLarge
+
+__all__ = ["OutputError", "output_leaves", "write_output"]
+
+# JSON carries these exactly (type and value); anything else must be an array or a container.
+_SCALARS = (str, int, float, bool, type(None))
+MAX_BODY = MAX_MESSAGE - BATCH_HEAD.size
+_TORCH_DTYPES: dict[np.dtype[Any], torch.dtype] = {}
+
+
+class OutputError(TypeError):
+    """A collate output that pinfeed cannot carry; the message names where it is."""
+
+
+def _torch_dtype(dtype: np.dtype[Any], where: str) -> torch.dtype:
+    out = _TORCH_DTYPES.get(dtype)
+    if out is None:
+        try:
+            out = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+        except TypeError:
+            raise OutputError(
+                f"{where}: a numpy {dtype} array cannot live in shared memory as a tensor; "
+                "return numeric arrays, tensors, numbers or strings"
+            ) from None
+        _TORCH_DTYPES[dtype] = out
+    return out
+
+
+class _Walk:
+    """One pass over an output: its treedef, leaf specs, arrays and objects."""
+
+    def __init__(self) -> None:
+        self.specs: list[list[Any]] = []  # [kind, dtype, ndim] per leaf
+        self.arrays: list[tuple[Any, torch.dtype, tuple[int, ...], int]] = []
+        self.objects: list[Any] = []
+
+    def leaf(self, kind: str, dtype: str, ndim: int) -> list[Any]:
+        self.specs.append([kind, dtype, ndim])
+        return ["leaf", len(self.specs) - 1]
+
+    def array(self, kind: str, value: Any, dtype: torch.dtype) -> list[Any]:
+        shape = tuple(value.shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        self.arrays.append((value, dtype, shape, nbytes))
+        return self.leaf(kind, str(dtype).removeprefix("torch."), len(shape))
+
+    def walk(self, value: Any, where: str) -> list[Any]:
+        if isinstance(value, torch.Tensor):
+            if value.layout != torch.strided or value.is_quantized or value.is_nested:
+                raise OutputError(f"{where}: a {value.layout} tensor; return dense tensors")
+            return self.array("t", value, value.dtype)
+        if isinstance(value, np.ndarray):
+            return self.array("n", value, _torch_dtype(value.dtype, where))
+        if isinstance(value, np.generic):
+            return self.array("s", np.asarray(value), _torch_dtype(value.dtype, where))
+        if type(value) in _SCALARS:
+            self.objects.append(value)
+            return self.leaf("o", "", 0)
+        if type(value) is list and all(type(v) in _SCALARS for v in value):
+            self.objects.append(value)  # a list of strings or numbers: one JSON value
+            return self.leaf("o", "", 0)
+        if isinstance(value, Mapping):
+            items = []
+            for k, v in value.items():
+                if type(k) not in (str, int):
+                    raise OutputError(f"{where}: dict keys must be str or int, got {k!r}")
+                items.append([k, self.walk(v, f"{where}[{k!r}]")])
+            return ["dict", items]
+        if isinstance(value, tuple) and hasattr(value, "_fields"):
+            children = [
+                self.walk(v, f"{where}.{f}") for f, v in zip(value._fields, value, strict=True)
+            ]
+            return ["namedtuple", [type(value).__name__, list(value._fields), children]]
+        if isinstance(value, (tuple, list)):
+            tag = "tuple" if isinstance(value, tuple) else "list"
+            return [tag, [self.walk(v, f"{where}[{i}]") for i, v in enumerate(value)]]
+        raise OutputError(
+            f"{where} is a {type(value).__module__}.{type(value).__qualname__}; a batch may "
+            "hold tensors, numpy arrays, numbers, strings and None, in tuples, lists, dicts "
+            "and namedtuples"
+        )
+
+
+def _dest(slot: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape: Any) -> Any:
+    return slot[offset : offset + nbytes].view(dtype).view(shape)
+
+
+def write_output(out: Any, slot: torch.Tensor, what: str = "collate_fn") -> bytes:
+    """Copy ``out``'s arrays into ``slot`` (uint8, the whole slot); the BATCH body.
+    BatchTooLarge (naming ``max_batch_bytes`` and the size needed) if it does not fit."""
+    w = _Walk()
+    treedef = w.walk(out, "the batch")
+    dims: list[int] = []
+    offsets: list[int] = []
+    offset = 0
+    for _, _, shape, nbytes in w.arrays:
+        offsets.append(offset)
+        dims.append(offset)
+        dims.extend(shape)
+        offset = align(offset + nbytes)
+    if offset > slot.numel():
+        raise BatchTooLarge(
+            f"{what}'s batch needs {offset} bytes; this loader's slots hold {slot.numel()}: "
+            f"create the loader with max_batch_bytes >= {offset}",
+            index=None,
+            error_type="BatchTooLarge",
+        )
+    for (value, dtype, shape, nbytes), at in zip(w.arrays, offsets, strict=True):
+        dest = _dest(slot, at, nbytes, dtype, shape)
+        if isinstance(value, torch.Tensor):
+            with torch.no_grad():
+                dest.copy_(value)
+        else:
+            np.copyto(dest.numpy(), value, casting="no")
+    structure = json.dumps([treedef, w.specs], separators=(",", ":")).encode()
+    objects = json.dumps(w.objects, separators=(",", ":")).encode() if w.objects else b""
+    body = encode_batch_layout(structure, dims, objects)
+    if len(body) > MAX_BODY:
+        raise BatchTooLarge(
+            f"{what}'s batch has a layout of {len(body)} bytes (strings, numbers and "
+            f"structure); a batch message holds at most {MAX_BODY}: return long strings "
+            "and many numbers as tensors (e.g. token ids)",
+            index=None,
+            error_type="BatchTooLarge",
+        )
+    return body
+
+
+def output_leaves(out: Any) -> tuple[list[Any], list[Leaf], int]:
+    """(treedef, leaves, bytes in a slot) of one output: what ``GET`` shows of a
+    per-batch loader's first batch, and what its slots are sized from."""
+    w = _Walk()
+    treedef = w.walk(out, "the batch")
+    leaves: list[Leaf] = []
+    arrays = iter(w.arrays)
+    objects = iter(w.objects)
+    offset = 0
+    kinds = {"t": "tensor", "n": "ndarray", "s": "scalar"}
+    for kind, dtype, _ in w.specs:
+        if kind == "o":
+            leaves.append(Leaf("obj", type(next(objects)).__name__, (), 0, 0))
+            continue
+        _, torch_dtype, shape, nbytes = next(arrays)
+        leaves.append(Leaf(kinds[kind], dtype, shape, offset, nbytes, torch_dtype.itemsize))
+        offset = align(offset + nbytes)
+    return treedef, leaves, offset

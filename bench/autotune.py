@@ -1,0 +1,198 @@
+"""Autotune against fixed settings (issue 15): a trainer with a fixed compute step on
+the decode-bound workloads (W3; W5, W3's JPEGs with random crop and flip, when
+``bench.data`` has it), from ``num_workers=1``.
+
+For each workload, one server; runs one after another, each a fresh loader and a
+trainer (in this process: its step is a ``sleep``, standing for GPU time, so it takes
+no core from the workers) reading for ``--seconds``:
+
+- fixed ``num_workers`` = each of ``--fixed`` (prefetch_factor 2),
+- ``num_workers=1`` with ``autotune: {max_workers: --max-workers, interval_s}``.
+
+Reported: samples/s per second of the run (the curve), the steady rate (after
+``--warmup`` s for a fixed setting; after autotune settled for autotune), the time
+autotune took to settle (its last decision, from the loader's stats) and its
+decisions. ``python -m bench autotune`` prints the table and writes
+``docs/autotune.json``. Figures from a shared, loaded machine are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import data
+from bench.server import REPO, BenchServer
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench autotune", description=__doc__)
+    ap.add_argument("--workloads", default="W3,W5", help="those not in bench.data are skipped")
+    ap.add_argument("--fixed", default="1,2,3,4", help="fixed num_workers to compare with")
+    ap.add_argument("--max-workers", type=int, default=4, help="autotune's max_workers")
+    ap.add_argument("--interval", type=float, default=2.0, help="autotune's interval_s")
+    ap.add_argument("--seconds", type=float, default=45.0, help="length of each run")
+    ap.add_argument("--warmup", type=float, default=5.0, help="fixed runs: rate measured after")
+    ap.add_argument("--step-ms", type=float, default=20.0, help="the trainer's compute per batch")
+    ap.add_argument(
+        "--batch-size", type=int, default=16, help="batch size (small: many measurements a second)"
+    )
+    ap.add_argument("--scale", type=float, default=1.0, help="workload sample-count scale")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="rounds of all settings, order reversed every other round (the median run is "
+        "reported: the upper one of an even count)",
+    )
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 12 s, fixed 1,2")
+    ap.add_argument(
+        "--data-dir",
+        type=Path,
+        default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pinfeed-bench",
+    )
+    ap.add_argument("--out", type=Path, default=REPO / "docs", help="directory for autotune.json")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.seconds, args.fixed, args.warmup, args.interval = 12.0, "1,2", 3.0, 1.0
+    args.fixed_counts = [int(x) for x in args.fixed.split(",") if x.strip()]
+    return args
+
+
+def _run(
+    srv: BenchServer, dataset: str, w: data.Workload, args: argparse.Namespace, **loader: Any
+) -> dict[str, Any]:
+    from pinfeed import Client, Loader
+
+    name = f"run{time.monotonic_ns()}"
+    step = args.step_ms / 1e3
+    with Client(srv.url, timeout=300) as admin:  # workers start slowly on a loaded box
+        admin.create_loader(
+            name, dataset=dataset, batch_size=args.batch_size, shuffle=True, seed=0, **loader
+        )
+        per_second: list[int] = []
+        t0 = time.monotonic()
+        with Loader(name, socket=srv.socket, timeout=120) as trainer:
+            while time.monotonic() - t0 < args.seconds:
+                for batch in trainer:
+                    second = int(time.monotonic() - t0)
+                    per_second.extend([0] * (second + 1 - len(per_second)))
+                    per_second[second] += int(batch[0].shape[0])
+                    time.sleep(step)  # the trainer's step: GPU time, no CPU
+                    if time.monotonic() - t0 >= args.seconds:
+                        break
+        stats = admin.loader_stats(name)
+        final = admin.loader(name)
+        admin.delete_loader(name)
+    per_second = per_second[: int(args.seconds)]
+    tune = stats.get("autotune")
+    settled = None
+    if tune:
+        # Settled: the last change (or the first 'settled' record), seconds from start.
+        settled = tune["settled_after_s"]
+        changes = [d["t"] for d in tune["decisions"]]
+        if settled is None and changes:
+            settled = changes[-1]
+    since = int(settled if settled is not None else args.warmup) if tune else int(args.warmup)
+    window = per_second[since:] or per_second
+    return {
+        "loader": loader,
+        "samples_per_s_curve": per_second,
+        "steady_samples_per_s": sum(window) / max(1, len(window)),
+        "steady_from_s": since,
+        "final_num_workers": final["num_workers"],
+        "final_prefetch_factor": final["prefetch_factor"],
+        "settled_after_s": settled,
+        "decisions": tune["decisions"] if tune else None,
+    }
+
+
+def bench_workload(key: str, args: argparse.Namespace) -> dict[str, Any]:
+    args.data_dir.mkdir(parents=True, exist_ok=True)
+    w = data.MAKERS[key](args.data_dir, args.scale)
+    data.warm_page_cache(args.data_dir, w)
+    out: dict[str, Any] = {"workload": w.describe(), "fixed": {}, "autotune": None}
+    with BenchServer(args.data_dir) as srv:
+        from pinfeed import Client
+
+        with Client(srv.url) as admin:
+            admin.create_dataset(key.lower(), w.kind, w.params)
+        spec = {"max_workers": args.max_workers, "interval_s": args.interval}
+        settings: list[tuple[str, dict[str, Any]]] = [
+            (str(n), {"num_workers": n}) for n in args.fixed_counts
+        ] + [("autotune", {"num_workers": 1, "autotune": spec})]
+        runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in settings}
+        for rnd in range(args.rounds):
+            # Reversed every other round, so a machine's drift weighs on every setting.
+            for label, loader in settings if rnd % 2 == 0 else settings[::-1]:
+                r = _run(srv, key.lower(), w, args, **loader)
+                runs[label].append(r)
+                print(f"{key} {label} (round {rnd}): {r['steady_samples_per_s']:.0f} samples/s")
+    for label, results in runs.items():
+        results.sort(key=lambda r: r["steady_samples_per_s"])
+        median = results[len(results) // 2] | {"rounds": results}
+        if label == "autotune":
+            out["autotune"] = r = median
+        else:
+            out["fixed"][label] = median
+    best_n, best = max(
+        ((n, f["steady_samples_per_s"]) for n, f in out["fixed"].items()), key=lambda x: x[1]
+    )
+    out["best_fixed"] = {"num_workers": int(best_n), "samples_per_s": best}
+    out["autotune_vs_best"] = r["steady_samples_per_s"] / best if best else None
+    print(
+        f"{key} autotune: {r['steady_samples_per_s']:.0f} samples/s after settling at "
+        f"{r['settled_after_s']} s on num_workers={r['final_num_workers']} x "
+        f"prefetch_factor={r['final_prefetch_factor']} ({out['autotune_vs_best']:.0%} of "
+        f"the best fixed, num_workers={best_n})"
+    )
+    for d in r["decisions"] or []:
+        print(f"    t={d['t']:5.1f}s -> {d['num_workers']}x{d['prefetch_factor']}: {d['reason']}")
+    return out
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    lines = [
+        "| workload | setting | samples/s (steady) | settled after | final |",
+        "|---|---|---|---|---|",
+    ]
+    for res in results:
+        key = res["workload"]["key"]
+        for n, f in res["fixed"].items():
+            lines.append(f"| {key} | num_workers={n} | {f['steady_samples_per_s']:.0f} | - | - |")
+        a = res["autotune"]
+        lines.append(
+            f"| {key} | autotune from 1 (max {a['loader']['autotune']['max_workers']}) | "
+            f"{a['steady_samples_per_s']:.0f} ({res['autotune_vs_best']:.0%} of best) | "
+            f"{a['settled_after_s']} s | {a['final_num_workers']}x{a['final_prefetch_factor']} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    keys = [k.strip().upper() for k in args.workloads.split(",") if k.strip()]
+    missing = [k for k in keys if k not in data.MAKERS]
+    if missing:
+        print(f"skipping {missing}: not in bench.data (W5 comes with the lead's suite)")
+    os.environ.setdefault("PINFEED_MAX_WORKERS", "64")  # fixed runs past the cores too
+    results = [bench_workload(k, args) for k in keys if k in data.MAKERS]
+    print(table(results))
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = {
+        "machine": {
+            "cpus": os.cpu_count(),
+            "load": os.getloadavg(),
+            "python": platform.python_version(),
+        },
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "skipped": missing,
+        "results": results,
+    }
+    (args.out / "autotune.json").write_text(json.dumps(report, indent=1))
+    return 0
