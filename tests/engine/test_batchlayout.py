@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pinfeed import _protocol as p
-from pinfeed._ring import RingMapping
+from pinfeed._ring import RingMapping, RingSegments
 from pinfeed._views import BatchViews
 from pinfeed_server.engine.batchlayout import OutputError, write_output
 from pinfeed_server.engine.collate import describe, per_batch_layout
@@ -39,7 +39,8 @@ def _round_trip(ring: RingMapping, out: Any, slot: int = 1) -> Any:
     buf = bytearray(p.MAX_MESSAGE)
     message = b"".join(p.batch_parts(slot, 0, 0, 0, b"", body, p.FLAG_LAYOUT))
     buf[: len(message)] = message
-    views = BatchViews(ring, p.Layout(["list", []], (), 1, SLOT, per_batch=True), 2, SLOT)
+    layout = p.Layout(["list", []], (), 1, SLOT, per_batch=True)
+    views = BatchViews(RingSegments(ring, 2, SLOT), layout, 2, SLOT)
     first = views.batch(buf, slot, len(body))
     second = views.batch(buf, slot, len(body))  # the cached structure
     assert_same(second, first)
