@@ -15,11 +15,12 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from pinfeed import Client, InvalidRequest
+from pinfeed import Client, InvalidRequest, Loader
 from pinfeed_server.datasets import DatasetContext, DatasetError, build_dataset
 from pinfeed_server.datasets.images import fit
 from tests.conftest import Server
 from tests.datasets.parity import GRID, check_parity
+from tests.fixtures.collate import pad_ids
 from tests.helpers import assert_same, unique
 
 hd.disable_progress_bars()
@@ -359,4 +360,45 @@ def test_parity_with_datasets_torch_format(
             num_workers=num_workers,
         )
     finally:
+        admin.delete_dataset(name)
+
+
+@pytest.mark.parametrize("kind", ["hf", "parquet"])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_variable_length_columns_through_the_server(
+    admin: Client, server: Server, served: dict[str, Any], kind: str, num_workers: int
+) -> None:
+    """The ragged ``ids`` column, padded per batch by the loader's ``collate_fn`` in the
+    server: DataLoader's batches over ``with_format("torch")``, shapes changing per batch."""
+    where, ref = served[kind]
+    name, loader_name = unique(kind), unique(f"{kind}-ragged")
+    admin.create_dataset(name, kind, _params(kind, where, columns=["ids"]))
+    try:
+        admin.create_loader(
+            loader_name,
+            dataset=name,
+            batch_size=2,
+            shuffle=True,
+            seed=11,
+            num_workers=num_workers,
+            collate_fn="tests.fixtures.collate:pad_ids",
+        )
+        want_loader = DataLoader(
+            ref.select_columns(["ids"]).with_format("torch"),
+            batch_size=2,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(11),
+            num_workers=num_workers,
+            collate_fn=pad_ids,
+        )
+        with Loader(loader_name, socket=server.socket) as loader:
+            for epoch in range(2):
+                want = list(want_loader)
+                got = [b.clone() for b in loader]
+                assert len(got) == len(want) > 1, f"epoch {epoch}"
+                assert len({b.shape[1] for b in want}) > 1  # the padding changes per batch
+                for i, (g, w) in enumerate(zip(got, want, strict=True)):
+                    assert_same(g, w, f"epoch {epoch} batch {i}")
+    finally:
+        admin.delete_loader(loader_name)
         admin.delete_dataset(name)
