@@ -25,8 +25,8 @@ from pinfeed_server.datasets import DatasetContext, DatasetError, build_dataset
 from pinfeed_server.engine.autotune import AutotuneSpec, Tuner
 from pinfeed_server.engine.collate import (
     LayoutError,
-    _fetch_samples,
     describe,
+    fetch_samples,
     loader_layout,
     probe,
 )
@@ -268,7 +268,7 @@ class Service:
                 if iterable:
                     batch, where = first_samples(ds, cfg, n), "the first batch of its iterator"
                 else:
-                    batch, where = _fetch_samples(ds, indices[:n]), f"sample {first}"
+                    batch, where = fetch_samples(ds, indices[:n]), f"sample {first}"
                 layout = loader_layout(
                     batch, sampler.max_rows, collate, cfg.max_batch_bytes, cap, where
                 )

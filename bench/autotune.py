@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--data-dir",
         type=Path,
-        default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pinfeed-bench",
+        default=data.DATA_DIR,
     )
     ap.add_argument("--out", type=Path, default=REPO / "docs", help="directory for autotune.json")
     args = ap.parse_args(argv)

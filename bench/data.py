@@ -28,11 +28,15 @@ a trainer uses today for the same files); without one, against the kind's own cl
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+# Where generated workload files are cached (every bench subcommand's --data-dir).
+DATA_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pinfeed-bench"
 
 # Full-size sample counts (scale 1.0): sized for a few minutes on 2 cores.
 W1_SAMPLES = 50_000

@@ -30,6 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench.data import DATA_DIR
+
 
 def _cpu_us(fn: Callable[[], Any], n: int) -> float:
     """Median process CPU time of ``fn`` in microseconds (CPU, so other load on the
@@ -128,7 +130,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument(
         "--data-dir",
         type=Path,
-        default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pinfeed-bench",
+        default=DATA_DIR,
     )
     ap.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
     args = ap.parse_args(argv)

@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--data-dir",
         type=Path,
-        default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pinfeed-bench",
+        default=data.DATA_DIR,
         help="where generated workload files are cached",
     )
     ap.add_argument(

@@ -224,7 +224,7 @@ def leaf_views(layout: Layout, slot: torch.Tensor, rows: int) -> list[torch.Tens
     return views
 
 
-def _fetch_samples(dataset: Any, indices: Sequence[int]) -> list[Any]:
+def fetch_samples(dataset: Any, indices: Sequence[int]) -> list[Any]:
     getitems = getattr(dataset, "__getitems__", None)
     if getitems is not None:
         try:
@@ -303,7 +303,7 @@ class SlotWriter:
                 return b""
             except Exception:
                 pass  # the per-sample path says what is wrong, as DataLoader would
-        return self.write_samples(slot, _fetch_samples(self.dataset, indices), indices)
+        return self.write_samples(slot, fetch_samples(self.dataset, indices), indices)
 
     def write_samples(
         self, slot: int, samples: list[Any], indices: Sequence[int] | None = None

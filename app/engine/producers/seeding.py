@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data._utils import worker as torch_worker
 
-from pinfeed_server.engine.collate import _fetch_samples
+from pinfeed_server.engine.collate import fetch_samples
 from pinfeed_server.engine.config import LoaderConfig, make_sampler
 from pinfeed_server.engine.sampler import BatchPlan
 
@@ -189,7 +189,7 @@ def apply(reseed: Reseed, dataset: Any, init_fn: Any = None, *, worker: bool = T
         load_state(reseed.state)
     for indices in reseed.replay:
         try:
-            _fetch_samples(dataset, indices)
+            fetch_samples(dataset, indices)
         except Exception:  # the original batch raised here too, after the same draws
             continue
 
