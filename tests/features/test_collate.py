@@ -207,7 +207,9 @@ def test_a_batch_over_max_batch_bytes_is_its_own_error(
         assert errors[0].extra["batch_index"] == 2
     else:
         assert not errors
-        assert admin.loader_stats(name)["skipped"] == 2
+        # two epochs consumed, two skipped; the warm queue may already have produced
+        # (and so skipped) the third epoch's batch 2 ahead of any trainer asking for it
+        assert admin.loader_stats(name)["skipped"] in (2, 3)
     assert admin.loader(name)["state"] == "ready"
     admin.delete_loader(name)
 
