@@ -13,6 +13,7 @@ import secrets
 import sys
 import tempfile
 import threading
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,9 @@ from pinfeed_server.engine.config import LoaderConfig, make_sampler, ring_slots
 from pinfeed_server.engine.custom_sampler import SamplerError
 from pinfeed_server.engine.dataplane import DataPlaneServer
 from pinfeed_server.engine.loader import LoaderEngine
-from pinfeed_server.engine.producers import configure_forkserver
+from pinfeed_server.engine.producers import configure_forkserver, make_producer, producer_kind
 from pinfeed_server.engine.producers.inline import GLOBAL_RNG
+from pinfeed_server.engine.producers.zygote import Zygotes
 from pinfeed_server.engine.stats import LoaderStats
 from pinfeed_server.engine.status import LoaderStatus
 from pinfeed_server.plugins import PluginError, resolve
@@ -52,6 +54,9 @@ class Service:
         # budget lowered): listed as failed so they can be seen and deleted.
         self._unstarted: dict[str, dict[str, Any]] = {}
         self._datasets: dict[str, Any] = {}  # name -> built dataset, shared by its loaders
+        # the processes the workers of each dataset's loaders are forked from (started
+        # with its first loader with workers, stopped with the dataset)
+        self.zygotes = Zygotes(self.context)
         self._lock = threading.RLock()
         self.dataplane = DataPlaneServer(
             settings.socket_path,
@@ -99,6 +104,7 @@ class Service:
         self.dataplane.close()
         for engine in engines:
             engine.close()
+        self.zygotes.close()
         self.registry.close()
 
     def _ensure_demo(self) -> None:
@@ -169,6 +175,7 @@ class Service:
                 )
             self.registry.delete_dataset(name)
             self._datasets.pop(name, None)
+        self.zygotes.discard(name)
 
     # -- loaders -----------------------------------------------------------------------
     def create_loader(self, body: LoaderCreate) -> dict[str, Any]:
@@ -220,8 +227,22 @@ class Service:
                 f"reading sample {first} to size the ring raised {type(exc).__name__}: {exc}"
             ) from None
         self._admit(cfg, ring_slots(cfg), layout.slot_bytes)
+        producers = make_producer
+        if producer_kind(cfg) == "pool":
+            try:
+                zygote = self.zygotes.get(dataset_name, ds, row["kind"], row["params"])
+            except RuntimeError as exc:
+                raise errors.InvalidRequest(str(exc)) from None
+            producers = partial(make_producer, processes=zygote.process_factory)
         engine = LoaderEngine(
-            cfg, ds, row["kind"], row["params"], self.context, layout, plan=sampler
+            cfg,
+            ds,
+            row["kind"],
+            row["params"],
+            self.context,
+            layout,
+            plan=sampler,
+            producers=producers,
         )
         self.loaders[cfg.name] = engine
         engine.start()

@@ -1,9 +1,11 @@
-"""A pool worker process: build the dataset, map the ring, then make batches.
+"""A pool worker process: take the dataset, map the ring, then make batches.
 
-Each worker builds the dataset from its spec (memory-mapped kinds share pages; nothing
-is pickled per worker), maps the ring once, then serves tasks from its pipe until it
-is told to stop or the server goes away. This module is preloaded in the forkserver,
-so what it imports (torch, the dataset kinds) is already in every worker.
+Each worker is forked from its dataset's zygote (``zygote.py``) and uses the dataset
+it inherited from there (nothing is built or pickled per worker; started without a
+zygote, it builds the dataset from its spec), maps the ring once, then serves tasks
+from its pipe until it is told to stop or the server goes away. This module is
+preloaded in the forkserver, so what it imports (torch, the dataset kinds) is already
+in every worker.
 """
 
 from __future__ import annotations
@@ -14,9 +16,12 @@ from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from typing import Any
 
+# numpy loads numpy.random on first use: in each worker's first seeding, where it
+# costs ~11 MiB a worker. Imported here, it is in the forkserver's shared pages.
+import numpy.random  # noqa: F401
 import torch
 
-from pinfeed_server.datasets import DatasetContext, build_dataset
+from pinfeed_server.datasets import DatasetContext
 from pinfeed_server.engine.collate import Layout, SlotWriter
 from pinfeed_server.engine.errors import error_info
 from pinfeed_server.engine.producers.base import Result
@@ -33,6 +38,7 @@ from pinfeed_server.engine.producers.seeding import (
     decode_reseed,
     encode_snapshot,
 )
+from pinfeed_server.engine.producers.zygote import inherited
 from pinfeed_server.engine.ring import map_ring
 from pinfeed_server.plugins import resolve
 
@@ -60,7 +66,7 @@ def worker_main(worker_id: int, conn: Connection, spec: WorkerSpec) -> None:
         fd = reduction.recv_handle(conn)
         mm, base = map_ring(fd, spec.ring_size)
         os.close(fd)
-        dataset = build_dataset(spec.kind, spec.params, spec.context)
+        dataset = inherited(spec.kind, spec.params, spec.context)
         writer = SlotWriter(dataset, Layout.from_json(spec.layout), base, spec.slot_bytes)
         init_fn = None
         if spec.worker_init_fn is not None:
