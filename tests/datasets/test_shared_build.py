@@ -164,3 +164,24 @@ def test_images_samples_view_matches_imagefolder(tmp_path: Path) -> None:
     with pytest.raises(IndexError):
         ds.samples[len(ref)]
     assert isinstance(ds[0][0], torch.Tensor)
+
+
+def test_a_python_dataset_that_will_not_pickle_is_built_by_its_zygote(
+    admin: Client, server: Server, tmp_path: Path
+) -> None:
+    log = tmp_path / "builds.log"
+    name = unique("unpicklable")
+    factory = "tests.fixtures.datasets:UnpicklablePaths"
+    admin.create_dataset(
+        name, "python", {"factory": factory, "kwargs": {"length": 100, "log": str(log)}}
+    )
+    loader = unique("unpicklable-l")
+    try:
+        admin.create_loader(loader, dataset=name, batch_size=16, num_workers=2)
+        _assert_epoch(loader, server, list(DataLoader(PathList(100), batch_size=16)))  # type: ignore[arg-type]
+        builds = log.read_text().split()
+        # the server's, and its zygote's (not the workers')
+        assert len(builds) == 2 and builds[0] == str(server.proc and server.proc.pid)
+    finally:
+        admin.delete_loader(loader)
+        admin.delete_dataset(name)
