@@ -102,9 +102,9 @@ def dataloader(spec: dict[str, Any]) -> dict[str, Any]:
 def pinfeed_images(
     srv: BenchServer, rel: str, workers: list[int], batch: int, epoch: bool
 ) -> dict[str, Any]:
-    from pinfeed import Loader
+    from pinfeed import Client, Loader
 
-    admin = srv.client()
+    admin = Client(srv.url, timeout=600)  # a 1.28M scan on a loaded machine: > 30 s
     t0 = time.perf_counter()
     admin.create_dataset("imgs", "images", {"path": rel, "size": 16})
     out: dict[str, Any] = {"register_s": time.perf_counter() - t0, "pss_idle": tree_pss(srv.pid)}
@@ -143,9 +143,9 @@ def pinfeed_images(
 
 
 def pinfeed_paths(srv: BenchServer, n: int, batch: int) -> dict[str, Any]:
-    from pinfeed import Loader
+    from pinfeed import Client, Loader
 
-    admin = srv.client()
+    admin = Client(srv.url, timeout=600)  # a 1.28M scan on a loaded machine: > 30 s
     factory = {"factory": "tests.fixtures.datasets:PathList", "kwargs": {"length": n}}
     admin.create_dataset("paths", "python", factory)
     admin.create_loader("p", dataset="paths", batch_size=batch, num_workers=4)
