@@ -40,8 +40,9 @@ from pinfeed_server.engine.iterable import (
     iterable_conflict,
 )
 from pinfeed_server.engine.loader import LoaderEngine
-from pinfeed_server.engine.producers import configure_forkserver
+from pinfeed_server.engine.producers import configure_forkserver, forked_producers
 from pinfeed_server.engine.producers.inline import GLOBAL_RNG
+from pinfeed_server.engine.producers.zygote import Zygotes
 from pinfeed_server.engine.stats import LoaderStats
 from pinfeed_server.engine.status import LoaderStatus
 from pinfeed_server.plugins import PluginError, resolve
@@ -81,6 +82,9 @@ class Service:
         # budget lowered): listed as failed so they can be seen and deleted.
         self._unstarted: dict[str, dict[str, Any]] = {}
         self._datasets: dict[str, Any] = {}  # name -> built dataset, shared by its loaders
+        # the processes the workers of each dataset's loaders are forked from (started
+        # with its first loader with workers, stopped with the dataset)
+        self.zygotes = Zygotes(self.context)
         self._lock = threading.RLock()
         self.autotuner = Autotuner(self)
         self.dataplane = DataPlaneServer(
@@ -131,6 +135,7 @@ class Service:
         self.dataplane.close()
         for engine in engines:
             engine.close()
+        self.zygotes.close()
         self.registry.close()
 
     def _ensure_demo(self) -> None:
@@ -202,6 +207,7 @@ class Service:
                 )
             self.registry.delete_dataset(name)
             self._datasets.pop(name, None)
+        self.zygotes.discard(name)
 
     # -- loaders -----------------------------------------------------------------------
     def create_loader(self, body: LoaderCreate) -> dict[str, Any]:
@@ -279,8 +285,21 @@ class Service:
                 f"reading sample {first} to size the ring raised {type(exc).__name__}: {exc}"
             ) from None
         self._admit(cfg, ring_slots(cfg), layout.slot_bytes)
+        producers = forked_producers(self.zygotes, dataset_name, ds, row["kind"], row["params"])
+        if cfg.num_workers > 0:
+            try:  # a dataset whose workers cannot start is the request's error, not the loader's
+                self.zygotes.get(dataset_name, ds, row["kind"], row["params"])
+            except RuntimeError as exc:
+                raise errors.InvalidRequest(str(exc)) from None
         engine = LoaderEngine(
-            cfg, ds, row["kind"], row["params"], self.context, layout, plan=sampler
+            cfg,
+            ds,
+            row["kind"],
+            row["params"],
+            self.context,
+            layout,
+            plan=sampler,
+            producers=producers,
         )
         self.loaders[cfg.name] = engine
         engine.start()

@@ -12,6 +12,10 @@ if sys.argv[1:2] == ["w4-profile"]:
     from bench.profile_w4 import main
 
     raise SystemExit(main(sys.argv[2:]))
+if sys.argv[1:2] == ["scale"]:
+    from bench.scale import main
+
+    raise SystemExit(main(sys.argv[2:]))
 from bench.suite import main
 
 if sys.argv[1:2] and sys.argv[1].upper() in ("W1", "W2", "W3", "W4", "W5"):

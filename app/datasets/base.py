@@ -91,12 +91,19 @@ def parse_params(model: type[P], params: dict[str, Any]) -> P:
 @dataclass(frozen=True)
 class Kind(Generic[P]):
     """A dataset kind: its name, its params model (validation and the OpenAPI schema
-    of ``POST /v1/datasets``) and how to build the dataset from validated params."""
+    of ``POST /v1/datasets``) and how to build the dataset from validated params.
+
+    ``ship_build``: how the dataset's zygote (the process its workers are forked from,
+    ``engine/producers/zygote.py``) gets it. True: the server's build, pickled once (a
+    build that scans or parses, kept compact, e.g. in ``shared.SharedArrays``, which
+    pickle as file descriptors). False: the zygote builds its own, once (a build that
+    only opens memory maps)."""
 
     name: str
     params: type[P]
     build: Callable[[P, DatasetContext], Any]
     doc: str | None = None  # the kind module's docstring; its first line is the summary
+    ship_build: bool = False
 
     @property
     def summary(self) -> str:

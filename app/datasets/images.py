@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ from PIL import Image, UnidentifiedImageError
 from pydantic import Field
 
 from pinfeed_server.datasets.base import DatasetContext, DatasetError, Kind, Params
+from pinfeed_server.datasets.shared import SharedArrays, StringTable, string_arrays
 
 EXTENSIONS = (".jpg", ".jpeg", ".png")
 
@@ -46,15 +47,17 @@ def _refuse(shown: str, root: str) -> DatasetError:
     return DatasetError(f"{shown!r} is a symlink that leads outside the data root {root!r}")
 
 
-def _walk(top: str, real_top: str, root: str) -> list[tuple[str, str, list[str]]]:
-    """``(shown dirpath, real dirpath, file names)`` for ``top`` and every folder below,
-    like ``os.walk(top, followlinks=True)`` but with every real path checked against
-    ``root`` and a link back to an enclosing folder (a loop) not followed."""
-    found: list[tuple[str, str, list[str]]] = []
+def _walk(top: str, real_top: str, root: str) -> list[tuple[str, str, list[tuple[str, bool]]]]:
+    """``(shown dirpath, real dirpath, [(file name, is symlink)])`` for ``top`` and every
+    folder below, like ``os.walk(top, followlinks=True)`` but with every real path
+    checked against ``root`` and a link back to an enclosing folder (a loop) not
+    followed. ``os.scandir`` only: no stat of a plain file (its type comes with the
+    directory entry)."""
+    found: list[tuple[str, str, list[tuple[str, bool]]]] = []
     stack: list[tuple[str, str, frozenset[str]]] = [(top, real_top, frozenset({real_top}))]
     while stack:
         shown, real, ancestors = stack.pop()
-        files: list[str] = []
+        files: list[tuple[str, bool]] = []
         try:
             entries = list(os.scandir(real))
         except OSError:
@@ -68,40 +71,64 @@ def _walk(top: str, real_top: str, root: str) -> list[tuple[str, str, list[str]]
                 if sub_real not in ancestors:
                     stack.append((sub_shown, sub_real, ancestors | {sub_real}))
             else:
-                files.append(entry.name)
+                files.append((entry.name, entry.is_symlink()))
         found.append((shown, real, files))
     return found
 
 
-def scan(folder: Path, root: Path) -> tuple[list[str], list[tuple[str, int]]]:
-    """ImageFolder's ``find_classes`` and ``make_dataset``: (classes, [(real path, label)])."""
+def scan(folder: Path, root: Path) -> tuple[list[str], SharedArrays]:
+    """ImageFolder's ``find_classes`` and ``make_dataset``: the classes, and the samples
+    as shared arrays: ``dirs`` (each folder's real path, a string table), ``dir_label``,
+    and per sample its file name (a table; the real path itself for a symlinked file)
+    and its folder (``sample_dir``)."""
     root_s = str(root)
     classes = sorted(e.name for e in os.scandir(folder) if e.is_dir())
     if not classes:
         raise DatasetError(f"no class folder in {str(folder)!r}")
-    samples: list[tuple[str, int]] = []
+    dirs: list[bytes] = []
+    dir_label: list[int] = []
+    names: list[bytes] = []
+    sample_dir: list[int] = []
     empty: list[str] = []
     for label, name in enumerate(classes):
         shown = os.path.join(str(folder), name)
         real = os.path.realpath(shown)
         if not _inside(real, root_s):
             raise _refuse(shown, root_s)
-        before = len(samples)
+        before = len(names)
         for shown_dir, real_dir, files in sorted(_walk(shown, real, root_s)):
-            for fname in sorted(files):
+            d = len(dirs)
+            dirs.append(os.fsencode(real_dir))
+            dir_label.append(label)
+            for fname, link in sorted(files):
                 if not fname.lower().endswith(EXTENSIONS):
                     continue
-                path = os.path.join(real_dir, fname)
-                if os.path.islink(path):
-                    path = os.path.realpath(path)
+                if link:
+                    path = os.path.realpath(os.path.join(real_dir, fname))
                     if not _inside(path, root_s):
                         raise _refuse(os.path.join(shown_dir, fname), root_s)
-                samples.append((path, label))
-        if len(samples) == before:
+                    names.append(os.fsencode(path))
+                else:
+                    names.append(os.fsencode(fname))
+                sample_dir.append(d)
+        if len(names) == before:
             empty.append(name)
     if empty:
         raise DatasetError(f"class folders without a .jpg, .jpeg or .png file: {', '.join(empty)}")
-    return classes, samples
+    dir_bytes, dir_offsets = string_arrays(dirs)
+    name_bytes, name_offsets = string_arrays(names)
+    index = SharedArrays(
+        f"images-{os.path.basename(folder)}",
+        {
+            "dir_bytes": dir_bytes,
+            "dir_offsets": dir_offsets,
+            "dir_label": np.asarray(dir_label, dtype=np.int64),
+            "name_bytes": name_bytes,
+            "name_offsets": name_offsets,
+            "sample_dir": np.asarray(sample_dir, dtype=np.int32),
+        },
+    )
+    return classes, index
 
 
 def decode(path: str, size: int) -> Image.Image:
@@ -126,17 +153,61 @@ def fit(img: Image.Image, size: int) -> Image.Image:
     return img.crop((left, top, left + size, top + size))
 
 
-class ImagesDataset:
-    def __init__(self, folder: Path, root: Path, size: int) -> None:
-        self.classes, self.samples = scan(folder, root)
-        self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
-        self.size = size
+class Samples(Sequence[tuple[str, int]]):
+    def __init__(self, dataset: ImagesDataset) -> None:
+        self._dataset = dataset
 
     def __len__(self) -> int:
-        return len(self.samples)
+        return len(self._dataset)
+
+    @overload
+    def __getitem__(self, index: int) -> tuple[str, int]: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[tuple[str, int]]: ...
+    def __getitem__(self, index: int | slice) -> tuple[str, int] | list[tuple[str, int]]:
+        if isinstance(index, slice):
+            return [self._dataset.sample(i) for i in range(len(self))[index]]
+        return self._dataset.sample(index)
+
+
+class ImagesDataset:
+    """The samples live in ``SharedArrays`` (``scan``): built once in the server, mapped
+    by its zygote and workers, pickled as a file descriptor; no list of paths anywhere."""
+
+    def __init__(self, classes: list[str], index: SharedArrays, size: int) -> None:
+        self.classes = classes
+        self.class_to_idx = {name: i for i, name in enumerate(classes)}
+        self.size = size
+        self._index = index
+        self._dirs = StringTable(index["dir_bytes"], index["dir_offsets"])
+        self._names = StringTable(index["name_bytes"], index["name_offsets"])
+        self._sample_dir = index["sample_dir"]
+        self._dir_label = index["dir_label"]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ImagesDataset, (self.classes, self._index, self.size))
+
+    def __len__(self) -> int:
+        return len(self._sample_dir)
+
+    def sample(self, index: int) -> tuple[str, int]:
+        """ImageFolder's ``samples[index]``: (real path, label)."""
+        n = len(self._sample_dir)
+        if not -n <= index < n:
+            raise IndexError(f"index {index} out of range for {n} images")
+        index %= n
+        d = int(self._sample_dir[index])
+        name = self._names[index]
+        path = name if name.startswith(os.sep) else os.path.join(self._dirs[d], name)
+        return path, int(self._dir_label[d])
+
+    @property
+    def samples(self) -> Samples:
+        """ImageFolder's ``samples``, as a read-only view (built on access, never stored)."""
+        return Samples(self)
 
     def _hwc(self, index: int) -> tuple[np.ndarray[Any, Any], int]:
-        path, label = self.samples[index]
+        path, label = self.sample(index)
         try:
             img = decode(path, self.size)
         except (OSError, UnidentifiedImageError, ValueError) as exc:
@@ -161,11 +232,12 @@ class ImagesDataset:
             labels[row] = label
 
     def __repr__(self) -> str:
-        return f"ImagesDataset({len(self.samples)} images, {len(self.classes)} classes)"
+        return f"ImagesDataset({len(self)} images, {len(self.classes)} classes)"
 
 
 def build(p: ImagesParams, ctx: DatasetContext) -> ImagesDataset:
-    return ImagesDataset(ctx.resolve_dir(p.path), ctx.data_root.resolve(), p.size)
+    classes, index = scan(ctx.resolve_dir(p.path), ctx.data_root.resolve())
+    return ImagesDataset(classes, index, p.size)
 
 
-KIND = Kind("images", ImagesParams, build, __doc__)
+KIND = Kind("images", ImagesParams, build, __doc__, ship_build=True)

@@ -84,18 +84,20 @@ class EpochSampler:
             return self.samples // self.batch_size
         return (self.samples + self.batch_size - 1) // self.batch_size
 
-    def _plain(self, epoch: int) -> list[int]:
+    def _plain(self, epoch: int) -> torch.Tensor:
+        # A tensor, not a list: 8 bytes a sample instead of ~40 (1.28 M samples: 10 MiB,
+        # not 50, for every loader while its epoch runs).
         if not self.shuffle:
-            return list(range(self.length))
+            return torch.arange(self.length)
         if epoch < self._next_epoch:
             # Random access backwards (resume, set_epoch): replay from the seed.
             self._gen.manual_seed(self.seed)
             self._next_epoch = 0
-        perm: list[int] = []
+        perm = torch.empty(0, dtype=torch.int64)
         while self._next_epoch <= epoch:
             if not (self.persistent and self._next_epoch > 0):
                 torch.empty((), dtype=torch.int64).random_(generator=self._gen)  # base seed
-            perm = torch.randperm(self.length, generator=self._gen).tolist()
+            perm = torch.randperm(self.length, generator=self._gen)
             torch.randperm(self.length, generator=self._gen)
             self._next_epoch += 1
         return perm
@@ -117,14 +119,19 @@ class EpochSampler:
     def permutation(self, epoch: int) -> list[int]:
         """This rank's sample order for ``epoch``."""
         if self.world_size is None:
-            return self._plain(epoch)
+            order: list[int] = self._plain(epoch).tolist()
+            return order
         return self._distributed(epoch, self.world_size)
 
     def batches(self, epoch: int, start: int = 0) -> Iterator[list[int]]:
         """The index batches of ``epoch``, from batch ``start`` on."""
-        perm = self.permutation(epoch)
+        if self.world_size is None:
+            perm: torch.Tensor | list[int] = self._plain(epoch)
+        else:
+            perm = self._distributed(epoch, self.world_size)
         for b in range(start, len(self)):
-            yield perm[b * self.batch_size : (b + 1) * self.batch_size]
+            batch = perm[b * self.batch_size : (b + 1) * self.batch_size]
+            yield batch.tolist() if isinstance(batch, torch.Tensor) else batch
 
 
 def with_last(

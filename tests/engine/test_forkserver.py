@@ -1,5 +1,6 @@
-"""The forkserver is forked from the server, so it and its workers share the server's
-pages of torch and the dataset kinds instead of importing them again."""
+"""The forkserver is forked from the server, so it, the datasets' zygotes forked from
+it and their workers share the server's pages of torch and the dataset kinds instead
+of importing them again."""
 
 from __future__ import annotations
 
@@ -22,11 +23,13 @@ def test_forkserver_and_workers_share_the_servers_pages(admin: Client, server: S
             assert server.proc is not None
             me = psutil.Process(server.proc.pid)
             forkservers = [c for c in me.children() if c.cmdline() == me.cmdline() and c.children()]
-            # Forked, not exec'd: the same command line, and its children are the workers.
+            # Forked, not exec'd: the same command line; its children are the datasets'
+            # zygotes, and theirs the workers.
             assert len(forkservers) == 1, [c.cmdline() for c in me.children()]
-            workers = forkservers[0].children()
-            assert len(workers) >= 2
-            for proc in [forkservers[0], *workers]:
+            zygotes = [z for z in forkservers[0].children() if len(z.children()) >= 2]
+            assert len(zygotes) >= 1
+            workers = zygotes[0].children()
+            for proc in [forkservers[0], zygotes[0], *workers]:
                 m = smaps_rollup(proc.pid)
                 # torch alone is ~140 MiB of anonymous memory; an exec'd process would
                 # hold it privately (Pss_Anon close to Anonymous), a forked one shares it.

@@ -88,6 +88,10 @@ def _fork_passfds(path: bytes, args: Sequence[Any], passfds: Sequence[int]) -> i
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        # Everything inherited from the server (torch, the kinds) goes to the collector's
+        # permanent generation: a collection in a worker then never walks it, which would
+        # write to every object's header and so copy ~45 MiB of shared pages per worker.
+        gc.freeze()
         exec(program, {"__name__": "__pinfeed_forked__"})  # multiprocessing's own program
         status = 0
     except SystemExit as exc:

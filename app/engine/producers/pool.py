@@ -21,6 +21,7 @@ import logging
 import multiprocessing as mp
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing import reduction
 from multiprocessing.connection import Connection, wait
@@ -48,6 +49,8 @@ from pinfeed_server.engine.producers.worker import (
 log = logging.getLogger("pinfeed.workers")
 
 MAX_TASK_RETRIES = 2
+
+ProcessFactory = Callable[..., Any]  # multiprocessing.Process(target=, args=, name=, daemon=)
 START_TIMEOUT_S = 120
 
 
@@ -68,7 +71,7 @@ class _Worker:
 class WorkerPool:
     """Processes that fill slots; results go to ``on_result`` from one collector thread."""
 
-    def __init__(self, ctx: ProducerContext) -> None:
+    def __init__(self, ctx: ProducerContext, spawn: ProcessFactory | None = None) -> None:
         self.name = ctx.config.name
         iterable = is_iterable(ctx.dataset)
         self.spec = WorkerSpec(
@@ -106,6 +109,8 @@ class WorkerPool:
         # An iterable's turn belongs to its worker's stream.
         self._round_robin = not self.spec.snapshots and not iterable
         self._ctx = mp.get_context("forkserver")
+        # Workers are forked from the dataset's zygote when the service gives one.
+        self._process = spawn or self._ctx.Process
         self._on_result = ctx.on_result
         self._on_fatal = ctx.on_fatal
         self._lock = threading.Lock()
@@ -134,7 +139,7 @@ class WorkerPool:
             parent, child = self._ctx.Pipe(duplex=True)
             wid = self._next_id
             self._next_id += 1
-            proc = self._ctx.Process(
+            proc = self._process(
                 target=worker_main,
                 args=(wid, child, self.spec),
                 name=f"pinfeed-worker-{self.name}-{wid}",

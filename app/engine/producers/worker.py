@@ -1,9 +1,11 @@
-"""A pool worker process: build the dataset, map the ring, then make batches.
+"""A pool worker process: take the dataset, map the ring, then make batches.
 
-Each worker builds the dataset from its spec (memory-mapped kinds share pages; nothing
-is pickled per worker), maps the ring once, then serves tasks from its pipe until it
-is told to stop or the server goes away. This module is preloaded in the forkserver,
-so what it imports (torch, the dataset kinds) is already in every worker.
+Each worker is forked from its dataset's zygote (``zygote.py``) and uses the dataset
+it inherited from there (nothing is built or pickled per worker; started without a
+zygote, it builds the dataset from its spec), maps the ring once, then serves tasks
+from its pipe until it is told to stop or the server goes away. This module is
+preloaded in the forkserver, so what it imports (torch, the dataset kinds) is already
+in every worker.
 """
 
 from __future__ import annotations
@@ -17,9 +19,12 @@ from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from typing import Any
 
+# numpy loads numpy.random on first use: in each worker's first seeding, where it
+# costs ~11 MiB a worker. Imported here, it is in the forkserver's shared pages.
+import numpy.random  # noqa: F401
 import torch
 
-from pinfeed_server.datasets import DatasetContext, build_dataset
+from pinfeed_server.datasets import DatasetContext
 from pinfeed_server.engine.collate import Layout, SlotWriter
 from pinfeed_server.engine.config import LoaderConfig
 from pinfeed_server.engine.errors import error_info
@@ -38,6 +43,7 @@ from pinfeed_server.engine.producers.seeding import (
     decode_reseed,
     encode_snapshot,
 )
+from pinfeed_server.engine.producers.zygote import inherited
 from pinfeed_server.engine.ring import SegmentInfo, SlotSpace, map_ring
 from pinfeed_server.plugins import resolve
 
@@ -76,7 +82,7 @@ def worker_main(worker_id: int, conn: Connection, spec: WorkerSpec) -> None:
         space.add(SegmentInfo(0, 0, spec.ring_size // spec.slot_bytes), base)
         maps: dict[int, mmap.mmap] = {}
         layout = Layout.from_json(spec.layout)
-        dataset = build_dataset(spec.kind, spec.params, spec.context)
+        dataset = inherited(spec.kind, spec.params, spec.context)
         collate = None
         if spec.collate_fn is not None:
             collate = resolve(spec.collate_fn, spec.context.allowed_plugins, what="collate_fn")
