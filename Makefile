@@ -37,7 +37,7 @@ test: lint typecheck deploy-check pytest
 # (vendored in check-jsonschema), Kubernetes schemas (vendored in kubernetes-validate).
 # The compose smoke test and the 64 MB /dev/shm test are in tests/deploy (pytest).
 COMPOSE_FILES := docker-compose.yml deploy/compose.memlock.yml deploy/two-node/node0.compose.yml \
-                 deploy/two-node/node1.compose.yml
+                 deploy/two-node/node1.compose.yml deploy/ray/compose.yml
 deploy-check: $(STAMP)
 	$(BIN)/hadolint Dockerfile
 	$(BIN)/check-jsonschema --builtin-schema vendor.compose-spec $(COMPOSE_FILES)

@@ -25,7 +25,7 @@ from pinfeed_server.engine.config import LoaderConfig, make_sampler, ring_slots
 from pinfeed_server.engine.custom_sampler import SamplerError
 from pinfeed_server.engine.dataplane import DataPlaneServer
 from pinfeed_server.engine.loader import LoaderEngine
-from pinfeed_server.engine.producers import configure_forkserver
+from pinfeed_server.engine.producers import configure_forkserver, configure_ray
 from pinfeed_server.engine.producers.inline import GLOBAL_RNG
 from pinfeed_server.engine.stats import LoaderStats
 from pinfeed_server.engine.status import LoaderStatus
@@ -72,6 +72,7 @@ class Service:
         # One short directory per socket path (AF_UNIX paths are capped at 107 bytes).
         key = hashlib.sha1(str(self.settings.socket_path.resolve()).encode()).hexdigest()[:10]
         configure_forkserver(Path(tempfile.gettempdir()) / f"pinfeed-{os.getuid()}-{key}")
+        configure_ray(self.settings.ray_address)
         self.dataplane.start()
         for row in self.registry.loaders():
             try:
@@ -193,6 +194,11 @@ class Service:
         row = self._dataset_row(dataset_name)
         ds = self._open(dataset_name, row["kind"], row["params"])
         cfg = LoaderConfig.model_validate({**config, "dataset": dataset_name})
+        if cfg.executor == "ray" and self.settings.ray_address is None:
+            raise errors.InvalidRequest(
+                f"loader {cfg.name!r} asks for executor 'ray', but this server has no Ray "
+                "cluster: start it with PINFEED_RAY_ADDRESS=<head>:6379"
+            )
         if cfg.worker_init_fn is not None:
             try:
                 resolve(cfg.worker_init_fn, self.context.allowed_plugins, what="worker_init_fn")
@@ -236,7 +242,8 @@ class Service:
     ) -> None:
         """Refuse a loader (new, or ``replaces``'s new config) that the server-wide
         limits cannot take: the one place for them, at create, restart and PATCH."""
-        self.settings.check_workers(cfg.name, cfg.num_workers, self.workers_used(cfg.name))
+        local = cfg.num_workers if cfg.executor == "local" else 0  # Ray actors run elsewhere
+        self.settings.check_workers(cfg.name, local, self.workers_used(cfg.name))
         need = nslots * slot_bytes
         used = self.shm_used() - (replaces.nslots * replaces.layout.slot_bytes if replaces else 0)
         free = max(0, self.settings.max_shm_bytes - used)
@@ -260,7 +267,11 @@ class Service:
         return sorted(n for n, e in list(self.loaders.items()) if e.state == "starting")
 
     def workers_used(self, but: str | None = None) -> int:
-        return sum(e.config.num_workers for n, e in list(self.loaders.items()) if n != but)
+        return sum(
+            e.config.num_workers
+            for n, e in list(self.loaders.items())
+            if n != but and e.config.executor == "local"
+        )
 
     def shm_used(self) -> int:
         return sum(e.nslots * e.layout.slot_bytes for e in list(self.loaders.values()))

@@ -123,6 +123,7 @@ class LoaderEngine:
                     self.ring,
                     self._on_result,
                     self._fail,
+                    self._recovered,
                 )
             )
         except Exception as exc:
@@ -145,6 +146,24 @@ class LoaderEngine:
             self.failure = LoaderFailed(detail).info()
             self._cond.notify_all()
         self._stop.set()
+
+    def _recovered(self) -> None:
+        """The producer that failed the loader can make batches again (a Ray cluster
+        back): ready again, producing from where it stopped."""
+        for t in list(self._threads):
+            if t.name.startswith("pinfeed-produce-"):
+                t.join(10)  # it saw _stop and ends (it may need _cond to)
+        with self._cond:
+            if self.state != "failed":
+                return
+            self.state, self.failure = "ready", None
+            self._stop.clear()
+            producer = threading.Thread(
+                target=self._produce, name=f"pinfeed-produce-{self.config.name}", daemon=True
+            )
+            self._threads.append(producer)
+            self._cond.notify_all()
+        producer.start()
 
     def wait_started(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -92,6 +92,8 @@ class ProducerContext:
     ring: Ring
     on_result: ResultSink
     on_fatal: FatalSink
+    # A producer that failed the loader (a lost cluster) and can make batches again.
+    on_recovered: Callable[[], None] | None = None
 
 
 class Producer(Protocol):

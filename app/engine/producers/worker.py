@@ -19,7 +19,7 @@ import torch
 from pinfeed_server.datasets import DatasetContext, build_dataset
 from pinfeed_server.engine.collate import Layout, SlotWriter
 from pinfeed_server.engine.errors import error_info
-from pinfeed_server.engine.producers.base import Result
+from pinfeed_server.engine.producers.base import Result, Task
 from pinfeed_server.engine.producers.codec import (
     STARTUP_SEQ,
     STOP,
@@ -53,6 +53,35 @@ class WorkerSpec:
     snapshots: bool = False  # send the RNG state after each batch
 
 
+def open_writer(spec: WorkerSpec, base: torch.Tensor) -> tuple[SlotWriter, Any]:
+    """The dataset built from the spec, a writer into ``base`` and ``worker_init_fn``:
+    what a worker starts with, here or as a remote actor (``ray_actor.py``)."""
+    dataset = build_dataset(spec.kind, spec.params, spec.context)
+    writer = SlotWriter(dataset, Layout.from_json(spec.layout), base, spec.slot_bytes)
+    init_fn = None
+    if spec.worker_init_fn is not None:
+        init_fn = resolve(spec.worker_init_fn, spec.context.allowed_plugins, what="worker_init_fn")
+    return writer, init_fn
+
+
+def make_batch(
+    writer: SlotWriter, rngs: WorkerRngs, task: Task, failed: Exception | None
+) -> tuple[Result, bool]:
+    """Make one batch into its slot with the RNGs of its stream: the result, and whether
+    the global RNGs were that stream's (then a snapshot of them means something)."""
+    assert task.indices is not None
+    seeded = False
+    try:
+        if failed is not None:
+            raise failed
+        rngs.enter(task.index)
+        writer.dataset = rngs.dataset
+        seeded = True
+        return Result(task.seq, writer.write(task.slot, task.indices)), seeded
+    except Exception as exc:
+        return Result(task.seq, error=error_info(exc)), seeded
+
+
 def worker_main(worker_id: int, conn: Connection, spec: WorkerSpec) -> None:
     """Entry point of a worker process."""
     torch.set_num_threads(1)  # as DataLoader's workers
@@ -60,19 +89,13 @@ def worker_main(worker_id: int, conn: Connection, spec: WorkerSpec) -> None:
         fd = reduction.recv_handle(conn)
         mm, base = map_ring(fd, spec.ring_size)
         os.close(fd)
-        dataset = build_dataset(spec.kind, spec.params, spec.context)
-        writer = SlotWriter(dataset, Layout.from_json(spec.layout), base, spec.slot_bytes)
-        init_fn = None
-        if spec.worker_init_fn is not None:
-            init_fn = resolve(
-                spec.worker_init_fn, spec.context.allowed_plugins, what="worker_init_fn"
-            )
+        writer, init_fn = open_writer(spec, base)
     except BaseException as exc:
         conn.send_bytes(RESULT_TAG + encode_result(Result(STARTUP_SEQ, error=error_info(exc))))
         return
     conn.send_bytes(RESULT_TAG + encode_result(Result(STARTUP_SEQ)))  # ready
     failed: Exception | None = None  # the last reseed's error, until the next one
-    rngs = WorkerRngs(dataset, spec.num_workers, init_fn)
+    rngs = WorkerRngs(writer.dataset, spec.num_workers, init_fn)
     while True:
         try:
             message = conn.recv_bytes()
@@ -89,17 +112,7 @@ def worker_main(worker_id: int, conn: Connection, spec: WorkerSpec) -> None:
                 failed = exc
             continue
         task = decode_task(message[1:])
-        assert task.indices is not None
-        seeded = False  # the global RNGs are this batch's stream's
-        try:
-            if failed is not None:
-                raise failed
-            rngs.enter(task.index)
-            writer.dataset = rngs.dataset
-            seeded = True
-            result = Result(task.seq, writer.write(task.slot, task.indices))
-        except Exception as exc:
-            result = Result(task.seq, error=error_info(exc))
+        result, seeded = make_batch(writer, rngs, task, failed)
         if spec.snapshots and seeded:
             conn.send_bytes(encode_snapshot(task.epoch, task.index))
         conn.send_bytes(RESULT_TAG + encode_result(result))
