@@ -125,7 +125,9 @@ def test_parity_images(ray_server: NetServer) -> None:
 def test_parity_augmentation_streams(ray_server: NetServer) -> None:
     """A dataset that draws from the global RNGs: each actor is DataLoader's worker."""
     dataset, ds = _register(
-        ray_server, "python", {"factory": "tests.fixtures.datasets:Augmented", "kwargs": {}}
+        ray_server,
+        "python",
+        {"factory": "tests.fixtures.datasets:Augmented", "kwargs": {"length": LENGTH}},
     )
     name = _loader(ray_server, dataset, seed=13)
     _check(ray_server, name, _reference(ds, 13))
@@ -137,7 +139,9 @@ def test_sigkill_an_actor_mid_epoch(cluster: NetCluster, ray_server: NetServer) 
     """Its batches are made again by a replacement, with the same augmentations (the
     dead worker's RNG stream restored): nothing lost, repeated or reordered."""
     dataset, ds = _register(
-        ray_server, "python", {"factory": "tests.fixtures.datasets:Augmented", "kwargs": {}}
+        ray_server,
+        "python",
+        {"factory": "tests.fixtures.datasets:Augmented", "kwargs": {"length": LENGTH}},
     )
     name = _loader(ray_server, dataset, seed=14)
     _wait_state(ray_server, name, {"ready", "failed"})
