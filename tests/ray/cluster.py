@@ -207,9 +207,22 @@ class NetCluster:
                 continue
         return found
 
-    def kill_namespace(self, ns: str, sig: int = signal.SIGKILL) -> None:
+    def _server_tree(self) -> set[int]:
+        if self.server is None or self.server.proc is None or self.server.proc.poll() is not None:
+            return set()
+        with contextlib.suppress(psutil.Error):
+            top = psutil.Process(self.server.pid)
+            return {top.pid, *(c.pid for c in top.children(recursive=True))}
+        return set()
+
+    def kill_namespace(
+        self, ns: str, sig: int = signal.SIGKILL, *, spare_server: bool = True
+    ) -> None:
+        """Kill the namespace's processes; the pinfeed server (in the srv namespace)
+        and its children are spared unless ``spare_server`` is False."""
         for _ in range(3):  # a dying raylet may still start a worker: look again
-            procs = self.processes(ns)
+            spared = self._server_tree() if spare_server else set()
+            procs = [p for p in self.processes(ns) if p.pid not in spared]
             if not procs:
                 return
             for p in procs:
@@ -268,7 +281,7 @@ class NetCluster:
             self.server.stop(timeout=10)
         for node in self.nodes.values():
             if os.path.exists(f"/run/netns/{node.ns}"):
-                self.kill_namespace(node.ns)
+                self.kill_namespace(node.ns, spare_server=False)
             if node.proc is not None and node.proc.poll() is None:
                 node.proc.kill()
                 node.proc.wait(10)

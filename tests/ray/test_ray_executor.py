@@ -24,6 +24,9 @@ from tests.datasets.test_images import make_tree
 from tests.helpers import assert_same, unique
 from tests.ray.cluster import NetCluster, NetServer
 
+# Each test includes the module's cluster start (~1 min on 2 shared cores) when it runs alone.
+pytestmark = pytest.mark.timeout(900)
+
 LENGTH = 90
 EPOCHS = 2
 BATCH = 7
@@ -131,6 +134,26 @@ def test_parity_augmentation_streams(ray_server: NetServer) -> None:
     )
     name = _loader(ray_server, dataset, seed=13)
     _check(ray_server, name, _reference(ds, 13))
+    with ray_server.client() as c:
+        c.delete_loader(name)
+
+
+def test_patch_num_workers_live(ray_server: NetServer) -> None:
+    """PATCH to one actor mid-epoch: it serves both RNG streams; the batches stay
+    DataLoader(num_workers=2)'s."""
+    dataset, ds = _register(
+        ray_server,
+        "python",
+        {"factory": "tests.fixtures.datasets:Augmented", "kwargs": {"length": LENGTH}},
+    )
+    name = _loader(ray_server, dataset, seed=17)
+
+    def fault(n: int) -> None:
+        if n == 3:
+            with ray_server.client() as c:
+                assert c.patch_loader(name, num_workers=1)["num_workers"] == 1
+
+    _check(ray_server, name, _reference(ds, 17), fault)
     with ray_server.client() as c:
         c.delete_loader(name)
 
