@@ -18,7 +18,9 @@ one server can absorb. On a shared, loaded machine every figure is noisy.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -123,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="pinfeed-bench-ray-"))
     result: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
     t0 = time.perf_counter()
-    with NetCluster(root / "cluster") as cluster:
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, root, True)
+        cluster = stack.enter_context(NetCluster(root / "cluster"))
         srv = cluster.start_server(root / "server", env={"PINFEED_LOG_LEVEL": "warning"})
         w = data.make_w3(srv.data_root, args.scale)
         with srv.client() as c:

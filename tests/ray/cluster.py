@@ -49,6 +49,8 @@ RAY_ENV = {
     "RAY_gcs_rpc_server_reconnect_timeout_s": "10",
     "RAY_DISABLE_IMPORT_WARNING": "1",
     "RAY_enable_worker_prestart": "0",
+    # Ray nices its workers to 15: on a machine shared with other load they would starve.
+    "RAY_worker_niceness": "0",
 }
 
 

@@ -172,7 +172,10 @@ def test_sigkill_an_actor_mid_epoch(cluster: NetCluster, ray_server: NetServer) 
 
     def fault(n: int) -> None:
         if n == 5:
-            pids = cluster.actor_pids()
+            # This loader's two (an earlier loader's killed actors may still be exiting).
+            deadline = time.monotonic() + 30
+            while len(pids := cluster.actor_pids()) != 2 and time.monotonic() < deadline:
+                time.sleep(0.2)
             assert len(pids) == 2, pids
             os.kill(pids[0], signal.SIGKILL)
             killed.append(pids[0])

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import queue
 import socket
 import struct
 import threading
@@ -57,6 +56,7 @@ _COUNT = struct.Struct("<q")
 START_TIMEOUT_S = 120.0  # actors to build their datasets (a cold Ray worker imports torch)
 MAX_TASK_RETRIES = 2
 PROBE_EVERY_S = 1.0
+WAIT_S = 0.02  # how long one ray.wait waits for a batch before it looks for new tasks
 PROBE_FAILURES = 3  # consecutive unanswered probes of the GCS: the cluster is lost
 
 
@@ -110,7 +110,6 @@ class Bridge:
         self._retries: dict[int, int] = {}
         self._retiring: list[_Actor] = []
         self._stop = threading.Event()
-        self._ready: queue.Queue[Any] = queue.Queue()
         self.actors: list[_Actor] = self._spawn(spec.config.num_workers)
 
     # -- actors ------------------------------------------------------------------------
@@ -137,8 +136,6 @@ class Bridge:
             ref = actor.handle.make.remote(task.seq, task.epoch, task.index, task.indices, reseed)
             actor.outstanding[task.seq] = task
             self._pending[ref] = (actor, task)
-        # Woken by Ray when the batch is ready (or failed): no polling.
-        ref.future().add_done_callback(lambda _: self._ready.put(ref))
 
     def resize(self, n: int) -> None:
         new = self._spawn(n - len(self.actors)) if n > len(self.actors) else []
@@ -283,18 +280,32 @@ class Bridge:
         for t in threads:
             t.start()
         while not self._stop.is_set():
-            try:
-                ref = self._ready.get(timeout=0.2)
-            except queue.Empty:
+            with self._lock:
+                refs = list(self._pending)
+            if not refs:
+                self._stop.wait(WAIT_S)
                 continue
-            try:
-                self._finish(ref)
-            except Exception as exc:  # a replacement that cannot start: no capacity
-                self._fatal(f"a lost Ray actor could not be replaced: {exc}")
+            # ray.wait, not ObjectRef.future(): only a wait (or get) pulls a batch held
+            # in another node's object store to this one. Tasks given meanwhile join the
+            # next wait, WAIT_S later at most.
+            ready, _ = self._ray.wait(refs, num_returns=1, timeout=WAIT_S, fetch_local=True)
+            for ref in ready:
+                try:
+                    self._finish(ref)
+                except Exception as exc:  # a replacement that cannot start: no capacity
+                    self._fatal(f"a lost Ray actor could not be replaced: {exc}")
         with self._lock:
             actors = self.actors + self._retiring
         for a in actors:
             self._ray.kill(a.handle)
+
+
+def local_ip(endpoint: tuple[str, int]) -> str:
+    """The address this host uses toward the head (a UDP connect sends nothing)."""
+    family = socket.AF_INET6 if ":" in endpoint[0] else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(endpoint)
+        return str(s.getsockname()[0])
 
 
 def bridge_main(conn: Connection, spec: BridgeSpec) -> None:
@@ -307,6 +318,10 @@ def bridge_main(conn: Connection, spec: BridgeSpec) -> None:
 
         ray.init(
             address=spec.address,
+            # This node's address as the cluster sees it, so that the driver joins the
+            # Ray node of this machine and actors reach it; Ray's own guess probes the
+            # internet and may pick another node's raylet.
+            _node_ip_address=local_ip(spec.endpoint),
             namespace="pinfeed",
             log_to_driver=False,
             logging_level=logging.WARNING,
