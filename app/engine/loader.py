@@ -42,6 +42,7 @@ from pinfeed_server.engine.producers import (
 )
 from pinfeed_server.engine.producers.inline import SWITCH
 from pinfeed_server.engine.publisher import Publisher
+from pinfeed_server.engine.recovery import resume_producing
 from pinfeed_server.engine.ring import Ring, SlotState, SlotTable
 from pinfeed_server.engine.sampler import BatchPlan, with_last
 from pinfeed_server.engine.stats import LoaderStats
@@ -123,7 +124,7 @@ class LoaderEngine:
                     self.ring,
                     self._on_result,
                     self._fail,
-                    self._recovered,
+                    lambda: resume_producing(self),
                 )
             )
         except Exception as exc:
@@ -146,24 +147,6 @@ class LoaderEngine:
             self.failure = LoaderFailed(detail).info()
             self._cond.notify_all()
         self._stop.set()
-
-    def _recovered(self) -> None:
-        """The producer that failed the loader can make batches again (a Ray cluster
-        back): ready again, producing from where it stopped."""
-        for t in list(self._threads):
-            if t.name.startswith("pinfeed-produce-"):
-                t.join(10)  # it saw _stop and ends (it may need _cond to)
-        with self._cond:
-            if self.state != "failed":
-                return
-            self.state, self.failure = "ready", None
-            self._stop.clear()
-            producer = threading.Thread(
-                target=self._produce, name=f"pinfeed-produce-{self.config.name}", daemon=True
-            )
-            self._threads.append(producer)
-            self._cond.notify_all()
-        producer.start()
 
     def wait_started(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -23,9 +23,11 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +70,7 @@ class Node:
     ns: str
     ip: str
     proc: subprocess.Popen[bytes] | None = None
+    log: Path | None = None  # the latest start's output
 
 
 @dataclass
@@ -78,10 +81,12 @@ class NetCluster:
     nodes: dict[str, Node] = field(default_factory=dict)
     server: Server | None = None
     up: set[str] = field(default_factory=set)  # nodes started and not stopped
+    starts: int = 0
 
     def __post_init__(self) -> None:
         self.prefix = f"{self.prefix}{self.subnet % 10}"
         self.bridge_ns = f"{self.prefix}-br"
+        self.ray_tmp = Path(tempfile.gettempdir()) / self.prefix  # Ray's session dirs
         for name, last in (("head", 1), ("w1", 2), ("w2", 3), ("srv", 5)):
             self.nodes[name] = Node(name, f"{self.prefix}-{name}", self.ip(last))
 
@@ -128,9 +133,23 @@ class NetCluster:
         run("ip", "link", "set", host, "up")
 
     # -- ray nodes ---------------------------------------------------------------------
-    def start_node(self, name: str, timeout: float = 120.0) -> None:
+    def start_node(self, name: str, timeout: float = 120.0, tries: int = 2) -> None:
+        """Start a node and wait until the GCS counts it; on a loaded machine a node
+        (the head, mostly) can time out in its own start-up: then once more."""
+        for attempt in range(tries):
+            try:
+                self._start_node(name, timeout)
+                return
+            except (RuntimeError, TimeoutError):
+                self.stop_node(name)
+                if attempt == tries - 1:
+                    raise
+
+    def _start_node(self, name: str, timeout: float) -> None:
         node = self.nodes[name]
-        tmp = self.root / name
+        # A fresh, short session root per start (Unix socket paths stay under 107 bytes).
+        self.starts += 1
+        tmp = self.ray_tmp / f"{name}{self.starts}"
         tmp.mkdir(parents=True, exist_ok=True)
         argv = [
             RAY,
@@ -146,7 +165,8 @@ class NetCluster:
         else:
             cpus = WORKER_CPUS if name.startswith("w") else 0
             argv += [f"--address={self.address}", f"--num-cpus={cpus}"]
-        with (self.root / f"{name}.log").open("ab") as out:
+        node.log = self.root / f"{name}{self.starts}.log"  # this start's output alone
+        with node.log.open("ab") as out:
             node.proc = subprocess.Popen(
                 ["ip", "netns", "exec", node.ns, *argv],
                 # Ray workers import pinfeed_server (installed) and tests.fixtures.
@@ -243,8 +263,9 @@ class NetCluster:
         return pids
 
     def log(self, name: str, chars: int = 3000) -> str:
+        path = self.nodes[name].log
         try:
-            return (self.root / f"{name}.log").read_text(errors="replace")[-chars:]
+            return "" if path is None else path.read_text(errors="replace")[-chars:]
         except FileNotFoundError:
             return ""
 
@@ -291,6 +312,7 @@ class NetCluster:
             run("ip", "link", "del", f"{self.prefix}h", check=False)
         for ns in [*(n.ns for n in self.nodes.values()), self.bridge_ns]:
             run("ip", "netns", "del", ns, check=False)
+        shutil.rmtree(self.ray_tmp, ignore_errors=True)
 
     def __enter__(self) -> NetCluster:
         return self.start()
