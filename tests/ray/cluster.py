@@ -133,9 +133,9 @@ class NetCluster:
         run("ip", "link", "set", host, "up")
 
     # -- ray nodes ---------------------------------------------------------------------
-    def start_node(self, name: str, timeout: float = 120.0, tries: int = 2) -> None:
+    def start_node(self, name: str, timeout: float = 120.0, tries: int = 3) -> None:
         """Start a node and wait until the GCS counts it; on a loaded machine a node
-        (the head, mostly) can time out in its own start-up: then once more."""
+        (Ray gives the GCS 30 s to list it) can time out in its start-up: then again."""
         for attempt in range(tries):
             try:
                 self._start_node(name, timeout)
@@ -193,16 +193,19 @@ class NetCluster:
 
     def active(self) -> int:
         """How many nodes the GCS lists as active (``ray status``: no dashboard needed)."""
-        probe = run(
-            "ip",
-            "netns",
-            "exec",
-            self.nodes["head"].ns,
-            RAY,
-            "status",
-            f"--address={self.address}",
-            check=False,
-        )
+        try:
+            probe = run(
+                "ip",
+                "netns",
+                "exec",
+                self.nodes["head"].ns,
+                RAY,
+                "status",
+                f"--address={self.address}",
+                check=False,
+            )
+        except subprocess.TimeoutExpired:  # an overloaded GCS: not yet
+            return 0
         if probe.returncode != 0 or "Active:" not in probe.stdout:
             return 0
         section = probe.stdout.split("Active:", 1)[1].split("Pending:", 1)[0]
