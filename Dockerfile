@@ -55,8 +55,10 @@ WORKDIR /src
 
 # The other dependencies, read from pyproject.toml alone: editing the source does not
 # invalidate this layer, only changing the dependency list does.
+# PINFEED_EXTRAS: the extras to install, comma-separated (server,ray for the Ray executor).
+ARG PINFEED_EXTRAS=server
 COPY pyproject.toml README.md ./
-RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print('\n'.join(p['dependencies'] + p['optional-dependencies']['server']))" > /tmp/requirements.txt \
+RUN python -c "import os, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; x = [d for e in os.environ['PINFEED_EXTRAS'].split(',') for d in p['optional-dependencies'][e] if not d.startswith('pinfeed[')]; print('\n'.join(p['dependencies'] + x))" > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt
 
 # The source last; --no-deps because everything it needs is installed above.

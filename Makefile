@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint typecheck pytest deploy-check bench clean
+.PHONY: run test test-ray lint typecheck pytest deploy-check bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,11 +33,16 @@ pytest: $(STAMP)
 
 test: lint typecheck deploy-check pytest
 
+# tests/ray: a real Ray cluster (a head, two workers, the server's node) in network
+# namespaces of its own; needs root. Heavy, so not in `make test`; CI runs both.
+test-ray: $(STAMP)
+	PINFEED_TEST_RAY=1 $(BIN)/pytest tests/ray
+
 # Deployment files, checked offline: hadolint, the Compose Specification's JSON schema
 # (vendored in check-jsonschema), Kubernetes schemas (vendored in kubernetes-validate).
 # The compose smoke test and the 64 MB /dev/shm test are in tests/deploy (pytest).
 COMPOSE_FILES := docker-compose.yml deploy/compose.memlock.yml deploy/two-node/node0.compose.yml \
-                 deploy/two-node/node1.compose.yml
+                 deploy/two-node/node1.compose.yml deploy/ray/compose.yml
 deploy-check: $(STAMP)
 	$(BIN)/hadolint Dockerfile
 	$(BIN)/check-jsonschema --builtin-schema vendor.compose-spec $(COMPOSE_FILES)

@@ -40,8 +40,9 @@ from pinfeed_server.engine.iterable import (
     iterable_conflict,
 )
 from pinfeed_server.engine.loader import LoaderEngine
-from pinfeed_server.engine.producers import configure_forkserver, forked_producers
+from pinfeed_server.engine.producers import configure_forkserver, configure_ray, forked_producers
 from pinfeed_server.engine.producers.inline import GLOBAL_RNG
+from pinfeed_server.engine.producers.ray import ray_refusal
 from pinfeed_server.engine.producers.zygote import Zygotes
 from pinfeed_server.engine.stats import LoaderStats
 from pinfeed_server.engine.status import LoaderStatus
@@ -106,6 +107,7 @@ class Service:
         # One short directory per socket path (AF_UNIX paths are capped at 107 bytes).
         key = hashlib.sha1(str(self.settings.socket_path.resolve()).encode()).hexdigest()[:10]
         configure_forkserver(Path(tempfile.gettempdir()) / f"pinfeed-{os.getuid()}-{key}")
+        configure_ray(self.settings.ray_address)
         self.dataplane.start()
         for row in self.registry.loaders():
             try:
@@ -245,7 +247,9 @@ class Service:
             except PluginError as exc:
                 raise errors.InvalidRequest(str(exc)) from None
         iterable = is_iterable(ds)
-        conflict = iterable_conflict(cfg) if iterable else None
+        conflict = ray_refusal(cfg, iterable, self.settings.ray_address)
+        if conflict is None and iterable:
+            conflict = iterable_conflict(cfg)
         if conflict is not None:
             raise errors.InvalidRequest(conflict)
         try:
@@ -286,7 +290,7 @@ class Service:
             ) from None
         self._admit(cfg, ring_slots(cfg), layout.slot_bytes)
         producers = forked_producers(self.zygotes, dataset_name, ds, row["kind"], row["params"])
-        if cfg.num_workers > 0:
+        if cfg.num_workers > 0 and cfg.executor == "local":
             try:  # a dataset whose workers cannot start is the request's error, not the loader's
                 self.zygotes.get(dataset_name, ds, row["kind"], row["params"])
             except RuntimeError as exc:
@@ -314,7 +318,8 @@ class Service:
     ) -> None:
         """Refuse a loader (new, or ``replaces``'s new config) that the server-wide
         limits cannot take: the one place for them, at create, restart and PATCH."""
-        self.settings.check_workers(cfg.name, cfg.num_workers, self.workers_used(cfg.name))
+        local = cfg.num_workers if cfg.executor == "local" else 0  # Ray actors run elsewhere
+        self.settings.check_workers(cfg.name, local, self.workers_used(cfg.name))
         need = nslots * slot_bytes
         used = self.shm_used() - (replaces.reserved_bytes() if replaces else 0)
         free = max(0, self.settings.max_shm_bytes - used)
@@ -338,7 +343,11 @@ class Service:
         return sorted(n for n, e in list(self.loaders.items()) if e.state == "starting")
 
     def workers_used(self, but: str | None = None) -> int:
-        return sum(e.config.num_workers for n, e in list(self.loaders.items()) if n != but)
+        return sum(
+            e.config.num_workers
+            for n, e in list(self.loaders.items())
+            if n != but and e.config.executor == "local"
+        )
 
     def shm_used(self) -> int:
         return sum(e.reserved_bytes() for e in list(self.loaders.values()))
@@ -442,6 +451,11 @@ class Service:
                     f"loader {name!r} reads an IterableDataset: it cannot switch live "
                     "between num_workers=0 and worker processes (their streams differ, as "
                     "under DataLoader); change num_workers within >0, or recreate it"
+                )
+            if num_workers == 0 and engine.config.executor == "ray":
+                raise errors.Conflict(
+                    f"loader {name!r} has executor 'ray': its batches are made by Ray actors, "
+                    "at least one; num_workers=0 (in the server) needs executor 'local'"
                 )
             update = {"num_workers": num_workers, "prefetch_factor": prefetch}
             new = engine.config.model_copy(update=update | {"autotune": autotune})

@@ -7,10 +7,12 @@ combinations that are unsafe are refused by ``check_safe()`` before anything sta
 from __future__ import annotations
 
 import grp
+import importlib.util
 import ipaddress
 import logging
 import os
 import re
+import socket
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -146,6 +148,11 @@ class Settings(BaseSettings):
         description="torch intra-op threads in the server (in-server production with "
         "num_workers=0); workers always use one, as DataLoader's do",
     )
+    ray_address: str | None = Field(
+        None,
+        description="the Ray cluster's GCS address (head:6379) for loaders with "
+        "executor 'ray'; refused at start-up if it cannot be reached (needs pinfeed[ray])",
+    )
     demo: bool = Field(False, description="register the demo dataset and loader at start")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="log level"
@@ -230,6 +237,8 @@ class Settings(BaseSettings):
                 f"the data-plane socket path {self.socket_path} is longer than "
                 f"{MAX_SOCKET_PATH} bytes, the Unix socket limit; set a shorter PINFEED_SOCKET"
             )
+        if self.ray_address is not None:
+            check_ray_address(self.ray_address)
         if self.token is not None:
             if len(self.token) < MIN_TOKEN_CHARS:
                 raise ValueError(
@@ -244,6 +253,30 @@ class Settings(BaseSettings):
                 "address can create and delete loaders. Set PINFEED_TOKEN.",
                 self.host,
             )
+
+
+def ray_endpoint(address: str) -> tuple[str, int]:
+    """``host:port`` of a Ray GCS address (``ray://host:port`` too)."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"PINFEED_RAY_ADDRESS={address!r} is not host:port (the Ray head's GCS)")
+    return host.strip("[]"), int(port)
+
+
+def check_ray_address(address: str, timeout: float = 5.0) -> None:
+    """Refuse a Ray address that is unusable now: Ray not installed, or no answer."""
+    if importlib.util.find_spec("ray") is None:
+        raise ValueError(
+            "PINFEED_RAY_ADDRESS is set but Ray is not installed: pip install 'pinfeed[ray]'"
+        )
+    host, port = ray_endpoint(address)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as exc:
+        raise ValueError(
+            f"PINFEED_RAY_ADDRESS={address} cannot be reached ({exc}); start the Ray head "
+            "(ray start --head) or unset PINFEED_RAY_ADDRESS"
+        ) from None
 
 
 @lru_cache

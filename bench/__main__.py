@@ -16,6 +16,10 @@ if sys.argv[1:2] == ["scale"]:
     from bench.scale import main
 
     raise SystemExit(main(sys.argv[2:]))
+if sys.argv[1:2] == ["ray"]:
+    from bench.ray import main
+
+    raise SystemExit(main(sys.argv[2:]))
 from bench.suite import main
 
 if sys.argv[1:2] and sys.argv[1].upper() in ("W1", "W2", "W3", "W4", "W5"):

@@ -122,6 +122,21 @@ class LoaderFields(BaseModel):
         "of explicit values turns it off",
     )
 
+    executor: Literal["local", "ray"] = Field(
+        "local",
+        description="local: worker processes on this node; ray: num_workers Ray actors on "
+        "the cluster at PINFEED_RAY_ADDRESS (the data must be readable there)",
+    )
+    ray_num_cpus: float = Field(
+        1.0, gt=0, le=256, description="CPUs each Ray actor reserves (executor 'ray')"
+    )
+
+    @model_validator(mode="after")
+    def _ray_needs_workers(self) -> LoaderFields:
+        if self.executor == "ray" and self.num_workers == 0:
+            raise ValueError("executor 'ray' needs num_workers >= 1 (the number of Ray actors)")
+        return self
+
     @model_validator(mode="after")
     def _persistent_needs_workers(self) -> LoaderFields:
         if self.persistent_workers and self.num_workers == 0:

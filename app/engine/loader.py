@@ -42,6 +42,7 @@ from pinfeed_server.engine.producers import (
     make_producer,
 )
 from pinfeed_server.engine.publisher import Publisher
+from pinfeed_server.engine.recovery import resume_producing
 from pinfeed_server.engine.resize import LiveResize
 from pinfeed_server.engine.ring import Ring, SlotState, SlotTable
 from pinfeed_server.engine.sampler import BatchPlan, with_last
@@ -154,6 +155,7 @@ class LoaderEngine(LiveResize):
                 self._on_result,
                 self._fail,
                 processes=processes,
+                on_recovered=lambda: resume_producing(self),
             )
         )
 

@@ -46,6 +46,7 @@ def test_every_setting_reads_its_env_var(monkeypatch: pytest.MonkeyPatch, tmp_pa
         "MAX_WORKERS": "12",
         "HTTP_MAX_RPS": "20.5",
         "METRICS_MAX_AGE_S": "0",
+        "RAY_ADDRESS": "127.0.0.1:6379",
     }
     assert {f"PINFEED_{k.upper()}" for k in Settings.model_fields} == {f"PINFEED_{k}" for k in env}
     for key, value in env.items():
@@ -61,8 +62,8 @@ def test_every_setting_reads_its_env_var(monkeypatch: pytest.MonkeyPatch, tmp_pa
     )
     assert s.torch_threads == 2 and s.socket_gid == 0
     assert (s.max_workers, s.http_max_rps, s.metrics_max_age_s) == (12, 20.5, 0.0)
-    assert TOKEN not in repr(s)
-    s.check_safe()
+    assert TOKEN not in repr(s) and s.ray_address == "127.0.0.1:6379"
+    s.model_copy(update={"ray_address": None}).check_safe()  # no Ray head here
 
 
 def test_every_setting_is_described() -> None:

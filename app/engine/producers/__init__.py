@@ -3,6 +3,7 @@
     base.py        the seam: Task, Result, Producer, ProducerContext
     inline.py      num_workers=0: in the server's producer thread
     pool.py        local worker processes (worker.py: their side; codec.py: the pipe)
+    ray.py         executor "ray": Ray actors (ray_bridge.py: the driver; ray_actor.py)
     forkserver.py  the process the zygotes (and workers without one) are forked from
     zygote.py      a dataset's process, holding its one build; its workers fork from it
 
@@ -25,17 +26,23 @@ from pinfeed_server.engine.producers.base import (
 from pinfeed_server.engine.producers.forkserver import configure_forkserver
 from pinfeed_server.engine.producers.inline import InlineProducer
 from pinfeed_server.engine.producers.pool import ProcessFactory, WorkerPool
+from pinfeed_server.engine.producers.ray import RayProducer, configure_ray
 from pinfeed_server.engine.producers.zygote import Zygotes
 
 
 def producer_kind(config: LoaderConfig) -> str:
-    """Which producer makes ``config``'s batches (a PATCH across 0 swaps it live)."""
+    """Which producer makes ``config``'s batches (a PATCH across 0 swaps it live; a Ray
+    loader never goes to 0)."""
+    if config.executor == "ray":
+        return "ray"
     return "pool" if config.num_workers > 0 else "inline"
 
 
 def make_producer(ctx: ProducerContext, spawn: ProcessFactory | None = None) -> Producer:
     """The producer for ``ctx.num_processes``; it starts its workers before returning
     (made by ``spawn``, the dataset's zygote's, when given)."""
+    if ctx.config.executor == "ray":
+        return RayProducer(ctx)
     if ctx.num_processes > 0:
         return WorkerPool(ctx, spawn)
     return InlineProducer(ctx)
@@ -48,8 +55,8 @@ def forked_producers(
     with the first pool that needs it (at creation, or a live PATCH from 0 workers)."""
 
     def make(ctx: ProducerContext) -> Producer:
-        if ctx.num_processes == 0:
-            return make_producer(ctx)
+        if ctx.num_processes == 0 or ctx.config.executor == "ray":
+            return make_producer(ctx)  # no worker forks here
         return make_producer(ctx, zygotes.get(name, dataset, kind, params).process_factory)
 
     return make
@@ -60,10 +67,12 @@ __all__ = [
     "Producer",
     "ProducerContext",
     "ProducerFactory",
+    "RayProducer",
     "Result",
     "Task",
     "WorkerPool",
     "configure_forkserver",
+    "configure_ray",
     "forked_producers",
     "make_producer",
     "producer_kind",

@@ -17,8 +17,9 @@ A producer that can no longer make anything calls ``on_fatal`` once; the loader 
                         the engine frees the ring afterwards
 
 Implementations: ``inline`` (``num_workers=0``: made in the engine's producer
-thread, as DataLoader's main process does) and ``pool`` (local worker processes that
-collate straight into the shared ring). ``make_producer`` in ``__init__`` picks one.
+thread, as DataLoader's main process does), ``pool`` (local worker processes that
+collate straight into the shared ring) and ``ray`` (Ray actors; ``ray.py``).
+``make_producer`` in ``__init__`` picks one.
 
 How the next ones plug in, with no change to the engine:
 
@@ -106,6 +107,9 @@ class ProducerContext:
     @property
     def num_processes(self) -> int:
         return self.config.num_workers if self.processes is None else self.processes
+
+    # A producer that failed the loader (a lost cluster) and can make batches again.
+    on_recovered: Callable[[], None] | None = None
 
 
 class Producer(Protocol):

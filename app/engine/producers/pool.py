@@ -38,13 +38,7 @@ from pinfeed_server.engine.producers.seeding import (
     decode_snapshot,
     encode_reseed,
 )
-from pinfeed_server.engine.producers.worker import (
-    DROP_TAG,
-    SEGMENT,
-    SEGMENT_TAG,
-    WorkerSpec,
-    worker_main,
-)
+from pinfeed_server.engine.producers.worker import WorkerSpec, send_segments, worker_main
 
 log = logging.getLogger("pinfeed.workers")
 
@@ -74,22 +68,7 @@ class WorkerPool:
     def __init__(self, ctx: ProducerContext, spawn: ProcessFactory | None = None) -> None:
         self.name = ctx.config.name
         iterable = is_iterable(ctx.dataset)
-        self.spec = WorkerSpec(
-            ctx.config.name,
-            ctx.kind,
-            ctx.params,
-            ctx.datasets,
-            ctx.layout.to_json(),
-            ctx.ring.segments()[0][0].nslots * ctx.ring.slot_bytes,  # segment 0
-            ctx.ring.slot_bytes,
-            ctx.config.worker_init_fn,
-            max(1, ctx.config.num_workers),
-            # Built-in kinds draw nothing from the global RNGs: no replay, no snapshots
-            # (unless a collate_fn may draw); an iterable's workers keep their own.
-            snapshots=(ctx.kind == "python" or ctx.config.collate_fn is not None) and not iterable,
-            collate_fn=ctx.config.collate_fn,
-            iterable=ctx.config if iterable else None,
-        )
+        self.spec = WorkerSpec.of(ctx)
         # An iterable's turns: its workers position their iterators themselves.
         self._judge = EndJudge(ctx.config.num_workers) if iterable else None
         self.streams: Streams | IterRoutes = (
@@ -235,16 +214,9 @@ class WorkerPool:
         generation = self._ring.generation
         if worker.generation == generation:
             return
-        with self._ring.lock:  # no segment closes while its fd is on the way
-            now = {info.id: (info, fd) for info, fd in self._ring.segments()}
-            for sid in sorted(set(now) - worker.segments):
-                info, fd = now[sid]
-                self._send_locked(worker, SEGMENT_TAG + SEGMENT.pack(*_segment_fields(info)))
-                with contextlib.suppress(OSError):
-                    reduction.send_handle(worker.conn, fd, worker.process.pid)
-            for sid in sorted(worker.segments - set(now)):
-                self._send_locked(worker, DROP_TAG + SEGMENT.pack(sid, 0, 0))
-        worker.segments = set(now)
+        worker.segments = send_segments(
+            self._ring, worker.conn, worker.process.pid, worker.segments
+        )
         worker.generation = generation
 
     def segments_changed(self) -> None:
@@ -400,10 +372,6 @@ class WorkerPool:
             w.conn.close()
         self._workers.clear()
         self._retiring.clear()
-
-
-def _segment_fields(info: Any) -> tuple[int, int, int]:
-    return info.id, info.first, info.nslots
 
 
 def _worker_died(task: Task, code: int | None, tries: int) -> Result:

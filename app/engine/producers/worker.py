@@ -1,5 +1,8 @@
 """A pool worker process: take the dataset, map the ring, then make batches.
 
+``BatchMaker`` is how a worker makes a batch (dataset, collate, RNG streams, an
+iterable's iterators); a Ray actor (``ray_actor.py``) makes its batches with it too.
+
 Each worker is forked from its dataset's zygote (``zygote.py``) and uses the dataset
 it inherited from there (nothing is built or pickled per worker; started without a
 zygote, it builds the dataset from its spec), maps the ring once, then serves tasks
@@ -28,7 +31,8 @@ from pinfeed_server.datasets import DatasetContext
 from pinfeed_server.engine.collate import Layout, SlotWriter
 from pinfeed_server.engine.config import LoaderConfig
 from pinfeed_server.engine.errors import error_info
-from pinfeed_server.engine.producers.base import Result
+from pinfeed_server.engine.iterable import is_iterable
+from pinfeed_server.engine.producers.base import ProducerContext, Result, Task
 from pinfeed_server.engine.producers.codec import (
     STARTUP_SEQ,
     STOP,
@@ -39,12 +43,13 @@ from pinfeed_server.engine.producers.iterating import IterStreams, make_turn
 from pinfeed_server.engine.producers.seeding import (
     RESEED_TAG,
     RESULT_TAG,
+    Reseed,
     WorkerRngs,
     decode_reseed,
     encode_snapshot,
 )
 from pinfeed_server.engine.producers.zygote import inherited
-from pinfeed_server.engine.ring import SegmentInfo, SlotSpace, map_ring
+from pinfeed_server.engine.ring import Ring, SegmentInfo, SlotSpace, map_ring
 from pinfeed_server.plugins import resolve
 
 # The pool's pipe: a ring segment to map (its fd follows, ``reduction.send_handle``) or
@@ -70,6 +75,90 @@ class WorkerSpec:
     collate_fn: str | None = None
     iterable: LoaderConfig | None = None  # an IterableDataset's loader: turns (iterating.py)
 
+    @classmethod
+    def of(cls, ctx: ProducerContext) -> WorkerSpec:
+        """What the workers (or Ray actors) of ``ctx``'s loader start with."""
+        iterable = is_iterable(ctx.dataset)
+        return cls(
+            ctx.config.name,
+            ctx.kind,
+            ctx.params,
+            ctx.datasets,
+            ctx.layout.to_json(),
+            ctx.ring.segments()[0][0].nslots * ctx.ring.slot_bytes,  # segment 0
+            ctx.ring.slot_bytes,
+            ctx.config.worker_init_fn,
+            max(1, ctx.config.num_workers),
+            # Built-in kinds draw nothing from the global RNGs: no replay, no snapshots
+            # (unless a collate_fn may draw); an iterable's workers keep their own.
+            snapshots=(ctx.kind == "python" or ctx.config.collate_fn is not None) and not iterable,
+            collate_fn=ctx.config.collate_fn,
+            iterable=ctx.config if iterable else None,
+        )
+
+
+class BatchMaker:
+    """A worker's batch making: its dataset, a writer into ``slots`` (the ring's slot
+    space, or a Ray actor's one-slot buffer), its RNG streams and an iterable's
+    iterators. ``make`` is the one place a worker (or actor) makes a batch."""
+
+    def __init__(self, spec: WorkerSpec, dataset: Any, slots: torch.Tensor | SlotSpace) -> None:
+        allowed = spec.context.allowed_plugins
+        collate = None
+        if spec.collate_fn is not None:
+            collate = resolve(spec.collate_fn, allowed, what="collate_fn")
+        init_fn = None
+        if spec.worker_init_fn is not None:
+            init_fn = resolve(spec.worker_init_fn, allowed, what="worker_init_fn")
+        self._spec, self._slots = spec, slots
+        self._layout = Layout.from_json(spec.layout)
+        self.writer = SlotWriter(dataset, self._layout, slots, spec.slot_bytes, collate)
+        self._rngs = WorkerRngs(dataset, spec.num_workers, init_fn)
+        self._turns = (
+            None
+            if spec.iterable is None
+            else IterStreams(dataset, spec.iterable, init_fn, worker=True)
+        )
+        self._failed: Exception | None = None  # the last reseed's error, until the next one
+
+    def reseed(self, reseed: Reseed) -> None:
+        # Seeding (and worker_init_fn) failing fails the batch it is for.
+        try:
+            self._rngs.reseed(reseed)
+            self._failed = None
+        except Exception as exc:
+            self._failed = exc
+
+    def make(self, task: Task) -> tuple[Result, bool]:
+        """Make ``task``'s batch into its slot: the result, and whether the global RNGs
+        are now that batch's stream's (then a snapshot of them means something)."""
+        if self._turns is not None:
+            return make_turn(self._turns, self.writer, task), False
+        assert task.indices is not None
+        seeded = False
+        try:
+            if self._failed is not None:
+                raise self._failed
+            if self._spec.snapshots:  # built-in kinds draw no RNG: any process, any stream
+                self._rngs.enter(task.index)
+                self.writer.dataset = self._rngs.dataset
+            seeded = True
+            return Result(task.seq, self.writer.write(task.slot, task.indices)), seeded
+        except Exception as exc:
+            return Result(task.seq, error=error_info(exc)), seeded
+
+    def renew_writer(self) -> None:
+        """A new writer, before the slot space changes: the old one's cached slot views
+        would keep a closed segment mapped."""
+        old = self.writer
+        self.writer = SlotWriter(
+            old.dataset, self._layout, self._slots, self._spec.slot_bytes, old.collate_fn
+        )
+        old.close()
+
+    def close(self) -> None:
+        self.writer.close()
+
 
 def worker_main(worker_id: int, conn: Connection, spec: WorkerSpec) -> None:
     """Entry point of a worker process."""
@@ -81,26 +170,11 @@ def worker_main(worker_id: int, conn: Connection, spec: WorkerSpec) -> None:
         space = SlotSpace(spec.slot_bytes)
         space.add(SegmentInfo(0, 0, spec.ring_size // spec.slot_bytes), base)
         maps: dict[int, mmap.mmap] = {}
-        layout = Layout.from_json(spec.layout)
-        dataset = inherited(spec.kind, spec.params, spec.context)
-        collate = None
-        if spec.collate_fn is not None:
-            collate = resolve(spec.collate_fn, spec.context.allowed_plugins, what="collate_fn")
-        writer = SlotWriter(dataset, layout, space, spec.slot_bytes, collate)
-        init_fn = None
-        if spec.worker_init_fn is not None:
-            init_fn = resolve(
-                spec.worker_init_fn, spec.context.allowed_plugins, what="worker_init_fn"
-            )
+        maker = BatchMaker(spec, inherited(spec.kind, spec.params, spec.context), space)
     except BaseException as exc:
         conn.send_bytes(RESULT_TAG + encode_result(Result(STARTUP_SEQ, error=error_info(exc))))
         return
     conn.send_bytes(RESULT_TAG + encode_result(Result(STARTUP_SEQ)))  # ready
-    failed: Exception | None = None  # the last reseed's error, until the next one
-    rngs = WorkerRngs(dataset, spec.num_workers, init_fn)
-    turns = (
-        None if spec.iterable is None else IterStreams(dataset, spec.iterable, init_fn, worker=True)
-    )
     while True:
         try:
             message = conn.recv_bytes()
@@ -109,42 +183,18 @@ def worker_main(worker_id: int, conn: Connection, spec: WorkerSpec) -> None:
         if message == STOP:
             break
         if message[:1] in (SEGMENT_TAG, DROP_TAG):
-            # A new writer first: the old one's cached slot views would keep a closed
-            # segment mapped.
-            old = writer
-            writer = SlotWriter(old.dataset, layout, space, spec.slot_bytes, old.collate_fn)
-            old.close()
-            del old
-            _segment(message, conn, space, maps, spec.slot_bytes)
+            maker.renew_writer()
+            receive_segment(message, conn, space, maps)
             continue
         if message[:1] == RESEED_TAG:
-            # Seeding (and worker_init_fn) failing fails the batch it is for.
-            try:
-                rngs.reseed(decode_reseed(message))
-                failed = None
-            except Exception as exc:
-                failed = exc
+            maker.reseed(decode_reseed(message))
             continue
         task = decode_task(message[1:])
-        if turns is not None:
-            conn.send_bytes(RESULT_TAG + encode_result(make_turn(turns, writer, task)))
-            continue
-        assert task.indices is not None
-        seeded = False  # the global RNGs are this batch's stream's
-        try:
-            if failed is not None:
-                raise failed
-            if spec.snapshots:  # built-in kinds draw no RNG: any process, any stream
-                rngs.enter(task.index)
-                writer.dataset = rngs.dataset
-            seeded = True
-            result = Result(task.seq, writer.write(task.slot, task.indices))
-        except Exception as exc:
-            result = Result(task.seq, error=error_info(exc))
+        result, seeded = maker.make(task)
         if spec.snapshots and seeded:
             conn.send_bytes(encode_snapshot(task.epoch, task.index))
         conn.send_bytes(RESULT_TAG + encode_result(result))
-    writer.close()
+    maker.close()
     del base
     space.parts = ()
     for m in [mm, *maps.values()]:
@@ -152,19 +202,31 @@ def worker_main(worker_id: int, conn: Connection, spec: WorkerSpec) -> None:
             m.close()
 
 
-def _segment(
-    message: bytes,
-    conn: Connection,
-    space: SlotSpace,
-    maps: dict[int, mmap.mmap],
-    slot_bytes: int,
+def send_segments(ring: Ring, conn: Connection, pid: int, known: set[int]) -> set[int]:
+    """Tell the process at the other end of ``conn`` (a worker, the Ray bridge) of the
+    ring's new segments (their fds follow) and of its closed ones, before a task that
+    may use them; the segments it now has. Errors of a dead peer are its reaper's."""
+    with ring.lock:  # no segment closes while its fd is on the way
+        now = {info.id: (info, fd) for info, fd in ring.segments()}
+        with contextlib.suppress(OSError):
+            for sid in sorted(set(now) - known):
+                info, fd = now[sid]
+                conn.send_bytes(SEGMENT_TAG + SEGMENT.pack(info.id, info.first, info.nslots))
+                reduction.send_handle(conn, fd, pid)
+            for sid in sorted(known - set(now)):
+                conn.send_bytes(DROP_TAG + SEGMENT.pack(sid, 0, 0))
+    return set(now)
+
+
+def receive_segment(
+    message: bytes, conn: Connection, space: SlotSpace, maps: dict[int, mmap.mmap]
 ) -> None:
     """Map a segment the ring gained (its fd follows on the pipe), or unmap a closed one."""
     info = SegmentInfo(*SEGMENT.unpack(message[1:]))
     if message[:1] == SEGMENT_TAG:
         fd = reduction.recv_handle(conn)
         try:
-            maps[info.id], base = map_ring(fd, info.nslots * slot_bytes)
+            maps[info.id], base = map_ring(fd, info.nslots * space.slot_bytes)
         finally:
             os.close(fd)
         space.add(info, base)
