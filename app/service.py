@@ -289,12 +289,9 @@ class Service:
                 f"reading sample {first} to size the ring raised {type(exc).__name__}: {exc}"
             ) from None
         self._admit(cfg, ring_slots(cfg), layout.slot_bytes)
+        # The dataset's zygote starts with the first pool, in the loader's boot thread
+        # (state "starting"); one that cannot start fails the loader with the reason.
         producers = forked_producers(self.zygotes, dataset_name, ds, row["kind"], row["params"])
-        if cfg.num_workers > 0 and cfg.executor == "local":
-            try:  # a dataset whose workers cannot start is the request's error, not the loader's
-                self.zygotes.get(dataset_name, ds, row["kind"], row["params"])
-            except RuntimeError as exc:
-                raise errors.InvalidRequest(str(exc)) from None
         engine = LoaderEngine(
             cfg,
             ds,

@@ -19,6 +19,7 @@ seeding, fast-forward) is ``producers/iterating.py``.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import os
@@ -104,10 +105,11 @@ def iterable_conflict(config: Any) -> str | None:
 def first_samples(dataset: Any, config: Any = None, n: int = 1) -> list[Any]:
     """The first ``n`` samples (fewer if it ends) of a fresh iterator, in the server as
     DataLoader's main process would see them, with the loader's ``RANK``/``WORLD_SIZE``:
-    they size the ring."""
+    they size the ring. It iterates a shallow copy (as each stream does), so the probe
+    leaves the dataset as registered: its workers inherit it from the server's object."""
     rank, world_size = (0, None) if config is None else (config.rank, config.world_size)
     with shard_env(rank, world_size):
-        samples = list(itertools.islice(iter(dataset), n))
+        samples = list(itertools.islice(iter(copy.copy(dataset)), n))
     if not samples:
         raise ValueError("the IterableDataset yielded no sample")
     return samples

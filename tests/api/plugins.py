@@ -3,24 +3,36 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 
 class Gated:
-    """Worker processes block building this dataset until ``gate`` exists (bounded), so
-    a loader over it stays ``starting`` for exactly as long as a test needs."""
+    """Worker processes block getting this dataset until ``gate`` exists (bounded): the
+    zygote its workers fork from unpickles the server's copy (``__setstate__``), a
+    worker without one builds it (``__init__``). A loader over it stays ``starting``
+    for exactly as long as a test needs."""
 
     def __init__(self, gate: str, length: int = 8) -> None:
-        self.length = length
-        if multiprocessing.parent_process() is None:
-            return  # the server itself: open at once
+        self.gate, self.length = gate, length
+        self.built_in = os.getpid()
+        if multiprocessing.parent_process() is not None:
+            self._wait()  # a worker process (the server has no parent process)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if os.getpid() != self.built_in:
+            self._wait()  # unpickled away from the server that built it
+
+    def _wait(self) -> None:
         deadline = time.monotonic() + 60
-        while not Path(gate).exists():
+        while not Path(self.gate).exists():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"gate {gate} never opened")
+                raise TimeoutError(f"gate {self.gate} never opened")
             time.sleep(0.02)
 
     def __len__(self) -> int:

@@ -250,18 +250,23 @@ class Zygote:
 
 
 class Zygotes:
-    """The service's zygotes, one per dataset (by name)."""
+    """The service's zygotes, one per dataset (by name). Starting one (a dataset's
+    unpickling or build) holds only that dataset's lock."""
 
     def __init__(self, context: DatasetContext) -> None:
         self._context = context
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the two dicts
         self._by_name: dict[str, Zygote] = {}
+        self._starting: dict[str, threading.Lock] = {}
 
     def get(self, name: str, dataset: Any, kind: str, params: dict[str, Any]) -> Zygote:
         """``name``'s zygote, started now if it has none (or it died); RuntimeError if
         it cannot start."""
         with self._lock:
-            zygote = self._by_name.get(name)
+            start = self._starting.setdefault(name, threading.Lock())
+        with start:
+            with self._lock:
+                zygote = self._by_name.get(name)
             if zygote is not None and zygote.alive():
                 return zygote
             if zygote is not None:
@@ -272,12 +277,14 @@ class Zygotes:
                 raise RuntimeError(
                     f"dataset {name!r}: the process its workers fork from cannot start: {exc}"
                 ) from None
-            self._by_name[name] = zygote
+            with self._lock:
+                self._by_name[name] = zygote
             return zygote
 
     def discard(self, name: str) -> None:
         with self._lock:
             zygote = self._by_name.pop(name, None)
+            self._starting.pop(name, None)
         if zygote is not None:
             zygote.close()
 
