@@ -103,13 +103,12 @@ class ProducerContext:
     # Processes to start (a live PATCH); None: config.num_workers. ``config`` stays the
     # loader's as created: its num_workers is the RNG streams' (seeding.py).
     processes: int | None = None
+    # A producer that failed the loader (a lost cluster) and can make batches again.
+    on_recovered: Callable[[], None] | None = None
 
     @property
     def num_processes(self) -> int:
         return self.config.num_workers if self.processes is None else self.processes
-
-    # A producer that failed the loader (a lost cluster) and can make batches again.
-    on_recovered: Callable[[], None] | None = None
 
 
 class Producer(Protocol):

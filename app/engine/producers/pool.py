@@ -30,7 +30,7 @@ from typing import Any
 from pinfeed_server.engine.errors import SampleError
 from pinfeed_server.engine.iterable import EndJudge, IterRoutes, is_iterable
 from pinfeed_server.engine.producers.base import ProducerContext, Result, Task
-from pinfeed_server.engine.producers.codec import STOP, decode_result, encode_task
+from pinfeed_server.engine.producers.codec import STOP, decode_result, encode_task, reap
 from pinfeed_server.engine.producers.seeding import (
     SNAPSHOT_TAG,
     TASK_TAG,
@@ -172,10 +172,7 @@ class WorkerPool:
                 self._retiring.remove(w)
         for w in idle:
             self._send(w, STOP)
-            w.process.join(5)
-            if w.process.is_alive():
-                w.process.kill()
-                w.process.join(1)
+            reap(w.process, 5)
             w.conn.close()
 
     def submit(self, task: Task) -> None:
@@ -365,10 +362,7 @@ class WorkerPool:
             self._send(w, STOP)
         deadline = time.monotonic() + timeout
         for w in everyone:
-            w.process.join(max(0.0, deadline - time.monotonic()))
-            if w.process.is_alive():
-                w.process.kill()
-                w.process.join(1)
+            reap(w.process, deadline - time.monotonic())
             w.conn.close()
         self._workers.clear()
         self._retiring.clear()

@@ -37,7 +37,7 @@ from typing import Any
 
 from pinfeed_server.engine.config import LoaderConfig
 from pinfeed_server.engine.producers.base import ProducerContext, Task
-from pinfeed_server.engine.producers.codec import STOP, decode_result, encode_task
+from pinfeed_server.engine.producers.codec import STOP, decode_result, encode_task, reap
 from pinfeed_server.engine.producers.ray_bridge import (
     FATAL_TAG,
     RESTART_TAG,
@@ -191,10 +191,7 @@ class RayProducer:
         with self._lock:
             link = self._link
         self._send(link, STOP)
-        link.proc.join(10)
-        if link.proc.is_alive():
-            link.proc.kill()
-            link.proc.join(1)
+        reap(link.proc, 10)
         link.conn.close()
 
     def _send(self, link: _Link, *messages: bytes) -> None:
