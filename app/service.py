@@ -13,7 +13,6 @@ import secrets
 import sys
 import tempfile
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,27 +25,23 @@ from pinfeed_server.engine.autotune import AutotuneSpec, Tuner
 from pinfeed_server.engine.collate import (
     LayoutError,
     describe,
-    fetch_samples,
-    loader_layout,
     probe,
 )
-from pinfeed_server.engine.config import LoaderConfig, make_sampler, ring_slots
-from pinfeed_server.engine.custom_sampler import SamplerError
+from pinfeed_server.engine.config import LoaderConfig, ring_slots
 from pinfeed_server.engine.dataplane import DataPlaneServer
 from pinfeed_server.engine.iterable import (
     dataset_len,
     first_samples,
     is_iterable,
-    iterable_conflict,
 )
 from pinfeed_server.engine.loader import LoaderEngine
+from pinfeed_server.engine.prepare import ConfigError, prepare
 from pinfeed_server.engine.producers import configure_forkserver, configure_ray, forked_producers
 from pinfeed_server.engine.producers.inline import GLOBAL_RNG
 from pinfeed_server.engine.producers.ray import ray_refusal
 from pinfeed_server.engine.producers.zygote import Zygotes
 from pinfeed_server.engine.stats import LoaderStats
 from pinfeed_server.engine.status import LoaderStatus
-from pinfeed_server.plugins import PluginError, resolve
 from pinfeed_server.registry import DuplicateName, Registry
 from pinfeed_server.schemas import DEMO_PARAMS, DatasetCreate, LoaderCreate, LoaderPatch
 from pinfeed_server.settings import Settings
@@ -57,20 +52,6 @@ DEMO_DATASET = DatasetCreate.model_validate(
     {"name": "demo", "kind": "synthetic", "params": DEMO_PARAMS}
 )
 DEMO_LOADER = LoaderCreate(name="demo", dataset="demo", batch_size=10)
-
-
-# The LoaderStatus fields a /metrics row carries (besides ``slots``).
-METRIC_STATUS_FIELDS = (
-    "state",
-    "ring_bytes",
-    "page_locked",
-    "consumer_attached",
-    "consumer_cuda_registered",
-    "epoch",
-    "position",
-    "batches_per_epoch",
-    "worker_restarts",
-)
 
 
 class Service:
@@ -234,60 +215,17 @@ class Service:
         row = self._dataset_row(dataset_name)
         ds = self._open(dataset_name, row["kind"], row["params"])
         cfg = LoaderConfig.model_validate({**config, "dataset": dataset_name})
-        plugins: dict[str, Callable[..., Any] | None] = {}
-        for field in ("worker_init_fn", "collate_fn"):
-            spec = getattr(cfg, field)
-            try:
-                found = (
-                    None
-                    if spec is None
-                    else resolve(spec, self.context.allowed_plugins, what=field)
-                )
-                plugins[field] = found
-            except PluginError as exc:
-                raise errors.InvalidRequest(str(exc)) from None
-        iterable = is_iterable(ds)
-        conflict = ray_refusal(cfg, iterable, self.settings.ray_address)
-        if conflict is None and iterable:
-            conflict = iterable_conflict(cfg)
+        conflict = ray_refusal(cfg, is_iterable(ds), self.settings.ray_address)
         if conflict is not None:
             raise errors.InvalidRequest(conflict)
-        try:
-            sampler = make_sampler(cfg, ds, self.context.allowed_plugins)
-        except SamplerError as exc:
-            raise errors.InvalidRequest(str(exc)) from None
-        if len(sampler) == 0 and not iterable:
-            raise errors.InvalidRequest(
-                f"dataset {dataset_name!r} has {len(ds)} samples: batch_size {cfg.batch_size} "
-                "with drop_last yields no batch"
-            )
-        collate = plugins["collate_fn"]
-        # default collate sizes slots from one sample; a collate_fn from its first batch
-        n = 1 if collate is None else sampler.max_rows
-        first: Any = "the first sample of its iterator"
-        indices: list[int] = []
-        if not iterable:
-            batch0 = next(sampler.batches(0))
-            assert batch0 is not None  # a map-style dataset's plan yields index lists
-            indices, first = batch0, batch0[0]
         # Without max_batch_bytes, a collate_fn loader's ring takes at most a quarter of
-        # the budget left (collate.per_batch_layout).
+        # the budget left (collate.loader_layout).
         cap = max(0, self.settings.max_shm_bytes - self.shm_used()) // (4 * ring_slots(cfg))
         try:
-            with GLOBAL_RNG:  # not while an inline loader has its RNGs swapped in
-                if iterable:
-                    batch, where = first_samples(ds, cfg, n), "the first batch of its iterator"
-                else:
-                    batch, where = fetch_samples(ds, indices[:n]), f"sample {first}"
-                layout = loader_layout(
-                    batch, sampler.max_rows, collate, cfg.max_batch_bytes, cap, where
-                )
-        except LayoutError as exc:
+            ready = prepare(cfg, ds, self.context.allowed_plugins, cap)
+        except ConfigError as exc:
             raise errors.InvalidRequest(str(exc)) from None
-        except Exception as exc:
-            raise errors.InvalidRequest(
-                f"reading sample {first} to size the ring raised {type(exc).__name__}: {exc}"
-            ) from None
+        sampler, layout = ready.plan, ready.layout
         self._admit(cfg, ring_slots(cfg), layout.slot_bytes)
         # The dataset's zygote starts with the first pool, in the loader's boot thread
         # (state "starting"); one that cannot start fails the loader with the reason.
@@ -385,36 +323,10 @@ class Service:
             return {"name": name, **LoaderStats().snapshot(0.0, 1)}
         return {"name": name, **self._engine(name).stats_snapshot()}
 
-    def loader_metrics(self) -> list[dict[str, Any]]:
-        """Status and counters of every loader in one pass, for ``GET /metrics``."""
-        out = []
-        for name, engine in sorted(self.loaders.items()):
-            status = engine.status()
-            out.append(
-                {
-                    "name": name,
-                    "dataset": engine.config.dataset,
-                    "batch_size": engine.config.batch_size,
-                    # the fields /metrics shows, read off the model (no model_dump)
-                    **{k: getattr(status, k) for k in METRIC_STATUS_FIELDS},
-                    "slots": vars(status.slots),
-                    **engine.stats_snapshot(),
-                    "num_workers": engine.config.num_workers,
-                    "bytes_consumed": engine.stats.bytes_consumed,
-                    "consumer_wait_s": engine.stats.wait_s,
-                }
-            )
-        for name, row in sorted(self._unstarted.items()):
-            out.append(
-                {
-                    "name": name,
-                    **self._describe_unstarted(row),
-                    **LoaderStats().snapshot(0.0, 1),
-                    "bytes_consumed": 0,
-                    "consumer_wait_s": 0.0,
-                }
-            )
-        return out
+    def unstarted(self) -> list[dict[str, Any]]:
+        """The loaders that could not start, described (``GET /metrics`` lists them)."""
+        rows = sorted(self._unstarted.items())
+        return [{"name": name, **self._describe_unstarted(row)} for name, row in rows]
 
     def patch_loader(self, name: str, body: LoaderPatch) -> dict[str, Any]:
         """Change num_workers/prefetch_factor live: position and batches are kept; the

@@ -30,7 +30,7 @@ from prometheus_client import (
 )
 
 from pinfeed_server import __version__
-from pinfeed_server.engine.stats import WAIT_BUCKETS_S
+from pinfeed_server.engine.stats import WAIT_BUCKETS_S, LoaderStats
 from pinfeed_server.service import Service
 
 router = APIRouter(tags=["metrics"])
@@ -38,7 +38,7 @@ router = APIRouter(tags=["metrics"])
 SLOT_STATES = ("free", "filling", "ready", "leased")
 LOADER_STATES = ("starting", "ready", "failed", "draining", "closed")
 
-# (name after pinfeed_loader_, help, key in Service.loader_metrics() rows)
+# (name after pinfeed_loader_, help, key in loader_rows() rows)
 COUNTERS = (
     ("batches_produced_total", "Batches written into the ring", "batches_produced"),
     ("batches_consumed_total", "Batches handed to the consumer", "batches_consumed"),
@@ -104,9 +104,54 @@ def _family(out: list[str], name: str, kind: str, doc: str) -> None:
     out.append(f"# HELP {name} {doc}\n# TYPE {name} {kind}\n")
 
 
+# The LoaderStatus fields a row carries (besides ``slots``).
+STATUS_FIELDS = (
+    "state",
+    "ring_bytes",
+    "page_locked",
+    "consumer_attached",
+    "consumer_cuda_registered",
+    "epoch",
+    "position",
+    "batches_per_epoch",
+    "worker_restarts",
+)
+
+
+def loader_rows(service: Service) -> list[dict[str, Any]]:
+    """Status and counters of every loader in one pass (those that could not start
+    with zeros): read off the status model and the lock-free stats, no model_dump."""
+    out = []
+    for name, engine in sorted(service.loaders.items()):
+        status = engine.status()
+        out.append(
+            {
+                "name": name,
+                "dataset": engine.config.dataset,
+                "batch_size": engine.config.batch_size,
+                **{k: getattr(status, k) for k in STATUS_FIELDS},
+                "slots": vars(status.slots),
+                **engine.stats_snapshot(),
+                "num_workers": engine.config.num_workers,
+                "bytes_consumed": engine.stats.bytes_consumed,
+                "consumer_wait_s": engine.stats.wait_s,
+            }
+        )
+    for row in service.unstarted():
+        out.append(
+            {
+                **row,
+                **LoaderStats().snapshot(0.0, 1),
+                "bytes_consumed": 0,
+                "consumer_wait_s": 0.0,
+            }
+        )
+    return out
+
+
 def render(service: Service) -> str:
     """The pinfeed series of every loader, in Prometheus text format 0.0.4."""
-    rows = service.loader_metrics()
+    rows = loader_rows(service)
     names = [(row, _esc(row["name"])) for row in rows]
     out: list[str] = []
     for name, doc, value in (

@@ -2,7 +2,8 @@
 
     base.py        the seam: Task, Result, Producer, ProducerContext
     inline.py      num_workers=0: in the server's producer thread
-    pool.py        local worker processes (worker.py: their side; codec.py: the pipe)
+    pool.py        local worker processes (processes.py: start and reap them; worker.py:
+                   their side; codec.py: the pipe)
     ray.py         executor "ray": Ray actors (ray_bridge.py: the driver; ray_actor.py)
     forkserver.py  the process the zygotes (and workers without one) are forked from
     zygote.py      a dataset's process, holding its one build; its workers fork from it
@@ -25,7 +26,8 @@ from pinfeed_server.engine.producers.base import (
 )
 from pinfeed_server.engine.producers.forkserver import configure_forkserver
 from pinfeed_server.engine.producers.inline import InlineProducer
-from pinfeed_server.engine.producers.pool import ProcessFactory, WorkerPool
+from pinfeed_server.engine.producers.pool import WorkerPool
+from pinfeed_server.engine.producers.processes import ProcessFactory
 from pinfeed_server.engine.producers.ray import RayProducer, configure_ray
 from pinfeed_server.engine.producers.zygote import Zygotes
 

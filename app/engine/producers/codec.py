@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import struct
 from array import array
-from typing import Any
 
 from pinfeed._protocol import ErrorInfo
 from pinfeed_server.engine.producers.base import Result, Task
@@ -23,14 +22,6 @@ _RESULT = struct.Struct("<qBq")
 OK, ERROR, END = 0, 1, 2
 STOP = b""
 STARTUP_SEQ = -1
-
-
-def reap(process: Any, timeout: float) -> None:
-    """Wait (bounded) for a process told to ``STOP``; kill it if it does not exit."""
-    process.join(max(0.0, timeout))
-    if process.is_alive():
-        process.kill()
-        process.join(1)
 
 
 def encode_task(task: Task) -> bytes:

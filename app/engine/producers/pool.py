@@ -21,16 +21,19 @@ import logging
 import multiprocessing as mp
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from multiprocessing import reduction
-from multiprocessing.connection import Connection, wait
-from typing import Any
+from multiprocessing.connection import wait
 
 from pinfeed_server.engine.errors import SampleError
 from pinfeed_server.engine.iterable import EndJudge, IterRoutes, is_iterable
 from pinfeed_server.engine.producers.base import ProducerContext, Result, Task
-from pinfeed_server.engine.producers.codec import STOP, decode_result, encode_task, reap
+from pinfeed_server.engine.producers.codec import STOP, decode_result, encode_task
+from pinfeed_server.engine.producers.processes import (
+    START_TIMEOUT_S,
+    ProcessFactory,
+    Worker,
+    reap,
+    start_workers,
+)
 from pinfeed_server.engine.producers.seeding import (
     SNAPSHOT_TAG,
     TASK_TAG,
@@ -38,28 +41,11 @@ from pinfeed_server.engine.producers.seeding import (
     decode_snapshot,
     encode_reseed,
 )
-from pinfeed_server.engine.producers.worker import WorkerSpec, send_segments, worker_main
+from pinfeed_server.engine.producers.worker import WorkerSpec, send_segments
 
 log = logging.getLogger("pinfeed.workers")
 
 MAX_TASK_RETRIES = 2
-
-ProcessFactory = Callable[..., Any]  # multiprocessing.Process(target=, args=, name=, daemon=)
-START_TIMEOUT_S = 120
-
-
-@dataclass
-class _Worker:
-    wid: int
-    process: Any
-    conn: Connection
-    # Reentrant: the collector holds a replacement's while re-sending through _give.
-    send_lock: threading.RLock = field(default_factory=threading.RLock)
-    outstanding: dict[int, Task] = field(default_factory=dict)
-    busy_s: float = 0.0
-    started: dict[int, float] = field(default_factory=dict)
-    segments: set[int] = field(default_factory=lambda: {0})  # ring segments it has mapped
-    generation: int = -1  # the ring's generation it last synced with
 
 
 class WorkerPool:
@@ -93,8 +79,8 @@ class WorkerPool:
         self._on_result = ctx.on_result
         self._on_fatal = ctx.on_fatal
         self._lock = threading.Lock()
-        self._workers: list[_Worker] = []  # position = DataLoader's worker id
-        self._retiring: list[_Worker] = []  # finish their tasks, then exit (a live shrink)
+        self._workers: list[Worker] = []  # position = DataLoader's worker id
+        self._retiring: list[Worker] = []  # finish their tasks, then exit (a live shrink)
         self._retries: dict[int, int] = {}
         self._stop = threading.Event()
         self._next_id = 0
@@ -110,39 +96,10 @@ class WorkerPool:
     def size(self) -> int:
         return len(self._workers)
 
-    def _spawn(self, count: int = 1) -> list[_Worker]:
-        """Start ``count`` workers together and wait (bounded) until each has mapped the
-        ring and built its dataset; all or none."""
-        started = []
-        for _ in range(count):
-            parent, child = self._ctx.Pipe(duplex=True)
-            wid = self._next_id
-            self._next_id += 1
-            proc = self._process(
-                target=worker_main,
-                args=(wid, child, self.spec),
-                name=f"pinfeed-worker-{self.name}-{wid}",
-                daemon=True,
-            )
-            proc.start()
-            child.close()
-            reduction.send_handle(parent, self._ring_fd, proc.pid)
-            started.append(_Worker(wid, proc, parent))
-        deadline = time.monotonic() + START_TIMEOUT_S
-        try:
-            for w in started:
-                if not w.conn.poll(max(0.0, deadline - time.monotonic())):
-                    raise RuntimeError(f"worker {w.wid} did not start within {START_TIMEOUT_S} s")
-                error = decode_result(w.conn.recv_bytes()[1:]).error
-                if error is not None:
-                    raise RuntimeError(f"worker {w.wid} failed to start: {error.detail}")
-        except BaseException:
-            for w in started:
-                w.process.kill()
-                w.process.join(5)
-                w.conn.close()
-            raise
-        return started
+    def _spawn(self, count: int = 1) -> list[Worker]:
+        ids = range(self._next_id, self._next_id + count)
+        self._next_id += count
+        return start_workers(self._process, self._ctx, self.spec, self._ring_fd, ids)
 
     def resize(self, num_workers: int) -> None:
         """Grow or shrink live: new workers take new tasks at once; removed ones first
@@ -172,13 +129,12 @@ class WorkerPool:
                 self._retiring.remove(w)
         for w in idle:
             self._send(w, STOP)
-            reap(w.process, 5)
-            w.conn.close()
+            reap(w, 5.0)
 
     def submit(self, task: Task) -> None:
         self._give(task)
 
-    def _process_of(self, task: Task) -> _Worker:
+    def _process_of(self, task: Task) -> Worker:
         """Batch ``i``'s worker is ``i % num_workers`` (DataLoader's id, fixed at
         creation); after a live resize, process ``id % processes`` serves it."""
         if self._round_robin:
@@ -205,7 +161,7 @@ class WorkerPool:
                 self._send_locked(worker, TASK_TAG + encode_task(task))
                 return
 
-    def _sync(self, worker: _Worker) -> None:
+    def _sync(self, worker: Worker) -> None:
         """Map the ring's new segments in ``worker`` and unmap its closed ones; under the
         worker's send lock, before a task that may use them."""
         generation = self._ring.generation
@@ -224,11 +180,11 @@ class WorkerPool:
             with w.send_lock:
                 self._sync(w)
 
-    def _send(self, worker: _Worker, message: bytes) -> None:
+    def _send(self, worker: Worker, message: bytes) -> None:
         with worker.send_lock:
             self._send_locked(worker, message)
 
-    def _send_locked(self, worker: _Worker, message: bytes) -> None:
+    def _send_locked(self, worker: Worker, message: bytes) -> None:
         # A dead worker: the collector sees its death and re-sends its tasks.
         with contextlib.suppress(BrokenPipeError, ConnectionResetError, OSError):
             worker.conn.send_bytes(message)
@@ -252,7 +208,7 @@ class WorkerPool:
                 if obj in by_sentinel and not self._stop.is_set():
                     self._replace(by_sentinel[obj])
 
-    def _receive(self, worker: _Worker) -> None:
+    def _receive(self, worker: Worker) -> None:
         try:
             while worker.conn.poll():
                 message = worker.conn.recv_bytes()
@@ -277,7 +233,7 @@ class WorkerPool:
         except (EOFError, OSError):
             pass  # dead: its sentinel fires and _replace handles it
 
-    def _replace(self, dead: _Worker) -> None:
+    def _replace(self, dead: Worker) -> None:
         dead.process.join(1)
         code = dead.process.exitcode
         self._receive(dead)  # results it sent before dying
@@ -291,7 +247,7 @@ class WorkerPool:
             code,
             "" if retiring else "; replacing it",
         )
-        new: list[_Worker] = []
+        new: list[Worker] = []
         if not retiring:
             # Start the replacement before the dead worker leaves the pool, so the pool
             # is never empty for the producer's submit().
@@ -362,8 +318,7 @@ class WorkerPool:
             self._send(w, STOP)
         deadline = time.monotonic() + timeout
         for w in everyone:
-            reap(w.process, deadline - time.monotonic())
-            w.conn.close()
+            reap(w, max(0.0, deadline - time.monotonic()))
         self._workers.clear()
         self._retiring.clear()
 

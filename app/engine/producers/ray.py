@@ -37,7 +37,8 @@ from typing import Any
 
 from pinfeed_server.engine.config import LoaderConfig
 from pinfeed_server.engine.producers.base import ProducerContext, Task
-from pinfeed_server.engine.producers.codec import STOP, decode_result, encode_task, reap
+from pinfeed_server.engine.producers.codec import STOP, decode_result, encode_task
+from pinfeed_server.engine.producers.processes import reap
 from pinfeed_server.engine.producers.ray_bridge import (
     FATAL_TAG,
     RESTART_TAG,
@@ -88,7 +89,7 @@ def ray_refusal(config: LoaderConfig, iterable: bool, address: str | None) -> st
 class _Link:
     """One bridge process, its pipe, and the ring segments it has mapped."""
 
-    proc: Any
+    process: Any
     conn: Connection
     segments: set[int] = field(default_factory=lambda: {0})
     generation: int = -1  # the ring's generation it last synced with
@@ -191,8 +192,7 @@ class RayProducer:
         with self._lock:
             link = self._link
         self._send(link, STOP)
-        reap(link.proc, 10)
-        link.conn.close()
+        reap(link, 10)
 
     def _send(self, link: _Link, *messages: bytes) -> None:
         """The ring's segment news first, then ``messages``. A bridge that is gone: the
@@ -200,7 +200,9 @@ class RayProducer:
         with self._send_lock, contextlib.suppress(OSError):
             generation = self._ring.generation
             if link.generation != generation:
-                link.segments = send_segments(self._ring, link.conn, link.proc.pid, link.segments)
+                link.segments = send_segments(
+                    self._ring, link.conn, link.process.pid, link.segments
+                )
                 link.generation = generation
             for message in messages:
                 link.conn.send_bytes(message)
@@ -210,12 +212,12 @@ class RayProducer:
         while not self._stop.is_set():
             with self._lock:
                 link = self._link
-            reason = self._drain(link.proc, link.conn)
+            reason = self._drain(link.process, link.conn)
             if reason is None:
                 continue
             if self._stop.is_set():
                 return
-            link.proc.join(1)
+            link.process.join(1)
             log.error("loader %s: %s", self.name, reason)
             self._on_fatal(reason)
             self._reconnect()

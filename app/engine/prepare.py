@@ -1,0 +1,79 @@
+"""What a loader needs before it starts, checked against its dataset: its plugins
+resolved, its batch plan (sampler), and its slot layout, sized from a first batch.
+
+Everything here raises ``ConfigError`` with a message that says what to change; the
+service answers it with a 422. DataLoader's own checks come first, in its words
+(``iterable.iterable_conflict``, the sampler's), then pinfeed's (a ring that fits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pinfeed_server.engine.collate import Layout, LayoutError, fetch_samples, loader_layout
+from pinfeed_server.engine.config import LoaderConfig, make_sampler
+from pinfeed_server.engine.custom_sampler import SamplerError
+from pinfeed_server.engine.iterable import first_samples, is_iterable, iterable_conflict
+from pinfeed_server.engine.producers.inline import GLOBAL_RNG
+from pinfeed_server.engine.sampler import BatchPlan
+from pinfeed_server.plugins import PluginError, resolve
+
+
+class ConfigError(ValueError):
+    """A loader config that its dataset cannot serve; the message says why."""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    plan: BatchPlan
+    layout: Layout
+
+
+def prepare(cfg: LoaderConfig, dataset: Any, allowed: tuple[str, ...], cap: int) -> Prepared:
+    """``cfg``'s plan and layout over ``dataset``; ``cap`` bounds a ``collate_fn``
+    loader's slot when it sets no ``max_batch_bytes`` (``collate.loader_layout``)."""
+    plugins: dict[str, Callable[..., Any] | None] = {}
+    for field in ("worker_init_fn", "collate_fn"):
+        spec = getattr(cfg, field)
+        try:
+            plugins[field] = None if spec is None else resolve(spec, allowed, what=field)
+        except PluginError as exc:
+            raise ConfigError(str(exc)) from None
+    iterable = is_iterable(dataset)
+    conflict = iterable_conflict(cfg) if iterable else None
+    if conflict is not None:
+        raise ConfigError(conflict)
+    try:
+        plan = make_sampler(cfg, dataset, allowed)
+    except SamplerError as exc:
+        raise ConfigError(str(exc)) from None
+    if len(plan) == 0 and not iterable:
+        raise ConfigError(
+            f"dataset {cfg.dataset!r} has {len(dataset)} samples: batch_size "
+            f"{cfg.batch_size} with drop_last yields no batch"
+        )
+    collate = plugins["collate_fn"]
+    # default collate sizes slots from one sample; a collate_fn from its first batch
+    n = 1 if collate is None else plan.max_rows
+    first: Any = "the first sample of its iterator"
+    indices: list[int] = []
+    if not iterable:
+        batch0 = next(plan.batches(0))
+        assert batch0 is not None  # a map-style dataset's plan yields index lists
+        indices, first = batch0, batch0[0]
+    try:
+        with GLOBAL_RNG:  # not while an inline loader has its RNGs swapped in
+            if iterable:
+                batch, where = first_samples(dataset, cfg, n), "the first batch of its iterator"
+            else:
+                batch, where = fetch_samples(dataset, indices[:n]), f"sample {first}"
+            layout = loader_layout(batch, plan.max_rows, collate, cfg.max_batch_bytes, cap, where)
+    except LayoutError as exc:
+        raise ConfigError(str(exc)) from None
+    except Exception as exc:
+        raise ConfigError(
+            f"reading sample {first} to size the ring raised {type(exc).__name__}: {exc}"
+        ) from None
+    return Prepared(plan, layout)

@@ -1,0 +1,160 @@
+"""One trainer attached to a loader over the data-plane socket (``dataplane.py``
+accepts and attaches it): NEXT -> BATCH | END | ERROR, RELEASE, SKIP, and the ring
+segments it is told about ahead of a batch in one.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import threading
+
+from pinfeed import _protocol as p
+from pinfeed_server.engine.consumers import BatchItem, EndItem, ErrorItem, Item
+from pinfeed_server.engine.errors import DataPlaneError, ProtocolError
+from pinfeed_server.engine.loader import LoaderEngine
+from pinfeed_server.engine.resize import announce_segments
+
+
+class Session:
+    """One attached consumer: its socket, its loader and member index, and the slots it
+    holds. ``run`` serves its messages until it leaves; the leases are returned by the
+    caller whatever ends the session."""
+
+    def __init__(
+        self, conn: socket.socket, engine: LoaderEngine, member: int, stop: threading.Event
+    ) -> None:
+        self.conn = conn
+        self.engine = engine
+        self.member = member
+        self.stop = stop
+        self.leased: set[int] = set()
+        self.buf = bytearray(p.MAX_MESSAGE)
+        self.view = memoryview(self.buf)
+        self.dims: dict[int, bytes] = {}  # packed leaf dims by batch length
+        self.segments = {0}  # ring segments the trainer has (ATTACHED carried 0)
+        self.generation = -1  # the ring's generation they are of
+        self.poller = select.poll()
+        self.poller.register(conn, select.POLLIN | select.POLLRDHUP)
+
+    def error(self, exc: DataPlaneError) -> None:
+        self.conn.send(exc.info().encode())
+
+    def run(self) -> None:
+        self.conn.settimeout(None)
+        while not self.stop.is_set():
+            n = self.conn.recv_into(self.buf)
+            if n == 0:
+                return  # the trainer closed (or died)
+            kind = self.buf[0]
+            item: Item | None
+            if kind in (p.NEXT, p.RELEASE, p.SKIP):
+                slots, wait_us = p.decode_release(self.view[:n])
+                if wait_us is not None and kind == p.NEXT:
+                    self.engine.stats.consumer_wait(wait_us / 1e6)
+                if not self.release_ok(slots):
+                    return
+                if kind == p.NEXT:
+                    # A ready batch goes out before the releases are applied: handing
+                    # slots back wakes the producer, which should not delay this send.
+                    item = self.engine.next_item(self.member, self.stop, timeout=0)
+                    self.release(slots)
+                    if item is None:
+                        item = self.wait()
+                else:
+                    self.release(slots)
+                    if kind == p.RELEASE:
+                        continue
+                    item = self.skip_epoch()
+                if item is None:
+                    return  # hung up, or broke the protocol, while waiting
+            elif kind == p.SEEK and n == p.POSITION_BODY.size:
+                epoch, index = p.decode_position(self.view[:n])
+                try:
+                    self.engine.seek(self.member, epoch, index)
+                except DataPlaneError as exc:  # InvalidPosition: the connection goes on
+                    self.error(exc)
+                    continue
+                epoch, index = self.engine.position(self.member)
+                self.conn.send(p.encode_position(p.POSITION, epoch, index))
+                continue
+            elif kind == p.CUDA and n == 1:
+                self.engine.cuda_registered.add(self.member)
+                continue
+            else:
+                name = p.KIND_NAMES.get(kind, "unknown")
+                self.error(ProtocolError(f"unexpected message kind {kind} {name} ({n} bytes)"))
+                return
+            if not self.send(item):
+                return
+
+    def send(self, item: Item) -> bool:
+        """Send one item; False once the loader itself failed or closed."""
+        ring = self.engine.ring
+        if ring is not None and self.generation != ring.generation:  # before a batch in them
+            self.generation, self.segments = announce_segments(self.conn, ring, self.segments)
+        if isinstance(item, BatchItem):
+            self.leased.add(item.slot)
+            body = item.strings
+            kind, dims = p.BATCH | p.FLAG_LAYOUT << 8, b""
+            if body[:1] != b"\0":  # else a layout of its own (BATCH_LAYOUT_HEAD's mark)
+                kind = p.BATCH
+                dims = self.dims.get(item.rows) or b""
+                if not dims:
+                    dims = self.dims[item.rows] = p.pack_dims(self.engine.layout, item.rows)
+            # BATCH, as p.batch_parts builds it, without the call on the per-batch path.
+            head = p.BATCH_HEAD.pack(kind, item.slot, item.seq, item.epoch, item.index, len(body))
+            self.conn.sendmsg([head, dims, body])
+        elif isinstance(item, EndItem):
+            self.conn.send(p.encode_end(item.epoch, item.seq))
+        else:
+            info = item.info if item.epoch < 0 else item.info.at(item.epoch, item.index)
+            self.conn.send(info.encode())
+            if info.fatal:
+                return False
+        return True
+
+    def release_ok(self, slots: list[int]) -> bool:
+        bad = [s for s in slots if s not in self.leased]
+        if bad:
+            self.error(ProtocolError(f"release of slots {bad} not leased"))
+        return not bad
+
+    def release(self, slots: list[int]) -> None:
+        self.leased.difference_update(slots)
+        self.engine.release(self.member, slots)
+
+    def wait(self) -> Item | None:
+        """Wait for the member's next item while watching its socket: a trainer hands
+        slots back (RELEASE) while its NEXT waits, and one that hangs up is let go at
+        once instead of wedging the loader. None: the connection is over."""
+        while True:
+            item = self.engine.next_item(self.member, self.stop, timeout=0.02)
+            if item is not None:
+                return item
+            if not self.poller.poll(0):
+                continue
+            n = self.conn.recv_into(self.buf)
+            if n == 0:
+                return None
+            if self.buf[0] != p.RELEASE:
+                self.error(ProtocolError("only RELEASE while a NEXT waits"))
+                return None
+            slots, _ = p.decode_release(self.view[:n])
+            if not self.release_ok(slots):
+                return None
+            self.release(slots)
+
+    def skip_epoch(self) -> Item | None:
+        """Drop the rest of the member's current epoch (a trainer broke out of its loop)."""
+        end = self.engine.skip_epoch(self.member)
+        if end is not None:
+            return end
+        while True:
+            item = self.wait()
+            if isinstance(item, BatchItem):
+                self.engine.release(self.member, [item.slot])
+                continue
+            if isinstance(item, ErrorItem) and item.epoch >= 0:
+                continue  # a failed batch of the epoch being dropped
+            return item
