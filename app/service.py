@@ -38,7 +38,6 @@ from pinfeed_server.engine.loader import LoaderEngine
 from pinfeed_server.engine.prepare import ConfigError, prepare
 from pinfeed_server.engine.producers import configure_forkserver, configure_ray, forked_producers
 from pinfeed_server.engine.producers.inline import GLOBAL_RNG
-from pinfeed_server.engine.producers.ray import ray_refusal
 from pinfeed_server.engine.producers.zygote import Zygotes
 from pinfeed_server.engine.stats import LoaderStats
 from pinfeed_server.engine.status import LoaderStatus
@@ -215,14 +214,11 @@ class Service:
         row = self._dataset_row(dataset_name)
         ds = self._open(dataset_name, row["kind"], row["params"])
         cfg = LoaderConfig.model_validate({**config, "dataset": dataset_name})
-        conflict = ray_refusal(cfg, is_iterable(ds), self.settings.ray_address)
-        if conflict is not None:
-            raise errors.InvalidRequest(conflict)
         # Without max_batch_bytes, a collate_fn loader's ring takes at most a quarter of
         # the budget left (collate.loader_layout).
         cap = max(0, self.settings.max_shm_bytes - self.shm_used()) // (4 * ring_slots(cfg))
         try:
-            ready = prepare(cfg, ds, self.context.allowed_plugins, cap)
+            ready = prepare(cfg, ds, self.context.allowed_plugins, cap, self.settings.ray_address)
         except ConfigError as exc:
             raise errors.InvalidRequest(str(exc)) from None
         sampler, layout = ready.plan, ready.layout

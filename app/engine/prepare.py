@@ -2,8 +2,9 @@
 resolved, its batch plan (sampler), and its slot layout, sized from a first batch.
 
 Everything here raises ``ConfigError`` with a message that says what to change; the
-service answers it with a 422. DataLoader's own checks come first, in its words
-(``iterable.iterable_conflict``, the sampler's), then pinfeed's (a ring that fits).
+service answers it with a 422. The executor's refusals come first, then DataLoader's own
+checks in its words (``iterable.iterable_conflict``, the sampler's), then pinfeed's (a
+ring that fits).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pinfeed_server.engine.config import LoaderConfig, make_sampler
 from pinfeed_server.engine.custom_sampler import SamplerError
 from pinfeed_server.engine.iterable import first_samples, is_iterable, iterable_conflict
 from pinfeed_server.engine.producers.inline import GLOBAL_RNG
+from pinfeed_server.engine.producers.ray import ray_refusal
 from pinfeed_server.engine.sampler import BatchPlan
 from pinfeed_server.plugins import PluginError, resolve
 
@@ -31,9 +33,20 @@ class Prepared:
     layout: Layout
 
 
-def prepare(cfg: LoaderConfig, dataset: Any, allowed: tuple[str, ...], cap: int) -> Prepared:
+def prepare(
+    cfg: LoaderConfig,
+    dataset: Any,
+    allowed: tuple[str, ...],
+    cap: int,
+    ray_address: str | None = None,
+) -> Prepared:
     """``cfg``'s plan and layout over ``dataset``; ``cap`` bounds a ``collate_fn``
-    loader's slot when it sets no ``max_batch_bytes`` (``collate.loader_layout``)."""
+    loader's slot when it sets no ``max_batch_bytes`` (``collate.loader_layout``);
+    ``ray_address``: the server's cluster, for ``executor: "ray"``."""
+    iterable = is_iterable(dataset)
+    refusal = ray_refusal(cfg, iterable, ray_address)
+    if refusal is not None:
+        raise ConfigError(refusal)
     plugins: dict[str, Callable[..., Any] | None] = {}
     for field in ("worker_init_fn", "collate_fn"):
         spec = getattr(cfg, field)
@@ -41,7 +54,6 @@ def prepare(cfg: LoaderConfig, dataset: Any, allowed: tuple[str, ...], cap: int)
             plugins[field] = None if spec is None else resolve(spec, allowed, what=field)
         except PluginError as exc:
             raise ConfigError(str(exc)) from None
-    iterable = is_iterable(dataset)
     conflict = iterable_conflict(cfg) if iterable else None
     if conflict is not None:
         raise ConfigError(conflict)
