@@ -62,8 +62,7 @@ RUN python -c "import os, tomllib; p = tomllib.load(open('pyproject.toml', 'rb')
     && pip install -r /tmp/requirements.txt
 
 # The source last; --no-deps because everything it needs is installed above.
-COPY app/ app/
-COPY client/ client/
+COPY src/ src/
 RUN pip install --no-deps . \
     && pip check
 

@@ -19,14 +19,11 @@ run: $(STAMP)
 	$(BIN)/pinfeed serve --demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check app client tests bench examples
-	$(BIN)/ruff format --check app client tests bench examples
+	$(BIN)/ruff check src tests bench examples
+	$(BIN)/ruff format --check src tests bench examples
 
-# mypy does not follow setuptools' editable-install finder (app/ and client/ install as
-# pinfeed_server and pinfeed), so it reads the packages through a tree of two links.
 typecheck: $(STAMP)
-	mkdir -p .typecheck && ln -sfn ../app .typecheck/pinfeed_server && ln -sfn ../client .typecheck/pinfeed
-	MYPYPATH=.typecheck $(BIN)/mypy -p pinfeed -p pinfeed_server
+	$(BIN)/mypy -p pinfeed -p pinfeed_server
 
 pytest: $(STAMP)
 	$(BIN)/pytest
@@ -52,4 +49,4 @@ bench: $(STAMP)
 	$(BIN)/python -m bench
 
 clean:
-	rm -rf $(VENV) .typecheck .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -50,7 +50,7 @@ def profile(root: Path, scale: float, batches: int) -> dict[str, Any]:
     import torch.multiprocessing
 
     from bench import data, tokens
-    from pinfeed import _protocol as p
+    from pinfeed import protocol as p
     from pinfeed._ring import RingMapping
     from pinfeed._views import BatchViews
     from pinfeed_server.engine.batchlayout import write_output

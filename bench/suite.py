@@ -100,7 +100,7 @@ def _git_commit() -> str | None:
             timeout=5,
         )
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "app", "client"],
+            ["git", "status", "--porcelain", "--", "src"],
             cwd=REPO,
             capture_output=True,
             text=True,

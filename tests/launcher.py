@@ -6,7 +6,7 @@ the tests (``tests/conftest.py``) and the benchmarks (``bench/``).
         Loader("name", socket=srv.socket)
 
 ``env`` adds or overrides ``PINFEED_*`` settings; ``data`` is the data root (default
-``root/data``); ``command`` replaces ``python -m app serve`` (to run it under a wrapper
+``root/data``); ``command`` replaces ``python -m pinfeed_server serve`` (to run it under a wrapper
 such as ``unshare``). The server gets this environment and not the caller's
 ``PINFEED_TOKEN``. ``start`` returns once ``/healthz`` answers; ``stop`` sends SIGTERM
 (or ``sig``), kills after ``timeout`` and returns the exit code.
@@ -30,7 +30,7 @@ import httpx
 from pinfeed import Client
 
 REPO = Path(__file__).resolve().parent.parent
-SERVE = (sys.executable, "-m", "app", "serve")
+SERVE = (sys.executable, "-m", "pinfeed_server", "serve")
 
 
 def free_port() -> int:

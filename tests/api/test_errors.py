@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-import pinfeed._errors as client_errors
+import pinfeed.errors as client_errors
 from pinfeed_server.errors import PROBLEM_TYPES
 from pinfeed_server.main import create_app
 from pinfeed_server.settings import Settings

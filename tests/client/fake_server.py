@@ -1,6 +1,6 @@
 """An in-process stand-in for the server's data plane, behind ``Loader(transport=...)``.
 
-It speaks the real wire format (``pinfeed._protocol``) over a real memfd ring, and
+It speaks the real wire format (``pinfeed.protocol``) over a real memfd ring, and
 answers each message when it is sent, as a server with every batch ready would:
 NEXT with BATCH (or END after the epoch's last batch), SKIP with END, SEEK with
 POSITION. Batch (epoch e, index i) holds labels ``1000 * e + 10 * i + row``, so a test
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from pinfeed import _protocol as p
+from pinfeed import protocol as p
 from pinfeed._transport import lost
 
 ROWS = 2  # samples per batch

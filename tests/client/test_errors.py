@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 import pinfeed
-from pinfeed import _protocol as p
-from pinfeed._errors import DATA_PLANE_ERRORS, error_from_info
+from pinfeed import protocol as p
+from pinfeed.errors import DATA_PLANE_ERRORS, error_from_info
 from pinfeed_server.engine import errors as server
 from tests.helpers import unique
 from tests.launcher import Server, free_port

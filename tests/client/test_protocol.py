@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pinfeed import _protocol as p
+from pinfeed import protocol as p
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -206,7 +206,7 @@ def test_docs_table_names_every_kind_and_slug() -> None:
 
 def test_the_module_loads_by_path_without_torch_or_pinfeed() -> None:
     """What tests/reliability/rawclient.py relies on: a stdlib-only trainer."""
-    path = str(REPO / "client" / "_protocol.py")
+    path = str(REPO / "src" / "pinfeed" / "protocol.py")
     code = (
         "import importlib.util, sys\n"
         f"spec = importlib.util.spec_from_file_location('wire', {path!r})\n"

@@ -4,7 +4,7 @@ every exception in it reachable from the problem ``type`` the server sends."""
 from __future__ import annotations
 
 import pinfeed
-from pinfeed._errors import PROBLEM_PREFIX, PinfeedError, error_from_slug
+from pinfeed.errors import PROBLEM_PREFIX, PinfeedError, error_from_slug
 
 
 def test_all_is_sorted_and_complete() -> None:
@@ -20,21 +20,3 @@ def test_every_exported_error_maps_back_from_its_type() -> None:
         if isinstance(cls, type) and issubclass(cls, PinfeedError) and cls is not PinfeedError:
             err = error_from_slug(PROBLEM_PREFIX + cls.slug, "detail")
             assert isinstance(err, cls), name
-
-
-def test_the_distribution_lists_every_package() -> None:
-    """pyproject's explicit package list (needed for the app/ -> pinfeed_server mapping)
-    names every folder of modules: a missing one installs a broken wheel."""
-    import tomllib
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[2]
-    listed = set(
-        tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
-    )
-    found = set()
-    for top, name in (("client", "pinfeed"), ("app", "pinfeed_server")):
-        for module in (repo / top).rglob("*.py"):
-            rel = module.parent.relative_to(repo / top).parts
-            found.add(".".join((name, *rel)))
-    assert listed == found

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from pinfeed import _protocol as p
+from pinfeed import protocol as p
 from pinfeed._ring import RingMapping, RingSegments
 from pinfeed._views import BatchViews
 from pinfeed_server.engine.batchlayout import OutputError, write_output

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pinfeed._protocol import ErrorInfo
+from pinfeed.protocol import ErrorInfo
 from pinfeed_server.engine.producers.base import Result, Task
 from pinfeed_server.engine.producers.codec import (
     decode_result,

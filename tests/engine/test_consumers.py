@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from pinfeed._protocol import ErrorInfo
+from pinfeed.protocol import ErrorInfo
 from pinfeed_server.engine.consumers import BatchItem, Consumers, EndItem, ErrorItem
 from pinfeed_server.engine.errors import InvalidPosition
 from pinfeed_server.engine.ring import SlotState, SlotTable

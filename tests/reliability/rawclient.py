@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 _spec = importlib.util.spec_from_file_location(
-    "pinfeed_protocol", Path(__file__).resolve().parents[2] / "client" / "_protocol.py"
+    "pinfeed_protocol", Path(__file__).resolve().parents[2] / "src" / "pinfeed" / "protocol.py"
 )
 assert _spec is not None and _spec.loader is not None
 p = importlib.util.module_from_spec(_spec)

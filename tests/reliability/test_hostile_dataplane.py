@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from pinfeed import Client, Loader
-from pinfeed import _protocol as p
+from pinfeed import protocol as p
 from tests.conftest import Server
 from tests.helpers import unique
 from tests.reliability.datasets import features

@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from pinfeed import Client, Loader
-from pinfeed import _protocol as p
+from pinfeed import protocol as p
 from tests.conftest import Server
 from tests.helpers import unique
 from tests.reliability.procs import wait_for

@@ -22,8 +22,8 @@ import socket
 import struct
 import threading
 
-from pinfeed import _protocol as p
-from pinfeed._protocol import Layout
+from pinfeed import protocol as p
+from pinfeed.protocol import Layout
 from pinfeed_server.engine.config import LoaderConfig, prefetch_depth, ring_slots
 from pinfeed_server.engine.producers import Producer, producer_kind
 from pinfeed_server.engine.ring import Ring, SlotTable

@@ -1,7 +1,8 @@
 """pinfeed's trainer library: ``Loader`` (batches over shared memory) and ``Client`` (HTTP)."""
 
 from pinfeed._admin import Client
-from pinfeed._errors import (
+from pinfeed._loader import Loader
+from pinfeed.errors import (
     BatchTooLarge,
     Conflict,
     DataPlaneError,
@@ -27,7 +28,6 @@ from pinfeed._errors import (
     UnsupportedMediaType,
     WorkerLimit,
 )
-from pinfeed._loader import Loader
 
 __all__ = [
     "BatchTooLarge",

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pinfeed import _protocol as p
+from pinfeed import protocol as p
 from pinfeed._ring import RingSegments
 
 Builder = Callable[[list[Any]], Any]

@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from pinfeed import _protocol as p
+from pinfeed import protocol as p
 from pinfeed_server.engine.collate import describe
 from pinfeed_server.engine.errors import (
     DataPlaneError,

@@ -14,7 +14,7 @@ import json
 import struct
 from array import array
 
-from pinfeed._protocol import ErrorInfo
+from pinfeed.protocol import ErrorInfo
 from pinfeed_server.engine.producers.base import Result, Task
 
 _TASK = struct.Struct("<qqqIb")  # ..., slot, 1: indices follow (0: an iterable's turn)

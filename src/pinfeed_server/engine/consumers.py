@@ -23,7 +23,7 @@ import collections
 import time
 from dataclasses import dataclass, field
 
-from pinfeed._protocol import ErrorInfo
+from pinfeed.protocol import ErrorInfo
 from pinfeed_server.engine.errors import InvalidPosition
 from pinfeed_server.engine.ring import SlotState, SlotTable
 

@@ -19,7 +19,7 @@ or over the Unix socket.
     │   ├── Overloaded          503: the server's control plane is at PINFEED_HTTP_MAX_RPS
     │   └── InsufficientMemory  507: the ring would exceed the memory budget
     ├── ServerUnavailable       cannot reach the server, or it went away (HTTP or socket)
-    └── DataPlaneError          errors on the Unix socket (``pinfeed._protocol.ERROR_KINDS``)
+    └── DataPlaneError          errors on the Unix socket (``pinfeed.protocol.ERROR_KINDS``)
         ├── ProtocolError       a message the other side did not expect (a bug, or
         │                       client and server of different versions)
         ├── LoaderNotFound      no loader of that name (also a NotFound)
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pinfeed._protocol import ErrorInfo
+from pinfeed.protocol import ErrorInfo
 
 PROBLEM_PREFIX = "urn:pinfeed:problem:"
 

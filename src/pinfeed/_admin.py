@@ -5,7 +5,7 @@
         c.create_loader("demo", dataset="demo", batch_size=10, shuffle=True, seed=0)
         print(c.loader_stats("demo")["consumer_wait_share"])
 
-Problem+json errors come back as the typed exceptions of ``pinfeed._errors``; a server
+Problem+json errors come back as the typed exceptions of ``pinfeed.errors``; a server
 that cannot be reached raises ``ServerUnavailable`` (naming the URL), as the data plane does.
 """
 
@@ -17,7 +17,7 @@ from urllib.parse import quote
 
 import httpx
 
-from pinfeed._errors import PinfeedError, ProblemError, ServerUnavailable, error_from_slug
+from pinfeed.errors import PinfeedError, ProblemError, ServerUnavailable, error_from_slug
 
 DEFAULT_URL = "http://127.0.0.1:8321"
 

@@ -16,8 +16,8 @@ import struct
 from pathlib import Path
 from typing import Protocol
 
-from pinfeed import _protocol as p
-from pinfeed._errors import ServerUnavailable
+from pinfeed import protocol as p
+from pinfeed.errors import ServerUnavailable
 
 
 class Transport(Protocol):

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from pinfeed._protocol import MAX_MESSAGE, Layout, Leaf, align
+from pinfeed.protocol import MAX_MESSAGE, Layout, Leaf, align
 from pinfeed_server.datasets.base import BatchFetcher
 from pinfeed_server.engine.batchlayout import OutputError, output_leaves, write_output
 from pinfeed_server.engine.errors import BatchTooLarge, SampleError
@@ -46,7 +46,7 @@ __all__ = [
     "probe",
 ]
 
-TreeDef = list[Any]  # see pinfeed._protocol.Layout
+TreeDef = list[Any]  # see pinfeed.protocol.Layout
 Collate = Callable[[list[Any]], Any]
 
 

@@ -6,7 +6,7 @@ torch's ``default_collate`` made because its shapes are not the loader's.
 slot (the batch's one copy into shared memory, as DataLoader's worker makes one into
 its shared memory), one after the other at aligned offsets; numbers, strings and
 ``None`` travel as JSON. What it returns is the BATCH body with ``FLAG_LAYOUT``
-(``pinfeed._protocol.encode_batch_layout``): the structure (treedef and leaf kinds, the
+(``pinfeed.protocol.encode_batch_layout``): the structure (treedef and leaf kinds, the
 same bytes for batches of the same structure, so the client parses it once), the
 offsets and shapes, and the objects.
 
@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pinfeed._protocol import BATCH_HEAD, MAX_MESSAGE, Leaf, align, encode_batch_layout
+from pinfeed.protocol import BATCH_HEAD, MAX_MESSAGE, Leaf, align, encode_batch_layout
 from pinfeed_server.engine.errors import BatchTooLarge
 
 __all__ = ["OutputError", "output_leaves", "write_output"]

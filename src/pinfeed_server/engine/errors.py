@@ -1,8 +1,8 @@
 """The data plane's exception tree: what the engine raises for a consumer to hear.
 
-Each class carries its wire slug (``pinfeed._protocol.ERROR_KINDS``, which says
+Each class carries its wire slug (``pinfeed.protocol.ERROR_KINDS``, which says
 whether it ends the connection) and builds its ERROR in one place, ``info()``. The
-client raises the matching ``pinfeed`` exception (``pinfeed._errors.DATA_PLANE_ERRORS``).
+client raises the matching ``pinfeed`` exception (``pinfeed.errors.DATA_PLANE_ERRORS``).
 HTTP errors are ``pinfeed_server.errors``; this module imports neither FastAPI nor
 torch, so worker processes import it cheaply.
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 import traceback
 from typing import Any, ClassVar
 
-from pinfeed._protocol import ErrorInfo
+from pinfeed.protocol import ErrorInfo
 
 
 class DataPlaneError(Exception):

@@ -15,11 +15,11 @@ import enum
 import time
 from typing import Any, NoReturn
 
-from pinfeed import _protocol as p
-from pinfeed._errors import DataPlaneError, ServerUnavailable, error_from_info
+from pinfeed import protocol as p
 from pinfeed._info import RemoteSampler
 from pinfeed._transport import Transport
 from pinfeed._views import BatchViews, Delivery
+from pinfeed.errors import DataPlaneError, ServerUnavailable, error_from_info
 
 
 class State(enum.Enum):

@@ -9,7 +9,7 @@ import select
 import socket
 import threading
 
-from pinfeed import _protocol as p
+from pinfeed import protocol as p
 from pinfeed_server.engine.consumers import BatchItem, EndItem, ErrorItem, Item
 from pinfeed_server.engine.errors import DataPlaneError, ProtocolError
 from pinfeed_server.engine.loader import LoaderEngine

@@ -20,7 +20,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from pinfeed._protocol import DEFAULT_SOCKET_NAME, default_run_dir
+from pinfeed.protocol import DEFAULT_SOCKET_NAME, default_run_dir
 from pinfeed_server.errors import WorkerLimit
 
 log = logging.getLogger("pinfeed")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pinfeed._protocol import ALIGN, align
+from pinfeed.protocol import ALIGN, align
 
 log = logging.getLogger("pinfeed.ring")
 

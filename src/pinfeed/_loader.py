@@ -25,18 +25,18 @@ from pathlib import Path
 
 import torch
 
-from pinfeed import _protocol as p
+from pinfeed import protocol as p
 from pinfeed._epochs import Epochs, State
-from pinfeed._errors import (
+from pinfeed._info import DataLoaderAttributes, RemoteSampler
+from pinfeed._ring import RingMapping, RingSegments
+from pinfeed._transport import SocketTransport, Transport, close_fds
+from pinfeed._views import BatchViews, Delivery
+from pinfeed.errors import (
     LoaderBusy,
     LoaderFailed,
     NotFound,
     ServerUnavailable,
 )
-from pinfeed._info import DataLoaderAttributes, RemoteSampler
-from pinfeed._ring import RingMapping, RingSegments
-from pinfeed._transport import SocketTransport, Transport, close_fds
-from pinfeed._views import BatchViews, Delivery
 
 PIN_WARNING = (
     "'pin_memory' argument is set as true but no accelerator is found, "

@@ -1,7 +1,7 @@
 """The service's exception tree and the problem+json (RFC 9457) handlers.
 
 Each class has a stable ``slug``; the problem ``type`` is ``urn:pinfeed:problem:<slug>``
-and ``pinfeed._errors`` maps it back to the same-named client exception.
+and ``pinfeed.errors`` maps it back to the same-named client exception.
 
     AppError                      500 internal (never with a stack trace)
     ├── InvalidRequest            422 bad body, bad params, path outside the data root
@@ -17,7 +17,7 @@ and ``pinfeed._errors`` maps it back to the same-named client exception.
     └── InsufficientMemory        507 ring larger than the free memory budget
 
 Errors on the data-plane socket are a tree of their own, ``pinfeed_server.engine.errors``
-(no FastAPI there: worker processes raise them), with the slugs of ``pinfeed._protocol``.
+(no FastAPI there: worker processes raise them), with the slugs of ``pinfeed.protocol``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pinfeed._errors import PROBLEM_PREFIX
+from pinfeed.errors import PROBLEM_PREFIX
 
 log = logging.getLogger("pinfeed")
 

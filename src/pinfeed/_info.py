@@ -1,5 +1,5 @@
 """What a trainer knows about its loader (the ATTACHED reply,
-``pinfeed._protocol.Attached``) as DataLoader's attributes, and the objects that stand
+``pinfeed.protocol.Attached``) as DataLoader's attributes, and the objects that stand
 for DataLoader's ``dataset``, ``sampler`` and ``batch_sampler``.
 
 The dataset and the sampler live in the server; these objects report what they are
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from pinfeed._protocol import Attached
+from pinfeed.protocol import Attached
 
 
 def _server_side(what: str) -> NoReturn:

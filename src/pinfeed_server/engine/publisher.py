@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from pinfeed._protocol import ErrorInfo
+from pinfeed.protocol import ErrorInfo
 from pinfeed_server.engine.consumers import BatchItem, Consumers, EndItem, ErrorItem
 from pinfeed_server.engine.producers import Result
 from pinfeed_server.engine.ring import SlotState, SlotTable

@@ -49,7 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pinfeed._protocol import ErrorInfo
+from pinfeed.protocol import ErrorInfo
 from pinfeed_server.datasets import DatasetContext
 from pinfeed_server.engine.collate import Layout
 from pinfeed_server.engine.config import LoaderConfig

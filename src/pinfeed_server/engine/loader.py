@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any
 
-from pinfeed._protocol import ErrorInfo
+from pinfeed.protocol import ErrorInfo
 from pinfeed_server.datasets import DatasetContext
 from pinfeed_server.engine.autotune import Sample, Tuner
 from pinfeed_server.engine.collate import Layout

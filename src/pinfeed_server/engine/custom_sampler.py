@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 from torch.utils.data import BatchSampler, Sampler
 
-from pinfeed._protocol import ErrorInfo
+from pinfeed.protocol import ErrorInfo
 from pinfeed_server.engine.errors import BatchTooLarge
 from pinfeed_server.plugins import SPEC, PluginError, resolve
 
