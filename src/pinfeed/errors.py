@@ -1,42 +1,60 @@
-"""The client's exception tree.
+"""pinfeed's one exception tree, raised by the server and by the trainer library alike.
 
-Every HTTP problem+json ``type`` and every data-plane error maps back to one class
-here, so a script can ``except pinfeed.NotFound`` whether the error came over HTTP
-or over the Unix socket.
+The server imports these very classes and raises them; the client rebuilds the same
+class from what arrives: a problem+json ``type`` (``error_from_slug``) or a data-plane
+ERROR (``error_from_info``). So a script can ``except pinfeed.NotFound`` whether the
+error came over HTTP or over the Unix socket, and the two sides cannot disagree.
 
-    PinfeedError
-    ├── ProblemError            an HTTP problem+json response (status, type, detail)
-    │   ├── InvalidRequest      422: the request body or a parameter is wrong
-    │   ├── Unauthorized        401: a bearer token is required or wrong
-    │   ├── NotFound            404: no such dataset, loader or route
-    │   ├── MethodNotAllowed    405: the route does not take this method
-    │   ├── Conflict            409: exists already, or still in use
-    │   │   └── WorkerLimit     409: more worker processes than the server's PINFEED_MAX_WORKERS
-    │   ├── PayloadTooLarge     413: the body exceeds the server's PINFEED_MAX_BODY_BYTES
-    │   ├── UnsupportedMediaType 415: the body is not application/json
-    │   ├── InternalError       500: a bug in the server (details in its log)
-    │   ├── NotReady            503: /readyz while a loader is still starting
-    │   ├── Overloaded          503: the server's control plane is at PINFEED_HTTP_MAX_RPS
-    │   └── InsufficientMemory  507: the ring would exceed the memory budget
-    ├── ServerUnavailable       cannot reach the server, or it went away (HTTP or socket)
-    └── DataPlaneError          errors on the Unix socket (``pinfeed.protocol.ERROR_KINDS``)
-        ├── ProtocolError       a message the other side did not expect (a bug, or
-        │                       client and server of different versions)
-        ├── LoaderNotFound      no loader of that name (also a NotFound)
-        ├── InvalidPosition     a seek or member index out of range (also an InvalidRequest)
-        ├── LoaderBusy          another consumer is attached to this loader
-        ├── LoaderFailed        the loader could not start (bad dataset, layout)
-        ├── SampleError         a sample raised in the dataset (carries the index)
-        ├── BatchTooLarge       a batch does not fit its ring slot
-        └── GroupMemberLost     a consumer-group member stayed away past group_timeout_s
+Each class declares its ``slug`` (the problem ``type`` is ``urn:pinfeed:problem:<slug>``,
+the ERROR's ``type`` the bare slug); an HTTP problem its ``status`` and ``title``; an
+error the data plane sends whether the server closes the connection after it
+(``fatal``; ``None``: never sent there). Every class is built as ``Cls(detail, **extra)``:
+``extra`` travels as the problem's extra members or the ERROR's extra keys, and typed
+accessors read it::
 
-A data-plane error that stands in for a batch carries ``epoch`` and ``batch_index``
-in ``extra``; ``DATA_PLANE_ERRORS`` maps every slug the server sends to its class.
+    class                        slug                    HTTP  fatal
+    PinfeedError                 error                               the base of all
+    ├── ProblemError             http-error              (any)       a problem of no other type
+    │   ├── InvalidRequest       invalid-request         422         a bad body or parameter
+    │   ├── Unauthorized         unauthorized            401         no or a wrong bearer token
+    │   ├── NotFound             not-found               404         no such dataset, loader, route
+    │   ├── MethodNotAllowed     method-not-allowed      405         the route has no such method
+    │   ├── Conflict             conflict                409         exists, or still in use
+    │   │   └── WorkerLimit      worker-limit            409         over PINFEED_MAX_WORKERS
+    │   ├── PayloadTooLarge      payload-too-large       413         over PINFEED_MAX_BODY_BYTES
+    │   ├── UnsupportedMediaType unsupported-media-type  415         not application/json
+    │   ├── InternalError        internal                500         a bug (see the server's log)
+    │   ├── NotReady             not-ready               503         /readyz: a loader is starting
+    │   ├── Overloaded           overloaded              503         at PINFEED_HTTP_MAX_RPS
+    │   └── InsufficientMemory   insufficient-memory     507         over PINFEED_MAX_SHM_BYTES
+    ├── ServerUnavailable        server-unavailable            yes   unreachable or gone; the
+    │                                                                  loader deleted or stopping
+    └── DataPlaneError           data-plane                          an error on the Unix socket
+        ├── ProtocolError        protocol-error                yes   an unexpected message (a bug,
+        │                                                              or another protocol version)
+        ├── LoaderNotFound       loader-not-found        404   yes   ATTACH: no such loader
+        │                                                              (also a NotFound)
+        ├── InvalidPosition      invalid-position        422   no    SEEK or member out of range
+        │                                                              (also an InvalidRequest)
+        ├── LoaderBusy           loader-busy                   yes   every consumer is attached
+        ├── LoaderFailed         loader-failed                 yes   the loader could not start
+        ├── GroupMemberLost      group-member-lost             no    a member away past
+        │                                                              group_timeout_s
+        └── SampleError          sample-error                  no    the dataset raised for a batch
+            └── BatchTooLarge    batch-too-large               no    a batch does not fit its slot
+
+``BatchTooLarge`` is a ``SampleError``: like a sample that raised, it is one batch's
+failure, the loader's ``on_error`` applies to it and the loader goes on with the next
+batch, so ``except SampleError`` is the one clause a trainer needs for bad batches.
+
+A data-plane error that stands in for a batch carries ``epoch`` and ``batch_index`` in
+``extra``. This module imports only ``pinfeed.protocol`` (no torch, no FastAPI), so the
+server's worker processes and its HTTP layer import it alike.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from pinfeed.protocol import ErrorInfo
 
@@ -46,7 +64,10 @@ PROBLEM_PREFIX = "urn:pinfeed:problem:"
 class PinfeedError(Exception):
     """Base class of every pinfeed error."""
 
-    slug = "error"
+    slug: ClassVar[str] = "error"
+    # Whether the server closes the data-plane connection after sending this error;
+    # None: the data plane never sends it.
+    fatal: ClassVar[bool | None] = None
 
     def __init__(self, detail: str, **extra: Any) -> None:
         super().__init__(detail)
@@ -57,66 +78,105 @@ class PinfeedError(Exception):
     def type(self) -> str:
         return PROBLEM_PREFIX + self.slug
 
+    def info(self) -> ErrorInfo:
+        """This error as a data-plane ERROR's payload (``epoch``/``batch_index`` of
+        ``extra``, if any, in their own fields)."""
+        if self.fatal is None:
+            raise TypeError(f"{type(self).__name__} is not a data-plane error")
+        extra = dict(self.extra)
+        if extra.get("batch_index") is None:
+            return ErrorInfo(self.slug, self.detail, self.fatal, extra=extra)
+        epoch, index = int(extra.pop("epoch", 0)), int(extra.pop("batch_index"))
+        return ErrorInfo(self.slug, self.detail, self.fatal, epoch, index, extra)
 
+    def _int(self, key: str) -> int | None:
+        value = self.extra.get(key)
+        return int(value) if value is not None else None
+
+
+# -- HTTP problems (RFC 9457) -----------------------------------------------------------
 class ProblemError(PinfeedError):
-    """An HTTP problem+json response."""
+    """An HTTP problem+json response; ``status`` is the response's."""
 
-    slug = "error"
-    status = 500
+    slug = "http-error"
+    status: int = 500  # the client sets the status it received
+    title: ClassVar[str] = "HTTP error"
 
 
 class InvalidRequest(ProblemError):
     slug = "invalid-request"
     status = 422
+    title = "Invalid request"
 
 
 class Unauthorized(ProblemError):
     slug = "unauthorized"
     status = 401
+    title = "Unauthorized"
 
 
 class NotFound(ProblemError):
     slug = "not-found"
     status = 404
+    title = "Not found"
 
 
 class MethodNotAllowed(ProblemError):
     slug = "method-not-allowed"
     status = 405
+    title = "Method not allowed"
 
 
 class Conflict(ProblemError):
     slug = "conflict"
     status = 409
+    title = "Conflict"
 
 
 class WorkerLimit(Conflict):
+    """``max_workers``: the server's PINFEED_MAX_WORKERS; ``free_workers``: what other
+    loaders leave of it."""
+
     slug = "worker-limit"
+    title = "Worker limit reached"
+
+    @property
+    def max_workers(self) -> int | None:
+        return self._int("max_workers")
+
+    @property
+    def free_workers(self) -> int | None:
+        return self._int("free_workers")
 
 
 class PayloadTooLarge(ProblemError):
     slug = "payload-too-large"
     status = 413
+    title = "Payload too large"
 
 
 class UnsupportedMediaType(ProblemError):
     slug = "unsupported-media-type"
     status = 415
+    title = "Unsupported media type"
 
 
 class InternalError(ProblemError):
     slug = "internal"
     status = 500
+    title = "Internal error"
 
 
 class NotReady(ProblemError):
     slug = "not-ready"
     status = 503
+    title = "Not ready"
 
 
 class Overloaded(ProblemError):
     slug = "overloaded"
     status = 503
+    title = "Overloaded"
 
 
 class InsufficientMemory(ProblemError):
@@ -124,104 +184,124 @@ class InsufficientMemory(ProblemError):
 
     slug = "insufficient-memory"
     status = 507
+    title = "Insufficient memory"
 
     @property
     def need_bytes(self) -> int | None:
-        value = self.extra.get("need_bytes")
-        return int(value) if value is not None else None
+        return self._int("need_bytes")
 
     @property
     def free_bytes(self) -> int | None:
-        value = self.extra.get("free_bytes")
-        return int(value) if value is not None else None
+        return self._int("free_bytes")
 
 
+# -- either plane ------------------------------------------------------------------------
+class ServerUnavailable(PinfeedError):
+    """The server cannot be reached (HTTP or socket), it closed the connection, or (sent
+    on the data plane) the loader was deleted or the server is stopping."""
+
+    slug = "server-unavailable"
+    fatal = True
+
+
+# -- the data plane ----------------------------------------------------------------------
 class DataPlaneError(PinfeedError):
-    """An error on the data-plane Unix socket."""
+    """An error on the data-plane Unix socket (the base: an unknown slug arrives as one)."""
 
     slug = "data-plane"
 
 
-class ServerUnavailable(PinfeedError):
-    """The server cannot be reached (HTTP or socket), or it closed the connection."""
-
-    slug = "server-unavailable"
-
-
 class ProtocolError(DataPlaneError):
     slug = "protocol-error"
+    fatal = True
 
 
 class LoaderNotFound(DataPlaneError, NotFound):
     """No loader of that name on the socket's server; ``except NotFound`` catches it too."""
 
     slug = "loader-not-found"
+    fatal = True
 
 
 class InvalidPosition(DataPlaneError, InvalidRequest):
-    """A seek (set_epoch, load_state_dict) or group member index outside the loader's range."""
+    """A seek (set_epoch, load_state_dict) or group member index outside the loader's
+    range; ``except InvalidRequest`` catches it too. The connection goes on."""
 
     slug = "invalid-position"
+    fatal = False
 
 
 class LoaderBusy(DataPlaneError):
     slug = "loader-busy"
+    fatal = True
 
 
 class LoaderFailed(DataPlaneError):
     slug = "loader-failed"
-
-
-class SampleError(DataPlaneError):
-    """A sample raised in the dataset; ``index`` names it, ``error_type`` the original."""
-
-    slug = "sample-error"
-
-    @property
-    def index(self) -> int | None:
-        value = self.extra.get("index")
-        return int(value) if value is not None else None
-
-    @property
-    def error_type(self) -> str:
-        return str(self.extra.get("error_type", ""))
-
-
-class BatchTooLarge(DataPlaneError):
-    slug = "batch-too-large"
+    fatal = True
 
 
 class GroupMemberLost(DataPlaneError):
     """A consumer-group member has been gone longer than the loader's group_timeout_s."""
 
     slug = "group-member-lost"
+    fatal = False
 
 
-def _all_subclasses(cls: type[PinfeedError]) -> list[type[PinfeedError]]:
-    out: list[type[PinfeedError]] = []
-    for sub in cls.__subclasses__():
-        out.append(sub)
-        out.extend(_all_subclasses(sub))
-    return out
+class SampleError(DataPlaneError):
+    """The dataset raised for a batch, which the error stands in for: ``index`` names the
+    sample (None: not known), ``error_type`` the original exception's class, ``where``
+    the end of its traceback, ``epoch``/``batch_index`` the batch."""
+
+    slug = "sample-error"
+    fatal = False
+
+    @property
+    def index(self) -> int | None:
+        return self._int("index")
+
+    @property
+    def error_type(self) -> str:
+        return str(self.extra.get("error_type", ""))
+
+    @property
+    def where(self) -> str | None:
+        value = self.extra.get("where")
+        return str(value) if value is not None else None
+
+    @property
+    def epoch(self) -> int | None:
+        return self._int("epoch")
+
+    @property
+    def batch_index(self) -> int | None:
+        return self._int("batch_index")
 
 
-_BY_SLUG: dict[str, type[PinfeedError]] = {c.slug: c for c in _all_subclasses(PinfeedError)}
+class BatchTooLarge(SampleError):
+    """A batch does not fit its ring slot (the detail names the setting to raise)."""
 
+    slug = "batch-too-large"
+
+
+# -- slug -> class -------------------------------------------------------------------------
+def _tree(cls: type[PinfeedError]) -> list[type[PinfeedError]]:
+    """``cls`` and its subclasses in the docstring's order: each under its first base
+    (``LoaderNotFound`` under ``DataPlaneError``, not ``NotFound``), so each once."""
+    subs = (c for c in cls.__subclasses__() if c.__bases__[0] is cls)
+    return [cls, *(c for sub in subs for c in _tree(sub))]
+
+
+ERRORS: tuple[type[PinfeedError], ...] = tuple(_tree(PinfeedError))
+"""Every class of the tree, as the module docstring lists them: a base before its
+subclasses (tests/test_error_tree.py holds it to that)."""
+
+_BY_SLUG: dict[str, type[PinfeedError]] = {c.slug: c for c in ERRORS}
 
 DATA_PLANE_ERRORS: dict[str, type[PinfeedError]] = {
-    c.slug: c
-    for c in (
-        ProtocolError,
-        LoaderNotFound,
-        LoaderBusy,
-        LoaderFailed,
-        ServerUnavailable,
-        InvalidPosition,
-        SampleError,
-        BatchTooLarge,
-        GroupMemberLost,
-    )
+    c.slug: c for c in ERRORS if c.fatal is not None
 }
+"""Every slug the server sends on the data plane, and its class."""
 
 
 def error_from_info(info: ErrorInfo) -> PinfeedError:

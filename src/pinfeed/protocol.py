@@ -15,7 +15,8 @@ neither pickles nor parses JSON::
     SEEK    K  POSITION_BODY                 ERROR    X  JSON ErrorInfo
     CUDA    C  (no body, no reply)           SEGMENT  G  SEGMENT_BODY (+ memfd: ring grew)
 
-Errors: ``ERROR_KINDS`` (slug -> fatal). Imports neither pinfeed nor torch."""
+An ERROR's slug names a class of ``pinfeed.errors``, which this module does not import:
+it imports neither pinfeed nor torch (a stdlib-only trainer loads it by path)."""
 
 from __future__ import annotations
 
@@ -241,24 +242,12 @@ class Attached:
         return cls(**(known | {"layout": Layout.from_json(obj["layout"])}))
 
 
-# Every error slug, and whether the server closes the connection after sending it.
-ERROR_KINDS: dict[str, bool] = {
-    "protocol-error": True,
-    "loader-not-found": True,
-    "loader-busy": True,
-    "loader-failed": True,
-    "server-unavailable": True,
-    "invalid-position": False,
-    "sample-error": False,
-    "batch-too-large": False,
-    "group-member-lost": False,
-}
-
-
 @dataclass(frozen=True)
 class ErrorInfo:
-    """An ERROR: ``slug`` (one of ``ERROR_KINDS``), a human ``detail``, whether it ends
-    the connection, the batch it stands in for (if any) and slug-specific ``extra``."""
+    """An ERROR: ``slug`` (a class of ``pinfeed.errors``, whose ``info()`` builds this), a
+    human ``detail``, whether the server closes the connection after it (``fatal``, sent
+    so that a client needs no table of slugs), the batch it stands in for (if any) and
+    slug-specific ``extra``."""
 
     slug: str
     detail: str
@@ -267,11 +256,6 @@ class ErrorInfo:
     batch_index: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     _KEYS: ClassVar[frozenset[str]] = frozenset(("type", "detail", "fatal", "epoch", "batch_index"))
-
-    @classmethod
-    def of(cls, slug: str, detail: str, **extra: Any) -> ErrorInfo:
-        """An error of a known kind; its fatal flag comes from ``ERROR_KINDS``."""
-        return cls(slug, detail, ERROR_KINDS[slug], extra=extra)
 
     def at(self, epoch: int, batch_index: int) -> ErrorInfo:
         """The same error, standing in for batch ``batch_index`` of ``epoch``."""
@@ -287,8 +271,8 @@ class ErrorInfo:
     def from_json(cls, obj: Mapping[str, Any]) -> ErrorInfo:
         slug = str(obj.get("type", "protocol-error"))
         fatal = obj.get("fatal")
-        if not isinstance(fatal, bool):  # absent: what its kind says (unknown: fatal)
-            fatal = ERROR_KINDS.get(slug, True)
+        if not isinstance(fatal, bool):  # absent: assume the connection is over
+            fatal = True
         index = obj.get("batch_index")
         return cls(
             slug,

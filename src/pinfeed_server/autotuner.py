@@ -12,7 +12,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from pinfeed_server import errors
+from pinfeed import errors
 
 if TYPE_CHECKING:
     from pinfeed_server.engine.loader import LoaderEngine
@@ -61,7 +61,7 @@ class Autotuner:
             service.reconfigure(name, workers, prefetch, tuner.spec)
         except errors.NotFound:
             return  # deleted meanwhile
-        except errors.AppError as exc:
+        except errors.ProblemError as exc:
             tuner.refused(workers)
             tuner.applied(tuner.num_workers, tuner.prefetch_factor, f"{reason}: {exc.detail}")
             log.info("loader %s: autotune refused: %s", name, exc.detail)

@@ -11,9 +11,9 @@ from fastapi import FastAPI
 from pinfeed_server import __version__
 from pinfeed_server.api.guards import RequestGuard
 from pinfeed_server.api.openapi import install_openapi
+from pinfeed_server.api.problems import install_handlers
 from pinfeed_server.api.routes import datasets, health, loaders, metrics
 from pinfeed_server.api.throttle import Throttle
-from pinfeed_server.errors import install_handlers
 from pinfeed_server.malloc import return_big_buffers
 from pinfeed_server.service import Service
 from pinfeed_server.settings import Settings, get_settings

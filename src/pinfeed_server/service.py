@@ -1,7 +1,7 @@
 """The service: registry + running loader engines + the data-plane socket.
 
 Routers call this; it enforces the rules (names unique, datasets in use stay,
-memory budget) and raises ``pinfeed_server.errors`` exceptions that become problem+json.
+memory budget) and raises ``pinfeed.errors`` exceptions that become problem+json.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from pinfeed_server import errors
+from pinfeed import errors
 from pinfeed_server.autotuner import Autotuner
 from pinfeed_server.datasets import DatasetContext, DatasetError, build_dataset
 from pinfeed_server.engine.autotune import AutotuneSpec, Tuner
@@ -95,7 +95,7 @@ class Service:
             except Exception as exc:  # one bad row must not keep the others from starting
                 detail = (
                     exc.detail
-                    if isinstance(exc, errors.AppError)
+                    if isinstance(exc, errors.ProblemError)
                     else (f"{type(exc).__name__}: {exc}")
                 )
                 log.error("loader %s from the registry cannot start: %s", row["name"], detail)
@@ -127,7 +127,7 @@ class Service:
         if DEMO_LOADER.name not in self.loaders and DEMO_LOADER.name not in self._unstarted:
             try:
                 self.create_loader(DEMO_LOADER)
-            except errors.AppError as exc:  # e.g. a budget too small: serve anyway
+            except errors.ProblemError as exc:  # e.g. a budget too small: serve anyway
                 log.error("the demo loader cannot start: %s", exc.detail)
 
     # -- datasets ----------------------------------------------------------------------
@@ -174,7 +174,7 @@ class Service:
             with GLOBAL_RNG:  # not while an inline loader has its RNGs swapped in
                 sample = first_samples(ds)[0] if is_iterable(ds) else ds[0]
                 row |= {"length": dataset_len(ds), "sample": describe(probe(sample, 1))}
-        except (errors.AppError, LayoutError, Exception) as exc:
+        except (errors.ProblemError, LayoutError, Exception) as exc:
             row |= {"error": f"{type(exc).__name__}: {exc}"}
         return row
 

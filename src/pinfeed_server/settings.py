@@ -20,8 +20,8 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from pinfeed.errors import WorkerLimit
 from pinfeed.protocol import DEFAULT_SOCKET_NAME, default_run_dir
-from pinfeed_server.errors import WorkerLimit
 
 log = logging.getLogger("pinfeed")
 

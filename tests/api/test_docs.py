@@ -7,7 +7,7 @@ import re
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from pinfeed_server.errors import PROBLEM_TYPES
+from pinfeed_server.api.problems import PROBLEM_TYPES
 from pinfeed_server.settings import Settings
 from tests.conftest import REPO, Server
 

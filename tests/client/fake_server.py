@@ -18,6 +18,7 @@ import torch
 
 from pinfeed import protocol as p
 from pinfeed._transport import lost
+from pinfeed.errors import SampleError
 
 ROWS = 2  # samples per batch
 SLOT_BYTES = 64
@@ -130,7 +131,7 @@ class FakeServer:
             return p.END_BODY.pack(p.END, epoch, 0)
         self.pos = (epoch, index + 1)
         if (epoch, index) in self.fail_at:
-            return p.ErrorInfo.of("sample-error", "bad").at(epoch, index).encode()
+            return SampleError("bad").info().at(epoch, index).encode()
         slot = self._free_slot()
         base = slot * SLOT_BYTES // 8
         for row in range(ROWS):

@@ -1,5 +1,6 @@
-"""Data-plane errors: every slug the server can send is one server class and one
-``pinfeed`` exception; a failed HTTP connection is ``ServerUnavailable`` too."""
+"""Data-plane errors as a trainer meets them: the typed ``pinfeed`` exception (the
+server raises the same classes: tests/test_error_tree.py), ``except NotFound`` on
+either plane, and ``ServerUnavailable`` for a failed HTTP connection too."""
 
 from __future__ import annotations
 
@@ -7,45 +8,18 @@ import pytest
 
 import pinfeed
 from pinfeed import protocol as p
-from pinfeed.errors import DATA_PLANE_ERRORS, error_from_info
-from pinfeed_server.engine import errors as server
+from pinfeed.errors import InvalidPosition, LoaderNotFound, error_from_info
 from tests.helpers import unique
 from tests.launcher import Server, free_port
 
 
-def test_every_server_slug_maps_to_one_client_exception() -> None:
-    server_slugs = {cls.slug for cls in server.DATA_PLANE_ERRORS}
-    assert server_slugs == set(p.ERROR_KINDS) == set(DATA_PLANE_ERRORS)
-    assert len(server_slugs) == len(server.DATA_PLANE_ERRORS), "two server classes, one slug"
-    for cls in DATA_PLANE_ERRORS.values():
-        assert getattr(pinfeed, cls.__name__) is cls, f"{cls.__name__} is not exported"
-
-
-@pytest.mark.parametrize("cls", server.DATA_PLANE_ERRORS, ids=lambda c: c.__name__)
-def test_a_server_error_arrives_as_its_client_exception(cls: type[server.DataPlaneError]) -> None:
-    if cls is server.LoaderNotFound:
-        exc: server.DataPlaneError = cls("nope")
-    elif issubclass(cls, server.SampleError):
-        exc = cls("sample 3 raised", index=3, error_type="KeyError")
-    else:
-        exc = cls("detail")
-    info = p.ErrorInfo.decode(exc.info().at(1, 2).encode())
-    assert info.fatal is p.ERROR_KINDS[cls.slug]
-    error = error_from_info(info)
-    assert type(error) is DATA_PLANE_ERRORS[cls.slug]
-    assert error.detail == exc.detail
-    assert error.extra["epoch"] == 1 and error.extra["batch_index"] == 2
-    if isinstance(error, pinfeed.SampleError):
-        assert (error.index, error.error_type) == (3, "KeyError")
-
-
 def test_data_plane_not_found_and_invalid_request_are_data_plane_errors() -> None:
-    for slug, http in (
-        ("loader-not-found", pinfeed.NotFound),
-        ("invalid-position", pinfeed.InvalidRequest),
+    for cls, http in (
+        (LoaderNotFound, pinfeed.NotFound),
+        (InvalidPosition, pinfeed.InvalidRequest),
     ):
-        error = error_from_info(p.ErrorInfo.of(slug, "d"))
-        assert isinstance(error, pinfeed.DataPlaneError), slug
+        error = error_from_info(p.ErrorInfo.decode(cls("d").info().encode()))
+        assert isinstance(error, pinfeed.DataPlaneError), cls
         assert isinstance(error, http), f"except {http.__name__} catches it on either plane"
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from pinfeed import protocol as p
+from pinfeed.errors import DATA_PLANE_ERRORS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -80,7 +81,9 @@ ROUND_TRIPS: dict[int, tuple[bytes, Callable[[bytes], object]]] = {
         lambda m: p.SEGMENT_BODY.unpack(m) == (p.SEGMENT, 2, 10, 8),
     ),
     p.ERROR: (
-        p.ErrorInfo.of("sample-error", "sample 13 raised", index=13, error_type="E")
+        p.ErrorInfo(
+            "sample-error", "sample 13 raised", False, extra={"index": 13, "error_type": "E"}
+        )
         .at(2, 3)
         .encode(),
         lambda m: (
@@ -178,10 +181,10 @@ def test_a_malformed_attach_is_a_value_error(message: bytes) -> None:
         p.Attach.decode(message)
 
 
-def test_error_fatal_flag_comes_from_its_kind_and_travels() -> None:
-    for slug, fatal in p.ERROR_KINDS.items():
-        info = p.ErrorInfo.of(slug, "d")
-        assert info.fatal is fatal
+def test_error_fatal_flag_comes_from_its_class_and_travels() -> None:
+    for slug, cls in DATA_PLANE_ERRORS.items():
+        info = cls("d").info()
+        assert (info.slug, info.fatal) == (slug, cls.fatal)
         assert p.ErrorInfo.decode(info.encode()) == info
     # A slug this client does not know still says whether the connection goes on.
     future = p.ErrorInfo("from-the-future", "d", fatal=False)
@@ -198,8 +201,9 @@ def test_docs_table_names_every_kind_and_slug() -> None:
     doc = (REPO / "docs" / "protocol.md").read_text()
     for kind, name in p.KIND_NAMES.items():
         assert f"| {name} | `{chr(kind)}` |" in doc, name
-    for slug in p.ERROR_KINDS:
-        assert f"| `{slug}` | {'yes' if p.ERROR_KINDS[slug] else 'no'} |" in doc, slug
+    for slug, cls in DATA_PLANE_ERRORS.items():
+        row = f"| `{slug}` | {'yes' if cls.fatal else 'no'} |"
+        assert row in doc and f"| `{cls.__name__}`" in doc, slug
     for body in ("BATCH_HEAD", "END_BODY", "POSITION_BODY", "RELEASE_HEAD"):
         assert f"`{getattr(p, body).format}`" in doc, body
 

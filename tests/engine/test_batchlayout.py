@@ -16,9 +16,9 @@ import torch
 from pinfeed import protocol as p
 from pinfeed._ring import RingMapping, RingSegments
 from pinfeed._views import BatchViews
+from pinfeed.errors import BatchTooLarge
 from pinfeed_server.engine.batchlayout import OutputError, write_output
 from pinfeed_server.engine.collate import describe, per_batch_layout
-from pinfeed_server.engine.errors import BatchTooLarge
 from tests.helpers import assert_same
 
 SLOT = 1 << 16

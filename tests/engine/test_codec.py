@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pinfeed.protocol import ErrorInfo
+from pinfeed.errors import SampleError
 from pinfeed_server.engine.producers.base import Result, Task
 from pinfeed_server.engine.producers.codec import (
     decode_result,
@@ -33,7 +33,7 @@ def test_tasks_round_trip(task: Task) -> None:
         Result(5),
         Result(6, b'[["a", "b"]]'),
         Result(-1),
-        Result(7, error=ErrorInfo.of("sample-error", "boom", index=3)),
+        Result(7, error=SampleError("boom", index=3).info()),
         Result(8, end=True),
         Result(9, b"", rows=3),
     ],
@@ -43,6 +43,6 @@ def test_results_round_trip(result: Result) -> None:
 
 
 def test_an_error_payload_that_is_not_json_is_stringified() -> None:
-    error = ErrorInfo.of("sample-error", "boom", cause=ValueError("x"))
+    error = SampleError("boom", cause=ValueError("x")).info()
     out = decode_result(encode_result(Result(1, error=error)))
-    assert out.error == ErrorInfo.of("sample-error", "boom", cause="x")
+    assert out.error == SampleError("boom", cause="x").info()

@@ -6,9 +6,8 @@ import threading
 
 import pytest
 
-from pinfeed.protocol import ErrorInfo
+from pinfeed.errors import InvalidPosition, SampleError
 from pinfeed_server.engine.consumers import BatchItem, Consumers, EndItem, ErrorItem
-from pinfeed_server.engine.errors import InvalidPosition
 from pinfeed_server.engine.ring import SlotState, SlotTable
 
 
@@ -51,7 +50,7 @@ def test_split_deals_batches_round_robin_and_end_to_everyone() -> None:
 
 def test_errors_reach_their_member_and_take_no_slot() -> None:
     group, _ = _group(1, "broadcast")
-    error = ErrorItem(0, 0, 0, ErrorInfo.of("sample-error", "boom"))
+    error = ErrorItem(0, 0, 0, SampleError("boom").info())
     group.publish(error)
     assert group.take(0) == error
 

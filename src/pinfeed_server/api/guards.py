@@ -13,7 +13,8 @@ import secrets
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pinfeed_server.errors import AppError, PayloadTooLarge, Unauthorized, error_response
+from pinfeed.errors import PayloadTooLarge, ProblemError, Unauthorized
+from pinfeed_server.api.problems import error_response
 from pinfeed_server.settings import Settings
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -82,5 +83,5 @@ class RequestGuard:
         )
 
     @staticmethod
-    async def _refuse(exc: AppError, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _refuse(exc: ProblemError, scope: Scope, receive: Receive, send: Send) -> None:
         await error_response(exc, str(scope["path"]))(scope, receive, send)

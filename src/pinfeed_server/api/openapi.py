@@ -13,11 +13,10 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from pinfeed_server.errors import PROBLEM_JSON, PROBLEM_TYPES, AppError, Overloaded
+from pinfeed.errors import Overloaded
+from pinfeed_server.api.problems import BY_STATUS, PROBLEM_JSON
 from pinfeed_server.schemas import Problem
 
-# A base class before its subclasses (409 is Conflict, not WorkerLimit).
-_BY_STATUS: dict[int, type[AppError]] = {cls.status: cls for cls in reversed(PROBLEM_TYPES)}
 MUTATING = frozenset({"post", "put", "patch", "delete"})
 WHEN = {
     401: "PINFEED_TOKEN is set and the request lacks 'Authorization: Bearer <token>'",
@@ -36,7 +35,7 @@ OVERLOADED = (
 
 
 def _example(status: int, description: str) -> dict[str, Any]:
-    cls = Overloaded if description.startswith(OVERLOADED[:10]) else _BY_STATUS[status]
+    cls = Overloaded if description.startswith(OVERLOADED[:10]) else BY_STATUS[status]
     return {
         "type": f"urn:pinfeed:problem:{cls.slug}",
         "title": cls.title,

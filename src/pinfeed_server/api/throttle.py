@@ -19,7 +19,8 @@ import time
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pinfeed_server.errors import Overloaded, error_response
+from pinfeed.errors import Overloaded
+from pinfeed_server.api.problems import error_response
 
 MAX_WAIT_S = 5.0
 

@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pinfeed.errors import BatchTooLarge
 from pinfeed.protocol import BATCH_HEAD, MAX_MESSAGE, Leaf, align, encode_batch_layout
-from pinfeed_server.engine.errors import BatchTooLarge
 
 __all__ = ["OutputError", "output_leaves", "write_output"]
 

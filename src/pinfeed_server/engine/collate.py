@@ -29,10 +29,10 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
+from pinfeed.errors import BatchTooLarge, SampleError
 from pinfeed.protocol import MAX_MESSAGE, Layout, Leaf, align
 from pinfeed_server.datasets.base import BatchFetcher
 from pinfeed_server.engine.batchlayout import OutputError, output_leaves, write_output
-from pinfeed_server.engine.errors import BatchTooLarge, SampleError
 from pinfeed_server.engine.ring import SlotSpace  # a ring of several segments
 
 __all__ = [

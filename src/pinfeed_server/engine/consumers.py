@@ -23,8 +23,8 @@ import collections
 import time
 from dataclasses import dataclass, field
 
+from pinfeed.errors import InvalidPosition
 from pinfeed.protocol import ErrorInfo
-from pinfeed_server.engine.errors import InvalidPosition
 from pinfeed_server.engine.ring import SlotState, SlotTable
 
 
@@ -73,10 +73,6 @@ class Member:
     cursor: int = 0  # absolute stream position of the next entry to look at
     since: float = field(default_factory=time.monotonic)  # connected/disconnected since
     waited_s: float = 0.0
-
-
-class GroupMemberLost(RuntimeError):
-    pass
 
 
 class Consumers:

@@ -17,8 +17,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 from torch.utils.data import BatchSampler, Sampler
 
+from pinfeed.errors import BatchTooLarge
 from pinfeed.protocol import ErrorInfo
-from pinfeed_server.engine.errors import BatchTooLarge
 from pinfeed_server.plugins import SPEC, PluginError, resolve
 
 

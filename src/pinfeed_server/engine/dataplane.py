@@ -21,13 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pinfeed import protocol as p
+from pinfeed.errors import DataPlaneError, LoaderFailed, LoaderNotFound, ProtocolError
 from pinfeed_server.engine.collate import describe
-from pinfeed_server.engine.errors import (
-    DataPlaneError,
-    LoaderFailed,
-    LoaderNotFound,
-    ProtocolError,
-)
 from pinfeed_server.engine.iterable import dataset_length, sampler_length
 from pinfeed_server.engine.loader import LoaderEngine
 from pinfeed_server.engine.session import Session
@@ -232,7 +227,9 @@ class DataPlaneServer:
             )
         engine = self._lookup(request.loader)
         if engine is None:
-            raise LoaderNotFound(request.loader)
+            raise LoaderNotFound(
+                f"no loader named {request.loader!r}; create it with POST /v1/loaders"
+            )
         try:
             engine.wait_started(self._attach_timeout)
         except TimeoutError as exc:

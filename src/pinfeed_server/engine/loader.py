@@ -18,6 +18,13 @@ import threading
 import time
 from typing import Any
 
+from pinfeed.errors import (
+    GroupMemberLost,
+    InvalidPosition,
+    LoaderBusy,
+    LoaderFailed,
+    ServerUnavailable,
+)
 from pinfeed.protocol import ErrorInfo
 from pinfeed_server.datasets import DatasetContext
 from pinfeed_server.engine.autotune import Sample, Tuner
@@ -25,13 +32,6 @@ from pinfeed_server.engine.collate import Layout
 from pinfeed_server.engine.config import LoaderConfig, make_sampler, prefetch_depth, ring_slots
 from pinfeed_server.engine.consumers import BatchItem, Consumers, EndItem, ErrorItem, Item
 from pinfeed_server.engine.custom_sampler import oversize
-from pinfeed_server.engine.errors import (
-    GroupMemberLost,
-    InvalidPosition,
-    LoaderBusy,
-    LoaderFailed,
-    LoaderStopping,
-)
 from pinfeed_server.engine.iterable import MAX_TURN, IterablePlan, plan_len
 from pinfeed_server.engine.producers import (
     Producer,
@@ -326,7 +326,7 @@ class LoaderEngine(LiveResize):
                 if self.state == "failed" and self.failure is not None:
                     return ErrorItem(-1, -1, -1, self.failure)
                 if stop.is_set() or self.state in ("draining", "closed"):
-                    stopping = LoaderStopping(
+                    stopping = ServerUnavailable(
                         f"loader {self.config.name!r} was deleted or is stopping"
                     )
                     return ErrorItem(-1, -1, -1, stopping.info())

@@ -10,8 +10,8 @@ import socket
 import threading
 
 from pinfeed import protocol as p
+from pinfeed.errors import DataPlaneError, ProtocolError
 from pinfeed_server.engine.consumers import BatchItem, EndItem, ErrorItem, Item
-from pinfeed_server.engine.errors import DataPlaneError, ProtocolError
 from pinfeed_server.engine.loader import LoaderEngine
 from pinfeed_server.engine.resize import announce_segments
 

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from pinfeed_server.engine.errors import LoaderFailed
+from pinfeed.errors import LoaderFailed
 
 LoaderState = Literal["starting", "ready", "failed", "draining", "closed"]
 

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
+from pinfeed.errors import NotReady
 from pinfeed_server.api.openapi import problems
-from pinfeed_server.errors import NotReady
 from pinfeed_server.schemas import Health
 from pinfeed_server.service import Service
 

@@ -45,10 +45,12 @@ How the next ones plug in, with no change to the engine:
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from pinfeed.errors import SampleError
 from pinfeed.protocol import ErrorInfo
 from pinfeed_server.datasets import DatasetContext
 from pinfeed_server.engine.collate import Layout
@@ -81,6 +83,21 @@ class Result:
     error: ErrorInfo | None = None
     end: bool = False
     rows: int | None = None  # rows written; None: one per index of the task
+
+
+def error_info(exc: BaseException) -> ErrorInfo:
+    """A failed batch's ``Result.error``, as the consumer will hear it: a ``SampleError``
+    (``BatchTooLarge`` too) as it is; anything else making the batch raised (the
+    dataset's code, even a pinfeed error of its own) a sample-error naming its type and
+    the end of its traceback. Call it in the ``except`` clause (it reads the traceback)."""
+    if isinstance(exc, SampleError):
+        return exc.info()
+    return SampleError(
+        f"{type(exc).__name__}: {exc}",
+        index=None,
+        error_type=type(exc).__name__,
+        where=traceback.format_exc(limit=-3),
+    ).info()
 
 
 ResultSink = Callable[[Result], None]

@@ -24,9 +24,8 @@ import time
 from torch.utils.data._utils import worker as torch_worker
 
 from pinfeed_server.engine.collate import SlotWriter
-from pinfeed_server.engine.errors import error_info
 from pinfeed_server.engine.iterable import EndJudge, is_iterable, shard_env
-from pinfeed_server.engine.producers.base import ProducerContext, Result, Task
+from pinfeed_server.engine.producers.base import ProducerContext, Result, Task, error_info
 from pinfeed_server.engine.producers.iterating import IterStreams, make_turn
 from pinfeed_server.engine.producers.seeding import (
     RngState,

@@ -39,8 +39,7 @@ from torch.utils.data._utils import worker as torch_worker
 
 from pinfeed_server.engine.collate import SlotWriter
 from pinfeed_server.engine.config import LoaderConfig
-from pinfeed_server.engine.errors import error_info
-from pinfeed_server.engine.producers.base import Result, Task
+from pinfeed_server.engine.producers.base import Result, Task, error_info
 from pinfeed_server.engine.producers.seeding import (
     BaseSeeds,
     RngState,

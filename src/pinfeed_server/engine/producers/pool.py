@@ -23,7 +23,7 @@ import threading
 import time
 from multiprocessing.connection import wait
 
-from pinfeed_server.engine.errors import SampleError
+from pinfeed.errors import SampleError
 from pinfeed_server.engine.iterable import EndJudge, IterRoutes, is_iterable
 from pinfeed_server.engine.producers.base import ProducerContext, Result, Task
 from pinfeed_server.engine.producers.codec import STOP, decode_result, encode_task

@@ -38,10 +38,10 @@ from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from typing import Any
 
+from pinfeed.errors import SampleError
 from pinfeed_server.datasets import build_dataset
 from pinfeed_server.engine.config import LoaderConfig
-from pinfeed_server.engine.errors import SampleError, error_info
-from pinfeed_server.engine.producers.base import Result, Task
+from pinfeed_server.engine.producers.base import Result, Task, error_info
 from pinfeed_server.engine.producers.codec import (
     STARTUP_SEQ,
     STOP,

@@ -30,9 +30,8 @@ import torch
 from pinfeed_server.datasets import DatasetContext
 from pinfeed_server.engine.collate import Layout, SlotWriter
 from pinfeed_server.engine.config import LoaderConfig
-from pinfeed_server.engine.errors import error_info
 from pinfeed_server.engine.iterable import is_iterable
-from pinfeed_server.engine.producers.base import ProducerContext, Result, Task
+from pinfeed_server.engine.producers.base import ProducerContext, Result, Task, error_info
 from pinfeed_server.engine.producers.codec import (
     STARTUP_SEQ,
     STOP,

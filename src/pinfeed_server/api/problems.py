@@ -1,23 +1,11 @@
-"""The service's exception tree and the problem+json (RFC 9457) handlers.
+"""The HTTP mapping of domain errors: every error leaves the service as problem+json
+(RFC 9457) with a stable ``type``, never with a stack trace.
 
-Each class has a stable ``slug``; the problem ``type`` is ``urn:pinfeed:problem:<slug>``
-and ``pinfeed.errors`` maps it back to the same-named client exception.
-
-    AppError                      500 internal (never with a stack trace)
-    ├── InvalidRequest            422 bad body, bad params, path outside the data root
-    ├── Unauthorized              401 missing or wrong bearer token
-    ├── NotFound                  404 no such dataset, loader or route
-    ├── MethodNotAllowed          405 the route exists, the method does not
-    ├── Conflict                  409 name exists, or resource still in use
-    │   └── WorkerLimit           409 more worker processes than PINFEED_MAX_WORKERS
-    ├── PayloadTooLarge           413 body larger than PINFEED_MAX_BODY_BYTES
-    ├── UnsupportedMediaType      415 a body that is not application/json
-    ├── NotReady                  503 /readyz while a loader is still starting
-    ├── Overloaded                503 more requests than PINFEED_HTTP_MAX_RPS can pace
-    └── InsufficientMemory        507 ring larger than the free memory budget
-
-Errors on the data-plane socket are a tree of their own, ``pinfeed_server.engine.errors``
-(no FastAPI there: worker processes raise them), with the slugs of ``pinfeed.protocol``.
+The errors are ``pinfeed.errors``' classes, the one tree both sides share: each
+``ProblemError`` declares its slug, status and title, so this module only renders them
+(``error_response``) and maps what FastAPI and Starlette raise (validation errors, HTTP
+exceptions, anything unexpected) onto the same classes. The client maps the ``type``
+back to the same class (``pinfeed.errors.error_from_slug``).
 """
 
 from __future__ import annotations
@@ -32,95 +20,32 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pinfeed.errors import PROBLEM_PREFIX
+from pinfeed.errors import (
+    ERRORS,
+    PROBLEM_PREFIX,
+    DataPlaneError,
+    InternalError,
+    InvalidRequest,
+    MethodNotAllowed,
+    NotFound,
+    ProblemError,
+    UnsupportedMediaType,
+)
 
 log = logging.getLogger("pinfeed")
 
 PROBLEM_JSON = "application/problem+json"
 
-
-class AppError(Exception):
-    slug = "internal"
-    status = 500
-    title = "Internal error"
-
-    def __init__(self, detail: str, **extra: Any) -> None:
-        super().__init__(detail)
-        self.detail = detail
-        self.extra = extra
-
-
-class InvalidRequest(AppError):
-    slug = "invalid-request"
-    status = 422
-    title = "Invalid request"
-
-
-class Unauthorized(AppError):
-    slug = "unauthorized"
-    status = 401
-    title = "Unauthorized"
-
-
-class NotFound(AppError):
-    slug = "not-found"
-    status = 404
-    title = "Not found"
-
-
-class MethodNotAllowed(AppError):
-    slug = "method-not-allowed"
-    status = 405
-    title = "Method not allowed"
-
-
-class Conflict(AppError):
-    slug = "conflict"
-    status = 409
-    title = "Conflict"
-
-
-class WorkerLimit(Conflict):
-    slug = "worker-limit"
-    title = "Worker limit reached"
-
-
-class PayloadTooLarge(AppError):
-    slug = "payload-too-large"
-    status = 413
-    title = "Payload too large"
-
-
-class UnsupportedMediaType(AppError):
-    slug = "unsupported-media-type"
-    status = 415
-    title = "Unsupported media type"
-
-
-class NotReady(AppError):
-    slug = "not-ready"
-    status = 503
-    title = "Not ready"
-
-
-class Overloaded(AppError):
-    slug = "overloaded"
-    status = 503
-    title = "Overloaded"
-
-
-class InsufficientMemory(AppError):
-    slug = "insufficient-memory"
-    status = 507
-    title = "Insufficient memory"
-
-
-def _tree(cls: type[AppError]) -> list[type[AppError]]:
-    return [cls, *(c for sub in cls.__subclasses__() for c in _tree(sub))]
-
-
-PROBLEM_TYPES: tuple[type[AppError], ...] = tuple(_tree(AppError))
-_BY_STATUS = {cls.status: cls for cls in reversed(PROBLEM_TYPES)}  # a base before its subclass
+# The problems the HTTP API answers, a base before its subclasses: not the base
+# ProblemError (a status with no class of its own), nor the data-plane errors that are
+# also problems (a NotFound or InvalidRequest on the socket).
+PROBLEM_TYPES: tuple[type[ProblemError], ...] = tuple(
+    c
+    for c in ERRORS
+    if issubclass(c, ProblemError) and c is not ProblemError and not issubclass(c, DataPlaneError)
+)
+# A status's class: the base before its subclasses (409 is Conflict, not WorkerLimit).
+BY_STATUS: dict[int, type[ProblemError]] = {c.status: c for c in reversed(PROBLEM_TYPES)}
 
 
 def problem(
@@ -147,7 +72,7 @@ def problem(
 
 
 def error_response(
-    exc: AppError, instance: str, headers: Mapping[str, str] | None = None
+    exc: ProblemError, instance: str, headers: Mapping[str, str] | None = None
 ) -> JSONResponse:
     return problem(exc.status, exc.slug, exc.title, exc.detail, instance, headers, **exc.extra)
 
@@ -170,8 +95,8 @@ def _allowed_methods(request: Request, fallback: str) -> str:
 def install_handlers(app: FastAPI) -> None:
     """Every error leaves the service as problem+json with a stable ``type``."""
 
-    @app.exception_handler(AppError)
-    async def _app_error(request: Request, exc: AppError) -> JSONResponse:
+    @app.exception_handler(ProblemError)
+    async def _problem(request: Request, exc: ProblemError) -> JSONResponse:
         return error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
@@ -193,21 +118,15 @@ def install_handlers(app: FastAPI) -> None:
             for e in exc.errors()
         ]
         detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors)
-        return problem(
-            422,
-            "invalid-request",
-            "Invalid request",
-            detail or "invalid request",
-            request.url.path,
-            errors=errors,
-        )
+        invalid = InvalidRequest(detail or "invalid request", errors=errors)
+        return error_response(invalid, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # FastAPI answers 400 to a body it cannot decode (not UTF-8): an invalid request,
         # like malformed JSON, so it gets the same 422 and type.
         status = 422 if exc.status_code == 400 else exc.status_code
-        cls = _BY_STATUS.get(status)
+        cls = BY_STATUS.get(status, ProblemError)
         path = request.url.path
         if cls is NotFound:
             detail = f"no route {request.method} {path}; the API is described at /openapi.json"
@@ -217,18 +136,11 @@ def install_handlers(app: FastAPI) -> None:
             return problem(cls.status, cls.slug, cls.title, detail, path, {"Allow": allow})
         else:
             detail = str(exc.detail)
-        if cls is None:
-            return problem(exc.status_code, "http-error", "HTTP error", detail, path, exc.headers)
-        return problem(cls.status, cls.slug, cls.title, detail, path, exc.headers)
+        # A status that no class names has the base's slug and title: an "http-error".
+        return problem(status, cls.slug, cls.title, detail, path, exc.headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         # The traceback goes to the server log only; the caller gets a stable problem.
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return problem(
-            500,
-            "internal",
-            "Internal error",
-            "internal error; see the server log",
-            request.url.path,
-        )
+        return error_response(InternalError("internal error; see the server log"), request.url.path)
