@@ -31,6 +31,7 @@ from pinfeed.errors import (
     DataPlaneError,
     InternalError,
     InvalidRequest,
+    LoaderBusy,
     MethodNotAllowed,
     NotFound,
     PinfeedError,
@@ -41,6 +42,7 @@ from pinfeed.errors import (
     error_from_slug,
 )
 from pinfeed_server.api.problems import PROBLEM_JSON
+from pinfeed_server.engine.producers.base import error_info
 from pinfeed_server.main import create_app
 from pinfeed_server.settings import Settings
 
@@ -219,3 +221,19 @@ def test_a_batch_too_large_is_a_sample_error() -> None:
     assert type(caught.value) is BatchTooLarge
     assert (caught.value.epoch, caught.value.batch_index) == (0, 4)
     assert not caught.value.fatal, "the connection goes on"
+
+
+def test_what_a_dataset_raises_reaches_the_trainer_as_a_sample_error() -> None:
+    """A SampleError (BatchTooLarge too) as it is; anything else, even a pinfeed error the
+    dataset's own code raised (a fatal one would end the trainer's connection), is a
+    sample-error naming the type and where it happened."""
+    too_large = BatchTooLarge("raise max_batch_bytes", index=None, error_type="BatchTooLarge")
+    for raised in (KeyError("k"), LoaderBusy("a dataset that attaches a Loader of its own")):
+        try:
+            raise raised
+        except Exception as exc:
+            info = error_info(exc)
+        assert (info.slug, info.fatal) == ("sample-error", False)
+        assert info.extra["error_type"] == type(raised).__name__
+        assert "test_error_tree.py" in info.extra["where"]
+    assert error_info(too_large) == too_large.info()

@@ -82,7 +82,10 @@ class PinfeedError(Exception):
         """This error as a data-plane ERROR's payload (``epoch``/``batch_index`` of
         ``extra``, if any, in their own fields)."""
         if self.fatal is None:
-            raise TypeError(f"{type(self).__name__} is not a data-plane error")
+            raise TypeError(
+                f"{type(self).__name__} is never sent on the data plane: send a class that "
+                "declares fatal (a DataPlaneError, or ServerUnavailable)"
+            )
         extra = dict(self.extra)
         if extra.get("batch_index") is None:
             return ErrorInfo(self.slug, self.detail, self.fatal, extra=extra)
