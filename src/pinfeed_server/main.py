@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from pinfeed_server import __version__
+from pinfeed import __version__
 from pinfeed_server.api.guards import RequestGuard
 from pinfeed_server.api.openapi import install_openapi
 from pinfeed_server.api.routes import datasets, health, loaders, metrics
