@@ -13,6 +13,7 @@ from pinfeed_server.api.guards import RequestGuard
 from pinfeed_server.api.openapi import install_openapi
 from pinfeed_server.api.routes import datasets, health, loaders, metrics
 from pinfeed_server.api.throttle import Throttle
+from pinfeed_server.datasets import KINDS
 from pinfeed_server.errors import install_handlers
 from pinfeed_server.malloc import return_big_buffers
 from pinfeed_server.service import Service
@@ -22,8 +23,8 @@ TAGS = [
     {"name": "health", "description": "Liveness and readiness probes."},
     {
         "name": "datasets",
-        "description": "Datasets: a kind (synthetic, tensors, npy, python) "
-        "and its params; files resolve inside PINFEED_DATA_ROOT.",
+        "description": f"Datasets: a kind ({', '.join(KINDS)}) and its params; files "
+        "resolve inside PINFEED_DATA_ROOT.",
     },
     {
         "name": "loaders",
