@@ -29,6 +29,8 @@ from pinfeed.errors import (
     WorkerLimit,
 )
 
+__version__ = "0.1.0"  # the distribution's version (pyproject reads it from here)
+
 __all__ = [
     "BatchTooLarge",
     "Client",

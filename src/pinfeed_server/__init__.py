@@ -1,10 +1,12 @@
-"""pinfeed's service (``pinfeed serve``): installed as ``pinfeed_server`` from ``app/``.
+"""pinfeed's service (``pinfeed serve``): ``src/pinfeed_server``.
 
 Its dependencies are the ``server`` extra (``pip install 'pinfeed[server]'``); a trainer
 image that installs ``pinfeed`` alone gets the client library and no server packages.
 """
 
-__version__ = "0.1.0"
+from pinfeed import __version__  # one version for the one distribution
+
+__all__ = ["__version__", "main"]
 
 
 def main() -> None:

@@ -8,12 +8,13 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from pinfeed_server import __version__
+from pinfeed import __version__
 from pinfeed_server.api.guards import RequestGuard
 from pinfeed_server.api.openapi import install_openapi
 from pinfeed_server.api.problems import install_handlers
 from pinfeed_server.api.routes import datasets, health, loaders, metrics
 from pinfeed_server.api.throttle import Throttle
+from pinfeed_server.datasets import KINDS
 from pinfeed_server.malloc import return_big_buffers
 from pinfeed_server.service import Service
 from pinfeed_server.settings import Settings, get_settings
@@ -22,8 +23,8 @@ TAGS = [
     {"name": "health", "description": "Liveness and readiness probes."},
     {
         "name": "datasets",
-        "description": "Datasets: a kind (synthetic, tensors, npy, python) "
-        "and its params; files resolve inside PINFEED_DATA_ROOT.",
+        "description": f"Datasets: a kind ({', '.join(KINDS)}) and its params; files "
+        "resolve inside PINFEED_DATA_ROOT.",
     },
     {
         "name": "loaders",

@@ -6,6 +6,7 @@ memory budget) and raises ``pinfeed.errors`` exceptions that become problem+json
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -19,15 +20,13 @@ from typing import Any
 import torch
 
 from pinfeed import errors
-from pinfeed_server.autotuner import Autotuner
-from pinfeed_server.datasets import DatasetContext, DatasetError, build_dataset
-from pinfeed_server.engine.autotune import AutotuneSpec, Tuner
+from pinfeed_server.datasets import KINDS, DatasetContext, DatasetError, build_dataset
 from pinfeed_server.engine.collate import (
     LayoutError,
     describe,
     probe,
 )
-from pinfeed_server.engine.config import LoaderConfig, ring_slots
+from pinfeed_server.engine.config import KEEP, LiveChange, LoaderConfig, ring_slots
 from pinfeed_server.engine.dataplane import DataPlaneServer
 from pinfeed_server.engine.iterable import (
     dataset_len,
@@ -36,11 +35,12 @@ from pinfeed_server.engine.iterable import (
 )
 from pinfeed_server.engine.loader import LoaderEngine
 from pinfeed_server.engine.prepare import ConfigError, prepare
-from pinfeed_server.engine.producers import configure_forkserver, configure_ray, forked_producers
+from pinfeed_server.engine.producers import Zygotes, configure_forkserver, executors
 from pinfeed_server.engine.producers.inline import GLOBAL_RNG
-from pinfeed_server.engine.producers.zygote import Zygotes
 from pinfeed_server.engine.stats import LoaderStats
 from pinfeed_server.engine.status import LoaderStatus
+from pinfeed_server.node.budget import NodeBudget
+from pinfeed_server.node.tuning import TuningLoop
 from pinfeed_server.registry import DuplicateName, Registry
 from pinfeed_server.schemas import DEMO_PARAMS, DatasetCreate, LoaderCreate, LoaderPatch
 from pinfeed_server.settings import Settings
@@ -67,7 +67,13 @@ class Service:
         # with its first loader with workers, stopped with the dataset)
         self.zygotes = Zygotes(self.context)
         self._lock = threading.RLock()
-        self.autotuner = Autotuner(self)
+        self.executors = executors(settings.ray_address)
+        self.budget = NodeBudget(settings.max_workers, settings.max_shm_bytes, lambda: self.loaders)
+        self.tuning = TuningLoop(
+            lambda: list(self.loaders.items()),
+            lambda name: settings.max_workers - self.budget.workers_used(name),
+            self.reconfigure,
+        )
         self.dataplane = DataPlaneServer(
             settings.socket_path,
             self.loaders.get,
@@ -87,7 +93,6 @@ class Service:
         # One short directory per socket path (AF_UNIX paths are capped at 107 bytes).
         key = hashlib.sha1(str(self.settings.socket_path.resolve()).encode()).hexdigest()[:10]
         configure_forkserver(Path(tempfile.gettempdir()) / f"pinfeed-{os.getuid()}-{key}")
-        configure_ray(self.settings.ray_address)
         self.dataplane.start()
         for row in self.registry.loaders():
             try:
@@ -102,11 +107,11 @@ class Service:
                 self._unstarted[row["name"]] = row | {"detail": detail}
         if self.settings.demo:
             self._ensure_demo()
-        self.autotuner.start()
+        self.tuning.start()
         log.info("data plane on %s", self.settings.socket_path)
 
     def close(self) -> None:
-        self.autotuner.close()
+        self.tuning.close()
         with self._lock:
             engines = list(self.loaders.values())
             self.loaders.clear()
@@ -212,57 +217,36 @@ class Service:
 
     def _start_loader(self, dataset_name: str, config: dict[str, Any]) -> LoaderEngine:
         row = self._dataset_row(dataset_name)
-        ds = self._open(dataset_name, row["kind"], row["params"])
+        kind, params = KINDS[row["kind"]], row["params"]
+        ds = self._open(dataset_name, kind.name, params)
         cfg = LoaderConfig.model_validate({**config, "dataset": dataset_name})
         # Without max_batch_bytes, a collate_fn loader's ring takes at most a quarter of
         # the budget left (collate.loader_layout).
         cap = max(0, self.settings.max_shm_bytes - self.shm_used()) // (4 * ring_slots(cfg))
         try:
-            ready = prepare(cfg, ds, self.context.allowed_plugins, cap, self.settings.ray_address)
+            ready = prepare(cfg, ds, kind, self.executors, self.context.allowed_plugins, cap)
         except ConfigError as exc:
             raise errors.InvalidRequest(str(exc)) from None
-        sampler, layout = ready.plan, ready.layout
-        self._admit(cfg, ring_slots(cfg), layout.slot_bytes)
-        # The dataset's zygote starts with the first pool, in the loader's boot thread
-        # (state "starting"); one that cannot start fails the loader with the reason.
-        producers = forked_producers(self.zygotes, dataset_name, ds, row["kind"], row["params"])
+        workers = cfg.num_workers if ready.executor.counts_workers else 0
+        self.budget.admit(cfg, ring_slots(cfg) * ready.layout.slot_bytes, workers)
+        # The dataset's zygote starts with the first local worker process, in the
+        # loader's boot thread (state "starting"); one that cannot start fails the
+        # loader with the reason.
+        zygote = functools.partial(self.zygotes.get, dataset_name, ds, kind.name, params)
         engine = LoaderEngine(
             cfg,
             ds,
-            row["kind"],
-            row["params"],
+            kind,
+            params,
             self.context,
-            layout,
-            plan=sampler,
-            producers=producers,
+            ready.layout,
+            ready.plan,
+            ready.executor,
+            spawn=lambda: zygote().process_factory,
         )
         self.loaders[cfg.name] = engine
         engine.start()
         return engine
-
-    def _admit(
-        self,
-        cfg: LoaderConfig,
-        nslots: int,
-        slot_bytes: int,
-        replaces: LoaderEngine | None = None,
-    ) -> None:
-        """Refuse a loader (new, or ``replaces``'s new config) that the server-wide
-        limits cannot take: the one place for them, at create, restart and PATCH."""
-        local = cfg.num_workers if cfg.executor == "local" else 0  # Ray actors run elsewhere
-        self.settings.check_workers(cfg.name, local, self.workers_used(cfg.name))
-        need = nslots * slot_bytes
-        used = self.shm_used() - (replaces.reserved_bytes() if replaces else 0)
-        free = max(0, self.settings.max_shm_bytes - used)
-        if need > free:
-            raise errors.InsufficientMemory(
-                f"loader {cfg.name!r} needs a ring of {need} bytes "
-                f"({nslots} slots x {slot_bytes}); {free} bytes of "
-                f"PINFEED_MAX_SHM_BYTES={self.settings.max_shm_bytes} are free. Lower "
-                "batch_size, num_workers or prefetch_factor, or raise the budget",
-                need_bytes=need,
-                free_bytes=free,
-            )
 
     def _engine(self, name: str) -> LoaderEngine:
         engine = self.loaders.get(name)
@@ -273,15 +257,11 @@ class Service:
     def starting_loaders(self) -> list[str]:
         return sorted(n for n, e in list(self.loaders.items()) if e.state == "starting")
 
-    def workers_used(self, but: str | None = None) -> int:
-        return sum(
-            e.config.num_workers
-            for n, e in list(self.loaders.items())
-            if n != but and e.config.executor == "local"
-        )
+    def workers_used(self) -> int:
+        return self.budget.workers_used()
 
     def shm_used(self) -> int:
-        return sum(e.reserved_bytes() for e in list(self.loaders.values()))
+        return self.budget.shm_used()
 
     def _describe_unstarted(self, row: dict[str, Any]) -> dict[str, Any]:
         return {
@@ -326,54 +306,30 @@ class Service:
 
     def patch_loader(self, name: str, body: LoaderPatch) -> dict[str, Any]:
         """Change num_workers/prefetch_factor live: position and batches are kept; the
-        ring grows or shrinks to fit (only the memory budget refuses: 507). Explicit
-        values turn autotune off; ``autotune`` turns it on (or, null, off)."""
+        ring grows or shrinks to fit (only the node's limits refuse). Explicit values
+        turn autotune off; ``autotune`` turns it on (or, null, off)."""
+        if "autotune" in body.model_fields_set:
+            autotune = body.autotune
+        elif body.num_workers is not None or body.prefetch_factor is not None:
+            autotune = None
+        else:
+            autotune = KEEP
+        self.reconfigure(name, LiveChange(body.num_workers, body.prefetch_factor, autotune))
+        return self.describe_loader(name)
+
+    def reconfigure(self, name: str, change: LiveChange) -> LoaderConfig:
+        """A live change of loader ``name`` (a PATCH, or autotune's), admitted by the node
+        budget and applied by the engine, then recorded in the registry."""
         with self._lock:
             if name in self._unstarted:
                 raise errors.Conflict(f"loader {name!r} failed to start; delete and recreate it")
-            cfg = self._engine(name).config
-            autotune = body.autotune if "autotune" in body.model_fields_set else None
-            self.reconfigure(
-                name,
-                cfg.num_workers if body.num_workers is None else body.num_workers,
-                cfg.prefetch_factor if body.prefetch_factor is None else body.prefetch_factor,
-                autotune,
-            )
-        return self.describe_loader(name)
-
-    def reconfigure(
-        self, name: str, num_workers: int, prefetch: int, autotune: AutotuneSpec | None
-    ) -> None:
-        """Admit and apply a loader's new worker settings (a PATCH, or autotune's)."""
-        with self._lock:
             engine = self._engine(name)
-            if (num_workers == 0) != (engine.config.num_workers == 0) and is_iterable(
-                engine.dataset
-            ):
-                # One iterator in the server, or one per worker (each its own shard of
-                # the stream): DataLoader's batch sequences differ, so no live switch.
-                raise errors.Conflict(
-                    f"loader {name!r} reads an IterableDataset: it cannot switch live "
-                    "between num_workers=0 and worker processes (their streams differ, as "
-                    "under DataLoader); change num_workers within >0, or recreate it"
-                )
-            if num_workers == 0 and engine.config.executor == "ray":
-                raise errors.Conflict(
-                    f"loader {name!r} has executor 'ray': its batches are made by Ray actors, "
-                    "at least one; num_workers=0 (in the server) needs executor 'local'"
-                )
-            update = {"num_workers": num_workers, "prefetch_factor": prefetch}
-            new = engine.config.model_copy(update=update | {"autotune": autotune})
-            self._admit(new, ring_slots(new), engine.layout.slot_bytes, replaces=engine)
-            engine.reconfigure(num_workers, prefetch)
-            engine.config = engine.config.model_copy(update={"autotune": autotune})
-            if autotune is None:
-                engine.tuner = None
-            elif engine.tuner is None or engine.tuner.spec != autotune:
-                engine.tuner = Tuner(autotune, num_workers, prefetch)
+            admit = functools.partial(self.budget.admit, replaces=name)
+            config = engine.reconfigure(change, admit)
             row = next(r for r in self.registry.loaders() if r["name"] == name)
-            stored = update | {"autotune": autotune.model_dump() if autotune else None}
-            self.registry.update_loader(name, row["config"] | stored)
+            live = config.model_dump(include={"num_workers", "prefetch_factor", "autotune"})
+            self.registry.update_loader(name, row["config"] | live)
+            return config
 
     def delete_loader(self, name: str) -> None:
         with self._lock:

@@ -7,12 +7,10 @@ combinations that are unsafe are refused by ``check_safe()`` before anything sta
 from __future__ import annotations
 
 import grp
-import importlib.util
 import ipaddress
 import logging
 import os
 import re
-import socket
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -20,8 +18,8 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from pinfeed.errors import WorkerLimit
 from pinfeed.protocol import DEFAULT_SOCKET_NAME, default_run_dir
+from pinfeed_server.engine.producers.ray import check_ray_address
 
 log = logging.getLogger("pinfeed")
 
@@ -205,20 +203,6 @@ class Settings(BaseSettings):
         except ValueError:
             return False
 
-    def check_workers(self, loader: str, asked: int, used: int) -> None:
-        """Refuse (409 worker-limit) a loader whose ``asked`` worker processes, with the
-        ``used`` ones of the other loaders, exceed PINFEED_MAX_WORKERS."""
-        cap = self.max_workers
-        if used + asked > cap:
-            free = max(0, cap - used)
-            raise WorkerLimit(
-                f"loader {loader!r} asks for {asked} worker processes; {free} of "
-                f"PINFEED_MAX_WORKERS={cap} are free ({used} held by other loaders). Lower "
-                "num_workers, delete a loader, or raise PINFEED_MAX_WORKERS",
-                max_workers=cap,
-                free_workers=free,
-            )
-
     def check_safe(self) -> None:
         """Refuse unsafe settings at start-up (ValueError); warn loudly on risky ones."""
         root = self.data_root.resolve()
@@ -253,30 +237,6 @@ class Settings(BaseSettings):
                 "address can create and delete loaders. Set PINFEED_TOKEN.",
                 self.host,
             )
-
-
-def ray_endpoint(address: str) -> tuple[str, int]:
-    """``host:port`` of a Ray GCS address (``ray://host:port`` too)."""
-    host, sep, port = address.removeprefix("ray://").rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"PINFEED_RAY_ADDRESS={address!r} is not host:port (the Ray head's GCS)")
-    return host.strip("[]"), int(port)
-
-
-def check_ray_address(address: str, timeout: float = 5.0) -> None:
-    """Refuse a Ray address that is unusable now: Ray not installed, or no answer."""
-    if importlib.util.find_spec("ray") is None:
-        raise ValueError(
-            "PINFEED_RAY_ADDRESS is set but Ray is not installed: pip install 'pinfeed[ray]'"
-        )
-    host, port = ray_endpoint(address)
-    try:
-        socket.create_connection((host, port), timeout=timeout).close()
-    except OSError as exc:
-        raise ValueError(
-            f"PINFEED_RAY_ADDRESS={address} cannot be reached ({exc}); start the Ray head "
-            "(ray start --head) or unset PINFEED_RAY_ADDRESS"
-        ) from None
 
 
 @lru_cache

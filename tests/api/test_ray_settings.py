@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 
 from pinfeed import Client, InvalidRequest
 from pinfeed_server.cli import app as cli
-from pinfeed_server.settings import Settings, check_ray_address
+from pinfeed_server.engine.producers.ray import check_ray_address
+from pinfeed_server.settings import Settings
 from tests.conftest import free_port
 from tests.helpers import unique
 

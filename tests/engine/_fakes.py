@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
-from pinfeed_server.datasets import DatasetContext, build_dataset
+from pinfeed_server.datasets import KINDS, DatasetContext, build_dataset
 from pinfeed_server.engine.collate import Layout, leaf_views, probe
 from pinfeed_server.engine.config import LoaderConfig
 from pinfeed_server.engine.producers import ProducerContext, Result
@@ -57,9 +57,12 @@ class Sink:
 def context(
     tmp_path: Path, ring: Ring, sink: Sink, ds: Any, layout: Layout, **fields: Any
 ) -> ProducerContext:
+    cfg = config(**fields)
     return ProducerContext(
-        config(**fields),
-        "synthetic",
+        cfg,
+        cfg.num_workers,
+        cfg.num_workers,
+        KINDS["synthetic"],
         PARAMS,
         DatasetContext(tmp_path),
         ds,
@@ -67,6 +70,7 @@ def context(
         ring,
         sink.on_result,
         sink.on_fatal,
+        lambda: None,
     )
 
 

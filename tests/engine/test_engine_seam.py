@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from pinfeed_server.datasets import DatasetContext
+from pinfeed_server.datasets import KINDS, DatasetContext
 from pinfeed_server.engine.collate import SlotWriter
+from pinfeed_server.engine.config import make_sampler
 from pinfeed_server.engine.consumers import BatchItem, EndItem, Item
 from pinfeed_server.engine.loader import LoaderEngine
 from pinfeed_server.engine.producers import ProducerContext, Result, Task
@@ -83,27 +84,50 @@ class RunsOut(RemoteLike):
             self._finish(task)
 
 
+class Remote:
+    """An executor of the test's own (what a new executor module declares): the engine
+    runs it with no change of its own."""
+
+    name = "remote"
+    forks_local = False
+    counts_workers = False
+
+    def __init__(self, producer: type[RemoteLike]) -> None:
+        self._producer = producer
+        self.made: list[RemoteLike] = []
+
+    def refusal(self, config: Any, kind: Any, iterable: bool) -> str | None:
+        return None
+
+    def live_refusal(self, old: Any, new: Any, iterable: bool) -> str | None:
+        return None
+
+    def resizes_live(self, old: int, new: int) -> bool:
+        return True
+
+    def producer(self, ctx: ProducerContext, spawn: Any) -> RemoteLike:
+        self.made.append(self._producer(ctx))
+        return self.made[-1]
+
+
 def _engine(tmp_path: Path, producer: type[RemoteLike]) -> tuple[LoaderEngine, list[Any]]:
     ds = dataset(tmp_path)
-    made: list[RemoteLike] = []
-
-    def factory(ctx: ProducerContext) -> RemoteLike:
-        made.append(producer(ctx))
-        return made[-1]
-
+    executor = Remote(producer)
+    cfg = config(shuffle=True, num_workers=2)
     engine = LoaderEngine(
-        config(shuffle=True, num_workers=2),
+        cfg,
         ds,
-        "synthetic",
+        KINDS["synthetic"],
         PARAMS,
         DatasetContext(tmp_path),
         layout_of(ds),
-        producers=factory,
+        make_sampler(cfg, ds, streams=2),
+        executor,
     )
     engine.start()
     engine.wait_started(30)
     assert engine.state == "ready", engine.failure
-    return engine, made
+    return engine, executor.made
 
 
 def _items(engine: LoaderEngine, ends: int) -> Iterator[Item]:

@@ -50,9 +50,10 @@ def test_fast_forward_reaches_any_turn() -> None:
     for persistent in (False, True):
         cfg = _config(seed=3, num_workers=2, persistent_workers=persistent)
         sequential = [
-            _turns(IterStreams(Shards(), cfg, worker=False), e, range(14)) for e in (0, 1)
+            _turns(IterStreams(Shards(), cfg, cfg.num_workers, worker=False), e, range(14))
+            for e in (0, 1)
         ]
-        streams = IterStreams(Shards(), cfg, worker=False)
+        streams = IterStreams(Shards(), cfg, cfg.num_workers, worker=False)
         for epoch, t in [(1, 7), (0, 3), (0, 12), (1, 2), (0, 0), (1, 13)]:
             got = _turns(streams, epoch, range(t, t + 1))[0]
             want = sequential[epoch][t]
@@ -64,8 +65,8 @@ def test_fast_forward_reaches_any_turn() -> None:
 
 def test_a_stateful_dataset_goes_back_through_its_state() -> None:
     cfg = _config(seed=5)
-    sequential = _turns(IterStreams(Stateful(), cfg, worker=False), 0, range(10))
-    streams = IterStreams(Stateful(), cfg, worker=False)
+    sequential = _turns(IterStreams(Stateful(), cfg, cfg.num_workers, worker=False), 0, range(10))
+    streams = IterStreams(Stateful(), cfg, cfg.num_workers, worker=False)
     _turns(streams, 0, range(8))
     before = random.getstate()
     assert _turns(streams, 0, range(4, 10)) == sequential[4:]

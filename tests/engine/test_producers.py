@@ -10,13 +10,10 @@ from typing import Any
 
 import pytest
 
-from pinfeed_server.engine.producers import (
-    InlineProducer,
-    Producer,
-    Task,
-    WorkerPool,
-    make_producer,
-)
+from pinfeed_server.engine.producers import Producer, ProducerContext, Task
+from pinfeed_server.engine.producers.inline import InlineProducer
+from pinfeed_server.engine.producers.local import LocalExecutor
+from pinfeed_server.engine.producers.pool import WorkerPool
 from pinfeed_server.engine.ring import Ring
 from tests.engine._fakes import (
     Sink,
@@ -29,6 +26,10 @@ from tests.engine._fakes import (
 )
 
 BATCHES = [[0, 1, 2], [9, 3, 5], [4, 8, 7], [6]]
+
+
+def make_producer(ctx: ProducerContext) -> Producer:
+    return LocalExecutor().producer(ctx, None)
 
 
 def _submit_all(producer: Producer, first_seq: int = 0) -> None:

@@ -30,7 +30,7 @@ def _config(**kw: Any) -> LoaderConfig:
 
 
 def test_base_seeds_are_dataloaders() -> None:
-    seeds = BaseSeeds(_config(num_workers=1), LENGTH)
+    seeds = BaseSeeds(_config(num_workers=1), 1, LENGTH)
     gen = torch.Generator().manual_seed(11)
     dl = DataLoader(range(LENGTH), batch_size=BATCH, shuffle=True, generator=gen)
     for epoch in range(3):
@@ -38,7 +38,7 @@ def test_base_seeds_are_dataloaders() -> None:
         list(it)
         assert seeds(epoch) == it._base_seed, epoch  # DataLoader's own draw
     # Persistent workers: one draw, kept by the one iterator DataLoader keeps.
-    seeds = BaseSeeds(_config(num_workers=1, persistent_workers=True), LENGTH)
+    seeds = BaseSeeds(_config(num_workers=1, persistent_workers=True), 1, LENGTH)
     gen = torch.Generator().manual_seed(11)
     dl = DataLoader(
         range(LENGTH), batch_size=BATCH, shuffle=True, generator=gen, num_workers=1,
@@ -50,14 +50,14 @@ def test_base_seeds_are_dataloaders() -> None:
 
 
 def test_in_sequence_tasks_need_no_reseed() -> None:
-    streams = Streams(_config(num_workers=2), range(LENGTH), replay=True)
+    streams = Streams(_config(num_workers=2), 2, range(LENGTH), replay=True)
     reseeds = [streams.prepare(0, i) for i in range(8)]
     assert [r is not None for r in reseeds] == [True, True] + [False] * 6
     assert reseeds[1] is not None and reseeds[1].worker_id == 1 and reseeds[1].replay == []
     # A non-persistent epoch starts afresh; a persistent one carries on.
     assert streams.prepare(1, 0) is not None
     persistent = Streams(
-        _config(num_workers=2, persistent_workers=True), range(LENGTH), replay=True
+        _config(num_workers=2, persistent_workers=True), 2, range(LENGTH), replay=True
     )
     for i in range(8):
         persistent.prepare(0, i)
@@ -65,7 +65,7 @@ def test_in_sequence_tasks_need_no_reseed() -> None:
 
 
 def test_a_new_worker_replays_or_restores_its_snapshot() -> None:
-    streams = Streams(_config(num_workers=2), range(LENGTH), replay=True)
+    streams = Streams(_config(num_workers=2), 2, range(LENGTH), replay=True)
     for i in range(6):
         streams.prepare(0, i)
     streams.forget(1)  # worker 1 replaced before batch 5 came back
@@ -77,7 +77,7 @@ def test_a_new_worker_replays_or_restores_its_snapshot() -> None:
     assert reseed is not None and reseed.replay == [] and reseed.state == b"state-before-7"
     # Persistent: a resume at epoch 1 on a new server replays epoch 0 too.
     persistent = Streams(
-        _config(num_workers=2, persistent_workers=True), range(LENGTH), replay=True
+        _config(num_workers=2, persistent_workers=True), 2, range(LENGTH), replay=True
     )
     reseed = persistent.prepare(1, 3)
     assert reseed is not None and len(reseed.replay) == 4 + 1  # 1, 3, 5, 7; then 1
@@ -90,7 +90,7 @@ def test_replay_reaches_dataloaders_worker_state() -> None:
     gen = torch.Generator().manual_seed(11)
     dl = DataLoader(Augmented(), batch_size=BATCH, shuffle=True, generator=gen, num_workers=2)
     want = list(dl)[5]
-    streams = Streams(config, range(LENGTH), replay=True)
+    streams = Streams(config, 2, range(LENGTH), replay=True)
     batches = list(streams._plan.batches(0))
     saved = capture()
     try:

@@ -97,13 +97,20 @@ class Kind(Generic[P]):
     ``engine/producers/zygote.py``) gets it. True: the server's build, pickled once (a
     build that scans or parses, kept compact, e.g. in ``shared.SharedArrays``, which
     pickle as file descriptors). False: the zygote builds its own, once (a build that
-    only opens memory maps)."""
+    only opens memory maps).
+
+    ``draws_rng``: whether its ``__getitem__`` may draw from the global ``torch``,
+    ``random`` or numpy RNGs (a user's dataset may: random augmentations). Such a
+    dataset's batches are made on DataLoader's per-worker RNG streams, each batch from
+    its own stream's state, replayed where a stream moves (``producers/seeding.py``);
+    a kind that draws nothing pays none of that, and any process may make any batch."""
 
     name: str
     params: type[P]
     build: Callable[[P, DatasetContext], Any]
     doc: str | None = None  # the kind module's docstring; its first line is the summary
     ship_build: bool = False
+    draws_rng: bool = False
 
     @property
     def summary(self) -> str:

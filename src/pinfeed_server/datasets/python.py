@@ -40,4 +40,4 @@ def build(p: PythonParams, ctx: DatasetContext) -> Any:
     return dataset
 
 
-KIND = Kind("python", PythonParams, build, __doc__, ship_build=True)
+KIND = Kind("python", PythonParams, build, __doc__, ship_build=True, draws_rng=True)

@@ -10,6 +10,7 @@ field is one line here.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -122,20 +123,18 @@ class LoaderFields(BaseModel):
         "of explicit values turns it off",
     )
 
-    executor: Literal["local", "ray"] = Field(
+    executor: str = Field(
         "local",
-        description="local: worker processes on this node; ray: num_workers Ray actors on "
-        "the cluster at PINFEED_RAY_ADDRESS (the data must be readable there)",
+        pattern=r"^[a-z][a-z0-9_-]{0,31}$",
+        description="what makes the batches (engine/producers: one module per executor): "
+        "local (worker processes on this node, or the server itself at num_workers=0), "
+        "ray (num_workers Ray actors on the cluster at PINFEED_RAY_ADDRESS; the data must "
+        "be readable there), thread (num_workers threads in the server, for datasets whose "
+        "decode releases the GIL and that draw no global RNG)",
     )
     ray_num_cpus: float = Field(
         1.0, gt=0, le=256, description="CPUs each Ray actor reserves (executor 'ray')"
     )
-
-    @model_validator(mode="after")
-    def _ray_needs_workers(self) -> LoaderFields:
-        if self.executor == "ray" and self.num_workers == 0:
-            raise ValueError("executor 'ray' needs num_workers >= 1 (the number of Ray actors)")
-        return self
 
     @model_validator(mode="after")
     def _persistent_needs_workers(self) -> LoaderFields:
@@ -183,7 +182,11 @@ class LoaderFields(BaseModel):
 
 
 class LoaderConfig(LoaderFields):
-    """A loader's configuration as the engine runs it: the seed is chosen."""
+    """A loader's configuration as the engine runs it: the seed is chosen.
+
+    Its ``num_workers`` is the live number of processes (a PATCH, autotune and the node
+    arbiter change it); the loader's RNG streams are fixed when it is created
+    (``streams_of``): DataLoader's worker ids, which every later process count serves."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -193,6 +196,42 @@ class LoaderConfig(LoaderFields):
     def _persistent_needs_workers(self) -> LoaderConfig:
         # A live PATCH may take a persistent loader to 0 (its workers' streams stay).
         return self
+
+
+def streams_of(config: LoaderConfig) -> int:
+    """The RNG streams of a loader created with ``config``: DataLoader's ``num_workers``
+    (with autotune, its ``max_workers``: any count it picks then only adds speed). They
+    never change while the loader lives (``producers/seeding.py``)."""
+    return config.autotune.max_workers if config.autotune else config.num_workers
+
+
+def persistent(config: LoaderConfig, streams: int) -> bool:
+    """DataLoader's persistent workers: one base seed, RNG streams carried across epochs."""
+    return config.persistent_workers and streams > 0
+
+
+KEEP: Any = "keep"  # LiveChange.autotune: leave it as it is
+
+
+@dataclass(frozen=True)
+class LiveChange:
+    """What may change while a loader runs: its processes and prefetch depth, and
+    autotune (``KEEP``: unchanged; ``None``: off). ``LoaderEngine.reconfigure`` is the one
+    place that applies it, for a PATCH, autotune and the node arbiter alike."""
+
+    num_workers: int | None = None
+    prefetch_factor: int | None = None
+    autotune: AutotuneSpec | None = KEEP
+
+    def applied_to(self, config: LoaderConfig) -> LoaderConfig:
+        update: dict[str, Any] = {}
+        if self.num_workers is not None:
+            update["num_workers"] = self.num_workers
+        if self.prefetch_factor is not None:
+            update["prefetch_factor"] = self.prefetch_factor
+        if self.autotune is not KEEP:
+            update["autotune"] = self.autotune
+        return config.model_copy(update=update)
 
 
 def prefetch_depth(config: LoaderConfig) -> int:
@@ -207,8 +246,11 @@ def ring_slots(config: LoaderConfig) -> int:
     return prefetch_depth(config) + 2 * config.group_size
 
 
-def make_sampler(config: LoaderConfig, dataset: Any, allowed: tuple[str, ...] = ()) -> BatchPlan:
-    """The loader's batch plan; ``SamplerError`` when its sampler cannot be used."""
+def make_sampler(
+    config: LoaderConfig, dataset: Any, allowed: tuple[str, ...] = (), *, streams: int
+) -> BatchPlan:
+    """The loader's batch plan (``streams``: ``streams_of`` the loader as created);
+    ``SamplerError`` when its sampler cannot be used."""
     if is_iterable(dataset):
         return IterablePlan(dataset, config.batch_size, config.drop_last)
     for field in ("batch_sampler", "sampler"):
@@ -230,5 +272,5 @@ def make_sampler(config: LoaderConfig, dataset: Any, allowed: tuple[str, ...] = 
         drop_last=config.drop_last,
         rank=config.rank,
         world_size=config.world_size,
-        persistent=config.persistent_workers and config.num_workers > 0,
+        persistent=persistent(config, streams),
     )

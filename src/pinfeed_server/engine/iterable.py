@@ -126,18 +126,18 @@ class EndJudge:
 
     KEEP = 3  # epochs remembered (a seek back into the last ones)
 
-    def __init__(self, num_workers: int) -> None:
-        self.num_workers = max(1, num_workers)
+    def __init__(self, streams: int) -> None:
+        self.count = max(1, streams)
         self._out: dict[int, dict[int, int]] = {}  # epoch -> stream -> first turn out
 
     def ran_out(self, epoch: int, index: int) -> bool:
         """Record it; True: this turn is the epoch's END."""
-        w = index % self.num_workers
+        w = index % self.count
         out = self._out.setdefault(epoch, {})
         out[w] = min(out.get(w, index), index)
         for old in [e for e in self._out if e <= epoch - self.KEEP]:
             del self._out[old]
-        return len(out) == self.num_workers and max(out.values()) <= index
+        return len(out) == self.count and max(out.values()) <= index
 
 
 SHARD_ENV = ("RANK", "WORLD_SIZE")
@@ -170,11 +170,11 @@ class IterRoutes:
 
     replay = False
 
-    def __init__(self, num_workers: int) -> None:
-        self.num_workers = max(1, num_workers)
+    def __init__(self, streams: int) -> None:
+        self.count = max(1, streams)
 
     def worker_of(self, index: int) -> int:
-        return index % self.num_workers
+        return index % self.count
 
     def prepare(self, epoch: int, index: int) -> None:
         return None

@@ -16,9 +16,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pinfeed.errors import (
+    Conflict,
     GroupMemberLost,
     InvalidPosition,
     LoaderBusy,
@@ -26,24 +28,29 @@ from pinfeed.errors import (
     ServerUnavailable,
 )
 from pinfeed.protocol import ErrorInfo
-from pinfeed_server.datasets import DatasetContext
+from pinfeed_server.datasets import DatasetContext, Kind
 from pinfeed_server.engine.autotune import Sample, Tuner
 from pinfeed_server.engine.collate import Layout
-from pinfeed_server.engine.config import LoaderConfig, make_sampler, prefetch_depth, ring_slots
+from pinfeed_server.engine.config import (
+    LiveChange,
+    LoaderConfig,
+    prefetch_depth,
+    ring_slots,
+    streams_of,
+)
 from pinfeed_server.engine.consumers import BatchItem, Consumers, EndItem, ErrorItem, Item
 from pinfeed_server.engine.custom_sampler import oversize
-from pinfeed_server.engine.iterable import MAX_TURN, IterablePlan, plan_len
+from pinfeed_server.engine.iterable import MAX_TURN, IterablePlan, is_iterable, plan_len
+from pinfeed_server.engine.producer_handle import ProducerHandle
 from pinfeed_server.engine.producers import (
-    Producer,
+    Executor,
+    ProcessFactory,
     ProducerContext,
-    ProducerFactory,
     Result,
     Task,
-    make_producer,
 )
 from pinfeed_server.engine.publisher import Publisher
-from pinfeed_server.engine.recovery import resume_producing
-from pinfeed_server.engine.resize import LiveResize
+from pinfeed_server.engine.resizer import RingResizer
 from pinfeed_server.engine.ring import Ring, SlotState, SlotTable
 from pinfeed_server.engine.sampler import BatchPlan, with_last
 from pinfeed_server.engine.stats import LoaderStats
@@ -51,55 +58,58 @@ from pinfeed_server.engine.status import LoaderState, LoaderStatus, MemberStatus
 
 log = logging.getLogger("pinfeed.loader")
 
-__all__ = ["BatchItem", "EndItem", "ErrorItem", "Item", "LoaderConfig", "LoaderEngine"]
+__all__ = ["Admit", "BatchItem", "EndItem", "ErrorItem", "Item", "LoaderConfig", "LoaderEngine"]
+
+# The node's admission of a configuration (``node/budget.py``): raises a domain error.
+# Called with the new config, the ring bytes it will hold and the node workers it takes.
+Admit = Callable[[LoaderConfig, int, int], None]
+
+PRODUCER_THREAD = "pinfeed-produce-"
 
 
-class LoaderEngine(LiveResize):
-    """States: starting -> ready | failed; draining -> closed when deleted."""
+class LoaderEngine:
+    """States: starting -> ready | failed (-> ready again, when its producer recovers);
+    draining -> closed when deleted."""
 
     def __init__(
         self,
         config: LoaderConfig,
         dataset: Any,
-        kind: str,
+        kind: Kind[Any],
         params: dict[str, Any],
         context: DatasetContext,
         layout: Layout,
-        producers: ProducerFactory = make_producer,
-        plan: BatchPlan | None = None,
+        plan: BatchPlan,
+        executor: Executor,
+        spawn: Callable[[], ProcessFactory] | None = None,
     ) -> None:
+        """``plan``: the batch plan the ring was sized with (``prepare.py``: a custom
+        sampler's first epoch is iterated once, at creation); ``spawn``: how the
+        executor forks local processes (the dataset's zygote)."""
         self.config = config
         self.dataset = dataset
         self.layout = layout
-        # The service hands over the plan it sized the ring with (a custom sampler's
-        # first epoch is iterated once, at creation).
-        self.sampler: BatchPlan = (
-            plan if plan is not None else make_sampler(config, dataset, context.allowed_plugins)
-        )
-        iterable = isinstance(self.sampler, IterablePlan)  # its epochs have no known end
-        self.batches_per_epoch = plan_len(self.sampler)  # DataLoader's len(), or None
-        self._turns = MAX_TURN if iterable else len(self.sampler)  # seek's bound
+        self.sampler = plan
+        self.iterable = is_iterable(dataset)
+        self.batches_per_epoch = plan_len(plan)  # DataLoader's len(), or None
+        self._turns = MAX_TURN if isinstance(plan, IterablePlan) else len(plan)  # seek's bound
+        # DataLoader's num_workers as created: the RNG streams, whatever number of
+        # processes the loader runs later (config.num_workers).
+        self.streams = streams_of(config)
         self.state: LoaderState = "starting"
         self.failure: ErrorInfo | None = None
         self.stats = LoaderStats()
-        spec = config.autotune
-        self.tuner = Tuner(spec, config.num_workers, config.prefetch_factor) if spec else None
-        self._kind, self._params, self._context = kind, params, context
+        self.tuner = self._tuner_for(config)
         self.nslots = ring_slots(config)  # segment 0's slots (the ring as created)
-        self.target_slots = self.nslots  # what the current config wants (live PATCH)
         self.ring: Ring | None = None
-        self._make_producer = producers
-        self.producer: Producer | None = None
-        # The RNG streams stay the num_workers the loader was created with (seeding.py);
-        # with autotune, its max_workers: any count it picks then adds speed.
-        streams = config.autotune.max_workers if config.autotune else config.num_workers
-        self._streams_config = config.model_copy(update={"num_workers": streams})
-        self._submit = threading.Lock()  # held around submit: a producer swap waits
-        self._resize = threading.Lock()  # one reconfigure or ring upkeep at a time
+        self.resizer: RingResizer | None = None
+        self._source = (kind, params, context)
+        self.producer = ProducerHandle(executor, self._producer_context, spawn)
+        self._reconfigure = threading.Lock()  # one live change or ring upkeep at a time
         self.slots = SlotTable(self.nslots)
         self.slots.set_limit(prefetch_depth(config))
         self.consumers = Consumers(config.group_size, config.group_mode, self.slots)
-        self.consumers.by_arrival = iterable
+        self.consumers.by_arrival = self.iterable
         self._stop = threading.Event()
         self._cond = threading.Condition()
         self.publisher = Publisher(
@@ -115,6 +125,29 @@ class LoaderEngine(LiveResize):
         self.cuda_registered: set[int] = set()
         self._threads: list[threading.Thread] = []
 
+    def _producer_context(self, processes: int) -> ProducerContext:
+        assert self.ring is not None
+        kind, params, context = self._source
+        return ProducerContext(
+            self.config,
+            self.streams,
+            processes,
+            kind,
+            params,
+            context,
+            self.dataset,
+            self.layout,
+            self.ring,
+            self._on_result,
+            self._fail,
+            self._recovered,
+        )
+
+    @staticmethod
+    def _tuner_for(config: LoaderConfig) -> Tuner | None:
+        spec = config.autotune
+        return Tuner(spec, config.num_workers, config.prefetch_factor) if spec else None
+
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
         t = threading.Thread(
@@ -125,39 +158,30 @@ class LoaderEngine(LiveResize):
 
     def _boot(self) -> None:
         try:
-            self.ring = Ring(self.config.name, self.nslots, self.layout.slot_bytes)
-            self.producer = self._new_producer(self.config.num_workers)
+            # Under the reconfigure lock: a live change made while starting waits, then
+            # applies to the ring and producer made here from the config it changed.
+            with self._reconfigure:
+                self.ring = Ring(self.config.name, self.nslots, self.layout.slot_bytes)
+                self.resizer = RingResizer(self.ring, self.slots)
+                if ring_slots(self.config) != self.nslots:
+                    self.resizer.retarget(ring_slots(self.config))
+                self.producer.start(self.config.num_workers)
         except Exception as exc:
             log.exception("loader %s failed to start", self.config.name)
             self._fail(f"{type(exc).__name__}: {exc}")
             return
-        producer = threading.Thread(
-            target=self._produce, name=f"pinfeed-produce-{self.config.name}", daemon=True
-        )
-        self._threads.append(producer)
         with self._cond:
             if self.state == "starting":
                 self.state = "ready"
             self._cond.notify_all()
-        producer.start()
+        self._start_producing()
 
-    def _new_producer(self, processes: int) -> Producer:
-        assert self.ring is not None
-        return self._make_producer(
-            ProducerContext(
-                self._streams_config,
-                self._kind,
-                self._params,
-                self._context,
-                self.dataset,
-                self.layout,
-                self.ring,
-                self._on_result,
-                self._fail,
-                processes=processes,
-                on_recovered=lambda: resume_producing(self),
-            )
+    def _start_producing(self) -> None:
+        thread = threading.Thread(
+            target=self._produce, name=PRODUCER_THREAD + self.config.name, daemon=True
         )
+        self._threads.append(thread)
+        thread.start()
 
     def _fail(self, detail: str) -> None:
         with self._cond:
@@ -165,6 +189,21 @@ class LoaderEngine(LiveResize):
             self.failure = LoaderFailed(detail).info()
             self._cond.notify_all()
         self._stop.set()
+
+    def _recovered(self) -> None:
+        """The producer that failed the loader can make batches again (a remote
+        backend came back): ``failed`` -> ``ready``, producing from where production
+        stopped. The producer re-sends the tasks it held itself."""
+        for t in [t for t in self._threads if t.name.startswith(PRODUCER_THREAD)]:
+            t.join(10)  # it saw the stop event and ends
+        with self._cond:
+            if self.state != "failed":
+                return  # deleted meanwhile, or never failed
+            self.state, self.failure = "ready", None
+            self._stop.clear()
+            self._threads = [t for t in self._threads if t.is_alive()]
+            self._cond.notify_all()
+        self._start_producing()
 
     def wait_started(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -193,8 +232,7 @@ class LoaderEngine(LiveResize):
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(10)
-        if self.producer is not None:
-            self.producer.close()
+        self.producer.close()
         if self.ring is not None:
             self.ring.close()
         with self._cond:
@@ -214,7 +252,6 @@ class LoaderEngine(LiveResize):
 
     def _produce_from(self, gen: int, epoch: int, index: int) -> None:
         """Produce from (epoch, index) on until a seek (new generation) or stop."""
-        assert self.producer is not None
         while not self._stop.is_set():
             for i, indices, last in with_last(self.sampler.batches(epoch, index), index):
                 slot = self.slots.acquire_free(self._stop)
@@ -231,8 +268,7 @@ class LoaderEngine(LiveResize):
                 if error is not None:  # a batch_sampler's batch larger than the slots
                     self._on_result(Result(seq, error=error))
                     continue
-                with self._submit:
-                    self.producer.submit(Task(seq, epoch, i, slot, indices))
+                self.producer.submit(Task(seq, epoch, i, slot, indices))
             epoch, index = epoch + 1, 0
             with self._cond:
                 if self._gen != gen:
@@ -285,6 +321,72 @@ class LoaderEngine(LiveResize):
                 return None
             self._seek_locked(epoch + 1, 0)
             return EndItem(epoch, max(0, self.publisher.next_publish - 1))
+
+    # -- live configuration ------------------------------------------------------------
+    def reconfigure(self, change: LiveChange, admit: Admit) -> LoaderConfig:
+        """The one way a running loader's configuration changes (a PATCH, autotune, the
+        node arbiter): the executor's rules first (a 409 naming why), then ``admit``
+        (the node's limits: it raises the domain error), then apply, keeping position
+        and batches: the ring grows (a new segment) or retires segments to fit
+        (``resizer.py``), and the producer resizes or is swapped between two batches
+        (``producer_handle.py``). The RNG streams stay the loader's as created. Returns
+        the new configuration."""
+        with self._reconfigure:
+            old = self.config
+            new = change.applied_to(old)
+            refusal = self.producer.executor.live_refusal(old, new, self.iterable)
+            if refusal is not None:
+                raise Conflict(refusal)
+            admit(new, ring_slots(new) * self.layout.slot_bytes, self._node_workers(new))
+            if self.resizer is not None:
+                self.resizer.retarget(ring_slots(new))
+            self.slots.set_limit(prefetch_depth(new))
+            self.producer.resize(new.num_workers)
+            self.config = new
+            if new.autotune != old.autotune:
+                self.tuner = self._tuner_for(new)
+        self.upkeep()
+        log.info(
+            "loader %s: num_workers=%d prefetch_factor=%d (%d slots ahead; ring %d slots, "
+            "%d wanted)",
+            new.name,
+            new.num_workers,
+            new.prefetch_factor,
+            prefetch_depth(new),
+            self.ring.nslots if self.ring else 0,
+            ring_slots(new),
+        )
+        return new
+
+    def upkeep(self) -> None:
+        """Close retired ring segments whose slots are all free, then add what the
+        config still lacks; cheap when nothing is pending."""
+        resizer = self.resizer
+        if resizer is None or self._stop.is_set() or not resizer.pending:
+            return
+        # Never wait here (a data-plane thread, releasing a slot): a reconfigure in
+        # progress runs this itself when it is done.
+        if not self._reconfigure.acquire(blocking=False):
+            return
+        try:
+            if resizer.upkeep():
+                self.producer.segments_changed()
+        finally:
+            self._reconfigure.release()
+
+    def reserved_bytes(self) -> int:
+        """Ring memory this loader holds or is about to (the node budget's view of it)."""
+        if self.resizer is not None:
+            return self.resizer.reserved_bytes()
+        return ring_slots(self.config) * self.layout.slot_bytes
+
+    @property
+    def node_workers(self) -> int:
+        """This loader's processes that take the node's CPUs (PINFEED_MAX_WORKERS)."""
+        return self._node_workers(self.config)
+
+    def _node_workers(self, config: LoaderConfig) -> int:
+        return config.num_workers if self.producer.executor.counts_workers else 0
 
     # -- consumer side (called from the data-plane threads) ------------------------------
     def attach(self, member: int | None, wait_s: float = 2.0) -> int:
@@ -347,7 +449,7 @@ class LoaderEngine(LiveResize):
         return item
 
     def stats_snapshot(self) -> dict[str, Any]:
-        busy = self.producer.busy_seconds() if self.producer else 0.0
+        busy = self.producer.busy_seconds()
         members = max(1, self.consumers.attached)  # a sum of bools: no lock needed
         tuner = self.tuner
         return self.stats.snapshot(busy, self.config.num_workers, members) | {
@@ -356,7 +458,7 @@ class LoaderEngine(LiveResize):
 
     def tune_sample(self) -> Sample:
         """The counters autotune measures over its intervals."""
-        busy = (self.producer.busy_seconds() if self.producer else 0.0) + self.stats.busy_s
+        busy = self.producer.busy_seconds() + self.stats.busy_s
         members = max(1, self.consumers.attached)
         st = self.stats
         return Sample(
@@ -395,5 +497,5 @@ class LoaderEngine(LiveResize):
             epoch=first[0],
             position=first[1],
             batches_per_epoch=self.batches_per_epoch,
-            worker_restarts=self.producer.restarts if self.producer else 0,
+            worker_restarts=self.producer.restarts,
         )

@@ -9,16 +9,17 @@ ring that fits).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pinfeed_server.datasets import Kind
 from pinfeed_server.engine.collate import Layout, LayoutError, fetch_samples, loader_layout
-from pinfeed_server.engine.config import LoaderConfig, make_sampler
+from pinfeed_server.engine.config import LoaderConfig, make_sampler, streams_of
 from pinfeed_server.engine.custom_sampler import SamplerError
 from pinfeed_server.engine.iterable import first_samples, is_iterable, iterable_conflict
+from pinfeed_server.engine.producers import Executor
 from pinfeed_server.engine.producers.inline import GLOBAL_RNG
-from pinfeed_server.engine.producers.ray import ray_refusal
 from pinfeed_server.engine.sampler import BatchPlan
 from pinfeed_server.plugins import PluginError, resolve
 
@@ -31,20 +32,27 @@ class ConfigError(ValueError):
 class Prepared:
     plan: BatchPlan
     layout: Layout
+    executor: Executor
 
 
 def prepare(
     cfg: LoaderConfig,
     dataset: Any,
+    kind: Kind[Any],
+    executors: Mapping[str, Executor],
     allowed: tuple[str, ...],
     cap: int,
-    ray_address: str | None = None,
 ) -> Prepared:
-    """``cfg``'s plan and layout over ``dataset``; ``cap`` bounds a ``collate_fn``
-    loader's slot when it sets no ``max_batch_bytes`` (``collate.loader_layout``);
-    ``ray_address``: the server's cluster, for ``executor: "ray"``."""
+    """``cfg``'s executor, plan and layout over ``dataset`` (of ``kind``); ``cap`` bounds
+    a ``collate_fn`` loader's slot when it sets no ``max_batch_bytes``
+    (``collate.loader_layout``)."""
     iterable = is_iterable(dataset)
-    refusal = ray_refusal(cfg, iterable, ray_address)
+    executor = executors.get(cfg.executor)
+    if executor is None:
+        raise ConfigError(
+            f"loader {cfg.name!r}: no executor {cfg.executor!r}; one of {sorted(executors)}"
+        )
+    refusal = executor.refusal(cfg, kind, iterable)
     if refusal is not None:
         raise ConfigError(refusal)
     plugins: dict[str, Callable[..., Any] | None] = {}
@@ -58,7 +66,7 @@ def prepare(
     if conflict is not None:
         raise ConfigError(conflict)
     try:
-        plan = make_sampler(cfg, dataset, allowed)
+        plan = make_sampler(cfg, dataset, allowed, streams=streams_of(cfg))
     except SamplerError as exc:
         raise ConfigError(str(exc)) from None
     if len(plan) == 0 and not iterable:
@@ -88,4 +96,4 @@ def prepare(
         raise ConfigError(
             f"reading sample {first} to size the ring raised {type(exc).__name__}: {exc}"
         ) from None
-    return Prepared(plan, layout)
+    return Prepared(plan, layout, executor)

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import select
 import socket
+import struct
 import threading
 
 from pinfeed import protocol as p
 from pinfeed.errors import DataPlaneError, ProtocolError
 from pinfeed_server.engine.consumers import BatchItem, EndItem, ErrorItem, Item
 from pinfeed_server.engine.loader import LoaderEngine
-from pinfeed_server.engine.resize import announce_segments
+from pinfeed_server.engine.ring import Ring
 
 
 class Session:
@@ -92,7 +93,7 @@ class Session:
         """Send one item; False once the loader itself failed or closed."""
         ring = self.engine.ring
         if ring is not None and self.generation != ring.generation:  # before a batch in them
-            self.generation, self.segments = announce_segments(self.conn, ring, self.segments)
+            self.announce_segments(ring)
         if isinstance(item, BatchItem):
             self.leased.add(item.slot)
             body = item.strings
@@ -113,6 +114,20 @@ class Session:
             if info.fatal:
                 return False
         return True
+
+    def announce_segments(self, ring: Ring) -> None:
+        """Tell the trainer of the ring's new segments (SEGMENT + memfd) and of the
+        closed ones (SEGMENT with 0 slots), before an item that may use them."""
+        with ring.lock:  # no segment closes while its fd is on the way
+            now = {info.id: (info, fd) for info, fd in ring.segments()}
+            for sid in sorted(set(now) - self.segments):
+                info, fd = now[sid]
+                body = p.SEGMENT_BODY.pack(p.SEGMENT, sid, info.first, info.nslots)
+                rights = (socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))
+                self.conn.sendmsg([body], [rights])
+            for sid in sorted(self.segments - set(now)):
+                self.conn.send(p.SEGMENT_BODY.pack(p.SEGMENT, sid, 0, 0))
+            self.generation, self.segments = ring.generation, set(now)
 
     def release_ok(self, slots: list[int]) -> bool:
         bad = [s for s in slots if s not in self.leased]

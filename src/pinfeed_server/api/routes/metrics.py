@@ -29,7 +29,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from pinfeed_server import __version__
+from pinfeed import __version__
 from pinfeed_server.engine.stats import WAIT_BUCKETS_S, LoaderStats
 from pinfeed_server.service import Service
 

@@ -1,81 +1,50 @@
-"""Producers: what makes a loader's batches, behind one interface (``base.py``).
+"""Producers: what makes a loader's batches, behind one seam, chosen by its executor.
 
-    base.py        the seam: Task, Result, Producer, ProducerContext
-    inline.py      num_workers=0: in the server's producer thread
-    pool.py        local worker processes (processes.py: start and reap them; worker.py:
-                   their side; codec.py: the pipe)
+    base.py        the producer seam: Task, Result, Producer, ProducerContext
+    executor.py    the executor seam: an executor's rules and its producer
+    local.py       executor "local": inline.py (0 workers: in the server's producer
+                   thread) or pool.py (worker processes; processes.py starts and reaps
+                   them, worker.py is their side, codec.py the pipe, seeding.py
+                   DataLoader's RNG streams, iterating.py an IterableDataset's turns)
+    threads.py     executor "thread": threads of the server
     ray.py         executor "ray": Ray actors (ray_bridge.py: the driver; ray_actor.py)
     forkserver.py  the process the zygotes (and workers without one) are forked from
     zygote.py      a dataset's process, holding its one build; its workers fork from it
 
-A new way of making batches is one module here and one line in ``producer_kind`` /
-``make_producer``; the engine does not change.
+A new executor is one module and one line in ``executors()``; the engine and the
+service do not change.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from pinfeed_server.engine.config import LoaderConfig
 from pinfeed_server.engine.producers.base import (
     Producer,
     ProducerContext,
-    ProducerFactory,
     Result,
     Task,
 )
+from pinfeed_server.engine.producers.executor import Executor
 from pinfeed_server.engine.producers.forkserver import configure_forkserver
-from pinfeed_server.engine.producers.inline import InlineProducer
-from pinfeed_server.engine.producers.pool import WorkerPool
+from pinfeed_server.engine.producers.local import LocalExecutor
 from pinfeed_server.engine.producers.processes import ProcessFactory
-from pinfeed_server.engine.producers.ray import RayProducer, configure_ray
+from pinfeed_server.engine.producers.ray import RayExecutor
+from pinfeed_server.engine.producers.threads import ThreadExecutor
 from pinfeed_server.engine.producers.zygote import Zygotes
 
 
-def producer_kind(config: LoaderConfig) -> str:
-    """Which producer makes ``config``'s batches (a PATCH across 0 swaps it live; a Ray
-    loader never goes to 0)."""
-    if config.executor == "ray":
-        return "ray"
-    return "pool" if config.num_workers > 0 else "inline"
-
-
-def make_producer(ctx: ProducerContext, spawn: ProcessFactory | None = None) -> Producer:
-    """The producer for ``ctx.num_processes``; it starts its workers before returning
-    (made by ``spawn``, the dataset's zygote's, when given)."""
-    if ctx.config.executor == "ray":
-        return RayProducer(ctx)
-    if ctx.num_processes > 0:
-        return WorkerPool(ctx, spawn)
-    return InlineProducer(ctx)
-
-
-def forked_producers(
-    zygotes: Zygotes, name: str, dataset: Any, kind: str, params: dict[str, Any]
-) -> ProducerFactory:
-    """``make_producer`` whose workers fork from dataset ``name``'s zygote, started
-    with the first pool that needs it (at creation, or a live PATCH from 0 workers)."""
-
-    def make(ctx: ProducerContext) -> Producer:
-        if ctx.num_processes == 0 or ctx.config.executor == "ray":
-            return make_producer(ctx)  # no worker forks here
-        return make_producer(ctx, zygotes.get(name, dataset, kind, params).process_factory)
-
-    return make
+def executors(ray_address: str | None = None) -> dict[str, Executor]:
+    """Every executor a loader may name, configured for this server."""
+    return {e.name: e for e in (LocalExecutor(), ThreadExecutor(), RayExecutor(ray_address))}
 
 
 __all__ = [
-    "InlineProducer",
+    "Executor",
+    "ProcessFactory",
     "Producer",
     "ProducerContext",
-    "ProducerFactory",
-    "RayProducer",
     "Result",
     "Task",
-    "WorkerPool",
+    "Zygotes",
     "configure_forkserver",
-    "configure_ray",
-    "forked_producers",
-    "make_producer",
-    "producer_kind",
+    "executors",
 ]

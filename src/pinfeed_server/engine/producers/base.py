@@ -4,11 +4,13 @@ The engine owns the order of things: the batch plan (which batch comes next), th
 slot table, the in-order publisher and the consumers. A producer owns only the making:
 it gets a ``Task`` (a sequence number, the batch's place ``(epoch, index)``, the ring
 slot to fill and, from an index plan, the sample indices), writes the batch into that
-slot, and reports a ``Result`` through ``on_result``, from any thread and in any order.
-A producer that can no longer make anything calls ``on_fatal`` once; the loader fails.
+slot, and reports a ``Result`` through ``ctx.on_result``, from any thread and in any
+order. Its health it reports too: ``ctx.on_fatal`` once it can make nothing more (the
+loader fails, with the reason), ``ctx.on_recovered`` once it can again (the loader is
+ready again and production goes on where it stopped: a remote backend that came back).
 
     submit(task)        hand over one batch to make; never blocks on the making
-    resize(n)           change the number of workers live, losing no task
+    resize(n)           change the number of processes live, losing no task
     segments_changed()  the ring lost a segment: unmap it (added ones are mapped lazily,
                         before the first task into them: ``ctx.ring.generation``)
     busy_seconds()      time spent making batches (worker_busy_share)
@@ -16,31 +18,22 @@ A producer that can no longer make anything calls ``on_fatal`` once; the loader 
     close(drain)        stop (after finishing every task held, if ``drain``); idempotent;
                         the engine frees the ring afterwards
 
-Implementations: ``inline`` (``num_workers=0``: made in the engine's producer
-thread, as DataLoader's main process does), ``pool`` (local worker processes that
-collate straight into the shared ring) and ``ray`` (Ray actors; ``ray.py``).
-``make_producer`` in ``__init__`` picks one.
+Which producer a loader gets is its executor's business (``executor.py``, one module
+per executor, registered in ``__init__``): ``local`` (``inline.py`` at 0 processes, in
+the engine's producer thread as DataLoader's main process; ``pool.py``, worker
+processes forked from the dataset's zygote that collate straight into the ring),
+``thread`` (``threads.py``: threads of the server), ``ray`` (``ray.py``: a bridge
+process that drives Ray actors and copies their batches into the ring).
 
-How the next ones plug in, with no change to the engine:
-
-- A remote executor (Ray actors): its ``submit`` ships ``(task.epoch, task.index,
-  task.indices)`` to an actor that builds the dataset from ``ctx.kind``/``ctx.params``
-  and returns the batch's bytes; a thread of the producer copies them into
-  ``ctx.ring.space[task.slot * ctx.ring.slot_bytes:]`` (the one host copy; ``space``
-  finds the segment the slot is in) and calls
-  ``on_result(Result(task.seq, strings))``. An actor lost mid-task is the producer's
-  business (resubmit elsewhere, count ``restarts``); the engine sees results only.
-- An iterator (``IterableDataset``, ``engine/iterable.py``): a batch plan that yields
-  ``None`` instead of index lists; ``task.index`` is a *turn* of DataLoader's
-  round-robin (worker ``index % N``'s ``index // N``-th request), which the producer
-  draws from that worker's iterator (``producers/iterating.py``). It reports ``rows``
-  (a worker's last batch may be short), ``rows=0`` for a turn whose worker has run
-  out (skipped), and, once every iterator of the epoch is done, ``Result(seq,
-  end=True)``. The publisher then publishes the epoch's END, drops the epoch's tasks
-  still in flight (in order, their slots freed) and moves the plan to the next epoch.
-- Per-worker RNG seeding as DataLoader does it: ``task.epoch`` and ``task.index``
-  name the batch, so a producer can derive the worker (``index % num_workers``) and
-  that epoch's worker seed from ``ctx.config.seed`` without the engine's help.
+What a producer needs to reproduce DataLoader's batches is all here: ``task.epoch`` and
+``task.index`` name the batch, ``ctx.streams`` is DataLoader's ``num_workers`` (the RNG
+streams, fixed for the loader's life: batch ``i`` is stream ``i % streams``'s), so a
+producer derives the worker seed and the replay from ``ctx.config.seed``
+(``seeding.py``) whatever number of processes it runs (``ctx.processes``). An
+IterableDataset's plan yields ``None`` instead of index lists: ``task.index`` is then a
+turn of DataLoader's round-robin, drawn from that stream's iterator
+(``iterating.py``); the producer reports ``rows`` (a short last batch), ``rows=0`` for
+a turn whose stream has run out, and ``end=True`` once every stream has.
 """
 
 from __future__ import annotations
@@ -52,7 +45,7 @@ from typing import Any, Protocol
 
 from pinfeed.errors import SampleError
 from pinfeed.protocol import ErrorInfo
-from pinfeed_server.datasets import DatasetContext
+from pinfeed_server.datasets import DatasetContext, Kind
 from pinfeed_server.engine.collate import Layout
 from pinfeed_server.engine.config import LoaderConfig
 from pinfeed_server.engine.ring import Ring
@@ -100,32 +93,33 @@ def error_info(exc: BaseException) -> ErrorInfo:
     ).info()
 
 
-ResultSink = Callable[[Result], None]
-FatalSink = Callable[[str], None]
-
-
 @dataclass(frozen=True)
 class ProducerContext:
     """Everything a producer may use to make one loader's batches."""
 
-    config: LoaderConfig
-    kind: str  # the dataset's kind and params: a producer elsewhere rebuilds it from them
+    config: LoaderConfig  # the loader's, as it is now
+    streams: int  # DataLoader's num_workers as created: the RNG streams (seeding.py)
+    processes: int  # the processes (threads, actors) to run now; 0: in the caller
+    kind: Kind[Any]  # the dataset's kind and params: a producer elsewhere rebuilds it
     params: dict[str, Any]
     datasets: DatasetContext
     dataset: Any  # the server's own instance, for producers in the server process
     layout: Layout
     ring: Ring
-    on_result: ResultSink
-    on_fatal: FatalSink
-    # Processes to start (a live PATCH); None: config.num_workers. ``config`` stays the
-    # loader's as created: its num_workers is the RNG streams' (seeding.py).
-    processes: int | None = None
-    # A producer that failed the loader (a lost cluster) and can make batches again.
-    on_recovered: Callable[[], None] | None = None
+    on_result: Callable[[Result], None]
+    on_fatal: Callable[[str], None]
+    on_recovered: Callable[[], None]
 
     @property
-    def num_processes(self) -> int:
-        return self.config.num_workers if self.processes is None else self.processes
+    def draws_rng(self) -> bool:
+        return draws_rng(self.kind, self.config)
+
+
+def draws_rng(kind: Kind[Any], config: LoaderConfig) -> bool:
+    """Whether making a batch may draw from the global RNGs (the dataset's kind says so,
+    or a ``collate_fn`` might): then each batch must come from its own stream's RNG
+    state, and a stream moved elsewhere is replayed (``seeding.py``)."""
+    return kind.draws_rng or config.collate_fn is not None
 
 
 class Producer(Protocol):
@@ -143,6 +137,3 @@ class Producer(Protocol):
     def busy_seconds(self) -> float: ...
 
     def close(self, drain: bool = False) -> None: ...
-
-
-ProducerFactory = Callable[[ProducerContext], Producer]

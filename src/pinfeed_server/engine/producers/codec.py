@@ -1,30 +1,48 @@
-"""The pool's pipe format: tasks and results as fixed ``struct`` layouts over
-``send_bytes``/``recv_bytes``, so nothing is pickled per batch.
+"""The pipe between the server and a worker process (a pool worker, the Ray bridge):
+every message kind, its one-byte tag and its layout, in one place. Per-batch messages
+are fixed ``struct`` layouts over ``send_bytes``/``recv_bytes``, so nothing is pickled
+per batch; the rare ones (a reseed, an RNG snapshot) are pickled.
 
-A task: ``seq, epoch, index, slot`` and whether indices follow (an iterable's turn
-has none), then the indices as int64. An empty message tells
-the worker to exit. A result: ``seq, status, rows`` (-1: one per index), then the
-batch's strings JSON (status ``OK``) or its ``ErrorInfo`` as JSON (``ERROR``); ``END`` has no
-payload. ``seq`` -1 is a worker's start-up report.
+    server -> worker                         worker -> server
+    T  TASK     a task (below)               r  RESULT    a result (below)
+    R  RESEED   a pickled ``Reseed``         s  SNAPSHOT  (epoch, index, RNG state)
+    G  SEGMENT  a ring segment to map; its   x  RESTART   an actor was replaced (bridge)
+                fd follows (send_handle)     F  FATAL     the cluster is lost (bridge)
+    D  DROP     a ring segment to unmap
+    N  RESIZE   actors to run (bridge)
+    (empty)     STOP: exit
+
+A task: ``seq, epoch, index, slot`` and whether indices follow (an iterable's turn has
+none), then the indices as int64. A result: ``seq, status, rows`` (-1: one per index),
+then the batch's strings JSON (status ``OK``) or its ``ErrorInfo`` as JSON (``ERROR``);
+``END`` has no payload. A result with ``seq`` -1 is a worker's start-up report.
 """
 
 from __future__ import annotations
 
 import json
+import pickle
 import struct
 from array import array
+from typing import Any
 
 from pinfeed.protocol import ErrorInfo
 from pinfeed_server.engine.producers.base import Result, Task
 
-_TASK = struct.Struct("<qqqIb")  # ..., slot, 1: indices follow (0: an iterable's turn)
-_RESULT = struct.Struct("<qBq")
-OK, ERROR, END = 0, 1, 2
+TASK_TAG, RESEED_TAG, SEGMENT_TAG, DROP_TAG, RESIZE_TAG = b"T", b"R", b"G", b"D", b"N"
+RESULT_TAG, SNAPSHOT_TAG, RESTART_TAG, FATAL_TAG = b"r", b"s", b"x", b"F"
 STOP = b""
 STARTUP_SEQ = -1
 
+_TASK = struct.Struct("<qqqIb")  # ..., slot, 1: indices follow (0: an iterable's turn)
+_RESULT = struct.Struct("<qBq")
+OK, ERROR, END = 0, 1, 2
+_SEGMENT = struct.Struct("<III")  # id, first slot, slots
+_COUNT = struct.Struct("<q")
+
 
 def encode_task(task: Task) -> bytes:
+    """A TASK's body (``TASK_TAG`` goes before it on the pipe)."""
     if task.indices is None:
         return _TASK.pack(task.seq, task.epoch, task.index, task.slot, 0)
     head = _TASK.pack(task.seq, task.epoch, task.index, task.slot, 1)
@@ -39,6 +57,7 @@ def decode_task(buf: bytes) -> Task:
 
 
 def encode_result(result: Result) -> bytes:
+    """A RESULT's body (a Ray actor returns it through the object store as it is)."""
     rows = -1 if result.rows is None else result.rows
     if result.error is not None:
         return (
@@ -59,3 +78,31 @@ def decode_result(buf: bytes) -> Result:
     if status == END:
         return Result(seq, end=True, rows=n)
     return Result(seq, payload, rows=n)
+
+
+def encode_pickled(tag: bytes, obj: Any) -> bytes:
+    """A RESEED (a ``seeding.Reseed``) or a SNAPSHOT (``(epoch, index, state)``)."""
+    return tag + pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode_pickled(message: bytes) -> Any:
+    return pickle.loads(message[1:])
+
+
+def encode_segment(tag: bytes, sid: int, first: int, nslots: int) -> bytes:
+    """A SEGMENT (its fd follows) or a DROP."""
+    return tag + _SEGMENT.pack(sid, first, nslots)
+
+
+def decode_segment(message: bytes) -> tuple[int, int, int]:
+    sid, first, nslots = _SEGMENT.unpack(message[1:])
+    return int(sid), int(first), int(nslots)
+
+
+def encode_count(n: int) -> bytes:
+    """A RESIZE: the number of actors the bridge runs from now on."""
+    return RESIZE_TAG + _COUNT.pack(n)
+
+
+def decode_count(message: bytes) -> int:
+    return int(_COUNT.unpack(message[1:])[0])

@@ -62,20 +62,23 @@ class InlineProducer:
         self._workers: WorkerRngs | None = None
         if is_iterable(ctx.dataset):
             # An iterable: one stream, its own RNGs (iterating.py); no index plan.
-            self._iter: IterStreams | None = IterStreams(ctx.dataset, ctx.config, worker=False)
+            self._iter: IterStreams | None = IterStreams(
+                ctx.dataset, ctx.config, ctx.streams, worker=False
+            )
             self._judge = EndJudge(1)
             return
         self._iter = None
         self.streams = Streams(
             ctx.config,
+            ctx.streams,
             ctx.dataset,
-            replay=ctx.kind == "python" or collate is not None,
+            replay=ctx.draws_rng,
             allowed=ctx.datasets.allowed_plugins,
         )
-        if self.streams.replay and ctx.config.num_workers > 0:
+        if self.streams.replay and ctx.streams > 0:
             init, allowed = ctx.config.worker_init_fn, ctx.datasets.allowed_plugins
             init_fn = resolve(init, allowed, what="worker_init_fn") if init else None
-            self._workers = WorkerRngs(copy.copy(ctx.dataset), ctx.config.num_workers, init_fn)
+            self._workers = WorkerRngs(copy.copy(ctx.dataset), ctx.streams, init_fn)
 
     def submit(self, task: Task) -> None:
         """Make the batch now, in the caller's thread, and report it before returning."""

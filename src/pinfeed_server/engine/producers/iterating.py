@@ -38,7 +38,7 @@ from typing import Any
 from torch.utils.data._utils import worker as torch_worker
 
 from pinfeed_server.engine.collate import SlotWriter
-from pinfeed_server.engine.config import LoaderConfig
+from pinfeed_server.engine.config import LoaderConfig, persistent
 from pinfeed_server.engine.producers.base import Result, Task, error_info
 from pinfeed_server.engine.producers.seeding import (
     BaseSeeds,
@@ -94,15 +94,21 @@ def _stateful(obj: Any) -> bool:
 
 class IterStreams:
     def __init__(
-        self, dataset: Any, config: LoaderConfig, init_fn: Any = None, *, worker: bool
+        self,
+        dataset: Any,
+        config: LoaderConfig,
+        streams: int,
+        init_fn: Any = None,
+        *,
+        worker: bool,
     ) -> None:
         self._pristine = dataset
         self._stateful = _stateful(dataset)  # StatefulDataLoader's convention
-        self.num_workers = max(1, config.num_workers)
+        self.count = max(1, streams)
         self._batch_size = config.batch_size
         self._drop_last = config.drop_last
-        self._persistent = config.persistent_workers and config.num_workers > 0
-        self._base = BaseSeeds(config, 0)  # no sampler draws: an iterable never shuffles
+        self._persistent = persistent(config, streams)
+        self._base = BaseSeeds(config, streams, 0)  # an iterable never shuffles: no draws
         self._init_fn = init_fn
         self._worker = worker
         self._rank, self._world_size = config.rank, config.world_size or 1
@@ -116,7 +122,7 @@ class IterStreams:
     def fetch(self, epoch: int, index: int) -> list[Any] | None:
         """Turn ``index`` of ``epoch``: its samples, or None (the stream has run out).
         A sample that raises fails this turn only, as in DataLoader."""
-        w, want = index % self.num_workers, index // self.num_workers
+        w, want = index % self.count, index // self.count
         s = self._enter(w)
         if (s.epoch != epoch or s.round > want) and not self._restore(s, epoch, want):
             rewind = s.epoch > epoch or (s.epoch == epoch and s.round > want)
@@ -182,7 +188,7 @@ class IterStreams:
         if self._worker:
             torch_worker._worker_info = ShardedWorkerInfo(
                 id=s.worker_id,
-                num_workers=self.num_workers,
+                num_workers=self.count,
                 seed=seed,
                 dataset=s.dataset,
                 rank=self._rank,

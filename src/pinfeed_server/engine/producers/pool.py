@@ -26,7 +26,16 @@ from multiprocessing.connection import wait
 from pinfeed.errors import SampleError
 from pinfeed_server.engine.iterable import EndJudge, IterRoutes, is_iterable
 from pinfeed_server.engine.producers.base import ProducerContext, Result, Task
-from pinfeed_server.engine.producers.codec import STOP, decode_result, encode_task
+from pinfeed_server.engine.producers.codec import (
+    RESEED_TAG,
+    SNAPSHOT_TAG,
+    STOP,
+    TASK_TAG,
+    decode_pickled,
+    decode_result,
+    encode_pickled,
+    encode_task,
+)
 from pinfeed_server.engine.producers.processes import (
     START_TIMEOUT_S,
     ProcessFactory,
@@ -34,13 +43,7 @@ from pinfeed_server.engine.producers.processes import (
     reap,
     start_workers,
 )
-from pinfeed_server.engine.producers.seeding import (
-    SNAPSHOT_TAG,
-    TASK_TAG,
-    Streams,
-    decode_snapshot,
-    encode_reseed,
-)
+from pinfeed_server.engine.producers.seeding import Streams
 from pinfeed_server.engine.producers.worker import WorkerSpec, send_segments
 
 log = logging.getLogger("pinfeed.workers")
@@ -56,12 +59,13 @@ class WorkerPool:
         iterable = is_iterable(ctx.dataset)
         self.spec = WorkerSpec.of(ctx)
         # An iterable's turns: its workers position their iterators themselves.
-        self._judge = EndJudge(ctx.config.num_workers) if iterable else None
+        self._judge = EndJudge(ctx.streams) if iterable else None
         self.streams: Streams | IterRoutes = (
-            IterRoutes(ctx.config.num_workers)
+            IterRoutes(ctx.streams)
             if iterable
             else Streams(
                 ctx.config,
+                ctx.streams,
                 ctx.dataset,
                 replay=self.spec.snapshots,
                 allowed=ctx.datasets.allowed_plugins,
@@ -86,7 +90,7 @@ class WorkerPool:
         self._next_id = 0
         self.restarts = 0
         self._idle = threading.Condition(self._lock)  # notified as tasks complete
-        self._workers.extend(self._spawn(ctx.num_processes))
+        self._workers.extend(self._spawn(ctx.processes))
         self._collector = threading.Thread(
             target=self._collect, name=f"pinfeed-collect-{self.name}", daemon=True
         )
@@ -118,7 +122,7 @@ class WorkerPool:
                 self._retiring.append(self._workers.pop())
             # The RNG streams stay the loader's num_workers as created (DataLoader's
             # worker ids); those now served by another process move there.
-            for stream in range(self.streams.num_workers):
+            for stream in range(self.streams.count):
                 if stream % before != stream % num_workers:
                     self.streams.forget(stream)
 
@@ -157,7 +161,7 @@ class WorkerPool:
                     worker.started.setdefault(task.seq, time.perf_counter())
                 self._sync(worker)
                 if reseed is not None:
-                    self._send_locked(worker, encode_reseed(reseed))
+                    self._send_locked(worker, encode_pickled(RESEED_TAG, reseed))
                 self._send_locked(worker, TASK_TAG + encode_task(task))
                 return
 
@@ -213,7 +217,7 @@ class WorkerPool:
             while worker.conn.poll():
                 message = worker.conn.recv_bytes()
                 if message[:1] == SNAPSHOT_TAG:
-                    epoch, index, state = decode_snapshot(message)
+                    epoch, index, state = decode_pickled(message)
                     with self._lock:
                         self.streams.snapshot(epoch, index, state)
                     continue
@@ -268,7 +272,7 @@ class WorkerPool:
                 else:
                     position = self._workers.index(dead)
                     self._workers[position] = new[0]  # the same streams, fresh RNGs
-                    for stream in range(position, self.streams.num_workers, len(self._workers)):
+                    for stream in range(position, self.streams.count, len(self._workers)):
                         self.streams.forget(stream)
                 tasks = sorted(dead.outstanding.items())
             dead.conn.close()

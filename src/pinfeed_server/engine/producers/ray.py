@@ -16,18 +16,21 @@ it sent until its result came, so a bridge that ends loses none:
 The bridge maps the ring as a worker does: this class announces each segment the
 ring gains or closes (``worker.send_segments``) before a task that may use it.
 
-The cluster's address is the server's ``PINFEED_RAY_ADDRESS`` (``configure_ray``).
-Refused (``ray_refusal``): an ``IterableDataset`` (its workers' iterators would have to
-be fast-forwarded on a replacement actor, and its epochs end by judgement of the pool;
-not built for Ray), and, at PATCH, 0 workers (the service's 409): a Ray loader's
-batches are made by its actors, never in the server.
+The cluster's address is the server's ``PINFEED_RAY_ADDRESS``, which ``RayExecutor``
+holds (``executor.py``: the seam). Refused (``RayExecutor.refusal``): an
+``IterableDataset`` (its workers' iterators would have to be fast-forwarded on a
+replacement actor, and its epochs end by judgement of the pool; not built for Ray), no
+cluster, and 0 workers, at creation and at a PATCH: a Ray loader's batches are made by
+its actors, never in the server.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import multiprocessing as mp
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -35,54 +38,91 @@ from multiprocessing import reduction
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from pinfeed_server.datasets import Kind
 from pinfeed_server.engine.config import LoaderConfig
-from pinfeed_server.engine.producers.base import ProducerContext, Task
-from pinfeed_server.engine.producers.codec import STOP, decode_result, encode_task
-from pinfeed_server.engine.producers.processes import reap
-from pinfeed_server.engine.producers.ray_bridge import (
+from pinfeed_server.engine.producers.base import Producer, ProducerContext, Task
+from pinfeed_server.engine.producers.codec import (
     FATAL_TAG,
     RESTART_TAG,
-    BridgeSpec,
-    bridge_main,
+    STOP,
+    TASK_TAG,
+    decode_result,
     encode_count,
+    encode_task,
 )
-from pinfeed_server.engine.producers.seeding import TASK_TAG
+from pinfeed_server.engine.producers.processes import ProcessFactory, reap
+from pinfeed_server.engine.producers.ray_bridge import BridgeSpec, bridge_main
 from pinfeed_server.engine.producers.worker import WorkerSpec, send_segments
-from pinfeed_server.settings import check_ray_address, ray_endpoint
 
 log = logging.getLogger("pinfeed.ray")
 
 START_TIMEOUT_S = 180.0  # ray.init, then every actor building its dataset
 RECONNECT_S = 2.0
 
-_address: str | None = None
+
+def ray_endpoint(address: str) -> tuple[str, int]:
+    """``host:port`` of a Ray GCS address (``ray://host:port`` too)."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"PINFEED_RAY_ADDRESS={address!r} is not host:port (the Ray head's GCS)")
+    return host.strip("[]"), int(port)
 
 
-def configure_ray(address: str | None) -> None:
-    """The cluster ``executor: "ray"`` loaders use (the server's PINFEED_RAY_ADDRESS)."""
-    global _address
-    _address = address
+def check_ray_address(address: str, timeout: float = 5.0) -> None:
+    """Refuse a Ray address that is unusable now: Ray not installed, or no answer."""
+    if importlib.util.find_spec("ray") is None:
+        raise ValueError(
+            "PINFEED_RAY_ADDRESS is set but Ray is not installed: pip install 'pinfeed[ray]'"
+        )
+    host, port = ray_endpoint(address)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as exc:
+        raise ValueError(
+            f"PINFEED_RAY_ADDRESS={address} cannot be reached ({exc}); start the Ray head "
+            "(ray start --head) or unset PINFEED_RAY_ADDRESS"
+        ) from None
 
 
-def ray_address() -> str | None:
-    return _address
+class RayExecutor:
+    """``executor: "ray"``: ``num_workers`` Ray actors on the server's cluster."""
 
+    name = "ray"
+    forks_local = False  # actors run on the cluster: no zygote here
+    counts_workers = False  # nor against PINFEED_MAX_WORKERS
 
-def ray_refusal(config: LoaderConfig, iterable: bool, address: str | None) -> str | None:
-    """Why the service refuses a loader with ``executor: "ray"`` (422), or None."""
-    if config.executor != "ray":
+    def __init__(self, address: str | None) -> None:
+        self.address = address
+
+    def refusal(self, config: LoaderConfig, kind: Kind[Any], iterable: bool) -> str | None:
+        if config.num_workers == 0:
+            return "executor 'ray' needs num_workers >= 1 (the number of Ray actors)"
+        if iterable:
+            return (
+                f"loader {config.name!r}: executor 'ray' does not take an IterableDataset (a "
+                "replaced actor cannot take over its worker's iterator); use executor 'local'"
+            )
+        if self.address is None:
+            return (
+                f"loader {config.name!r} asks for executor 'ray', but this server has no Ray "
+                "cluster: start it with PINFEED_RAY_ADDRESS=<head>:6379"
+            )
         return None
-    if iterable:
-        return (
-            f"loader {config.name!r}: executor 'ray' does not take an IterableDataset (a "
-            "replaced actor cannot take over its worker's iterator); use executor 'local'"
-        )
-    if address is None:
-        return (
-            f"loader {config.name!r} asks for executor 'ray', but this server has no Ray "
-            "cluster: start it with PINFEED_RAY_ADDRESS=<head>:6379"
-        )
-    return None
+
+    def live_refusal(self, old: LoaderConfig, new: LoaderConfig, iterable: bool) -> str | None:
+        if new.num_workers == 0:
+            return (
+                f"loader {new.name!r} has executor 'ray': its batches are made by Ray actors, "
+                "at least one; num_workers=0 (in the server) needs executor 'local'"
+            )
+        return None
+
+    def resizes_live(self, old: int, new: int) -> bool:
+        return True  # the bridge starts or stops actors
+
+    def producer(self, ctx: ProducerContext, spawn: ProcessFactory | None) -> Producer:
+        assert self.address is not None  # refusal() saw to it
+        return RayProducer(ctx, self.address)
 
 
 @dataclass
@@ -96,12 +136,15 @@ class _Link:
 
 
 class RayProducer:
-    def __init__(self, ctx: ProducerContext) -> None:
-        if _address is None:
-            raise RuntimeError("executor 'ray' needs PINFEED_RAY_ADDRESS")
+    def __init__(self, ctx: ProducerContext, address: str) -> None:
         self.name = ctx.config.name
         self._spec = BridgeSpec(
-            WorkerSpec.of(ctx), ctx.config, ctx.num_processes, _address, ray_endpoint(_address)
+            WorkerSpec.of(ctx),
+            ctx.config,
+            ctx.streams,
+            ctx.processes,
+            address,
+            ray_endpoint(address),
         )
         self._ring = ctx.ring
         self._ring_fd = ctx.ring.fd
@@ -115,7 +158,7 @@ class RayProducer:
         self._idle = threading.Condition(self._lock)  # notified as results come
         self._started: dict[int, float] = {}
         self._busy_s = 0.0
-        self._num_workers = ctx.num_processes
+        self._num_workers = ctx.processes
         self._stop = threading.Event()
         self.restarts = 0
         self._link = self._spawn()
@@ -275,6 +318,5 @@ class RayProducer:
             log.warning(
                 "loader %s: the Ray cluster is back; %d tasks re-sent", self.name, len(tasks)
             )
-            if self._on_recovered is not None:
-                self._on_recovered()
+            self._on_recovered()
             return

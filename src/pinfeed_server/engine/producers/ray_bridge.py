@@ -30,7 +30,6 @@ import logging
 import mmap
 import os
 import socket
-import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -43,25 +42,26 @@ from pinfeed_server.datasets import build_dataset
 from pinfeed_server.engine.config import LoaderConfig
 from pinfeed_server.engine.producers.base import Result, Task, error_info
 from pinfeed_server.engine.producers.codec import (
+    DROP_TAG,
+    FATAL_TAG,
+    RESIZE_TAG,
+    RESTART_TAG,
+    RESULT_TAG,
+    SEGMENT_TAG,
     STARTUP_SEQ,
     STOP,
+    TASK_TAG,
+    decode_count,
     decode_result,
     decode_task,
     encode_result,
 )
-from pinfeed_server.engine.producers.seeding import RESULT_TAG, TASK_TAG, Streams
-from pinfeed_server.engine.producers.worker import (
-    DROP_TAG,
-    SEGMENT_TAG,
-    WorkerSpec,
-    receive_segment,
-)
+from pinfeed_server.engine.producers.seeding import Streams
+from pinfeed_server.engine.producers.worker import WorkerSpec, receive_segment
 from pinfeed_server.engine.ring import SegmentInfo, SlotSpace, map_ring
 
 log = logging.getLogger("pinfeed.ray")
 
-RESIZE_TAG, RESTART_TAG, FATAL_TAG = b"N", b"x", b"F"
-_COUNT = struct.Struct("<q")
 START_TIMEOUT_S = 120.0  # actors to build their datasets (a cold Ray worker imports torch)
 MAX_TASK_RETRIES = 2
 PROBE_EVERY_S = 1.0
@@ -74,7 +74,8 @@ class BridgeSpec:
     """What the bridge is started with (pickled once)."""
 
     worker: WorkerSpec  # what each actor is built from
-    config: LoaderConfig  # as created: its num_workers is the RNG streams' (seeding.py)
+    config: LoaderConfig
+    streams: int  # DataLoader's num_workers as created: the RNG streams (seeding.py)
     processes: int  # actors to start (a live PATCH or autotune changes it later)
     address: str
     endpoint: tuple[str, int]  # the GCS's host and port, for the watchdog
@@ -85,10 +86,6 @@ class _Actor:
     handle: Any
     pid: int
     outstanding: dict[int, Task] = field(default_factory=dict)  # seq -> task, in order
-
-
-def encode_count(n: int) -> bytes:
-    return RESIZE_TAG + _COUNT.pack(n)
 
 
 class Bridge:
@@ -106,6 +103,7 @@ class Bridge:
         dataset = build_dataset(spec.worker.kind, spec.worker.params, spec.worker.context)
         self.streams = Streams(
             spec.config,
+            spec.streams,
             dataset,
             replay=spec.worker.snapshots,
             allowed=spec.worker.context.allowed_plugins,
@@ -155,7 +153,7 @@ class Bridge:
             self.actors.extend(new)
             while len(self.actors) > n:
                 self._retiring.append(self.actors.pop())
-            for stream in range(self.streams.num_workers):
+            for stream in range(self.streams.count):
                 if stream % before != stream % n:
                     self.streams.forget(stream)
 
@@ -174,7 +172,7 @@ class Bridge:
         with self._lock:
             position = self.actors.index(dead)
             self.actors[position] = new
-            for stream in range(position, self.streams.num_workers, len(self.actors)):
+            for stream in range(position, self.streams.count, len(self.actors)):
                 self.streams.forget(stream)
             tasks = sorted(dead.outstanding.items())
             dead.outstanding.clear()
@@ -258,7 +256,7 @@ class Bridge:
                 if message == STOP:
                     break
                 if message[:1] == RESIZE_TAG:
-                    self.resize(_COUNT.unpack_from(message, 1)[0])
+                    self.resize(decode_count(message))
                 elif message[:1] in (SEGMENT_TAG, DROP_TAG):
                     # Before any task into a new segment; a dropped one has no slot in use.
                     receive_segment(message, self._conn, self._space, self._maps)

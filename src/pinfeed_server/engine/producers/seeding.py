@@ -29,7 +29,7 @@ import torch
 from torch.utils.data._utils import worker as torch_worker
 
 from pinfeed_server.engine.collate import fetch_samples
-from pinfeed_server.engine.config import LoaderConfig, make_sampler
+from pinfeed_server.engine.config import LoaderConfig, make_sampler, persistent
 from pinfeed_server.engine.sampler import BatchPlan
 
 
@@ -49,12 +49,12 @@ class BaseSeeds:
     """The base seed of each epoch: the ``random_`` draw DataLoader's iterator makes from
     ``Generator().manual_seed(seed)`` before the sampler draws (``sampler.py``)."""
 
-    def __init__(self, config: LoaderConfig, length: int) -> None:
+    def __init__(self, config: LoaderConfig, streams: int, length: int) -> None:
         self._gen = torch.Generator().manual_seed(config.seed)
         # RandomSampler draws from the same generator: randperm(n), then a second one
         # once it is exhausted; a sequential or distributed sampler draws nothing.
         self._perm = length if config.shuffle and config.world_size is None else 0
-        self._persistent = config.persistent_workers and config.num_workers > 0
+        self._persistent = persistent(config, streams)
         self._seeds: list[int] = []
 
     def __call__(self, epoch: int) -> int:
@@ -79,14 +79,20 @@ class Streams:
     worker after each batch), else from the seed; then replay up to the batch."""
 
     def __init__(
-        self, config: LoaderConfig, dataset: Any, *, replay: bool, allowed: tuple[str, ...] = ()
+        self,
+        config: LoaderConfig,
+        streams: int,
+        dataset: Any,
+        *,
+        replay: bool,
+        allowed: tuple[str, ...] = (),
     ) -> None:
-        self.num_workers = max(1, config.num_workers)
-        self.persistent = config.persistent_workers and config.num_workers > 0
-        self.base_seed = BaseSeeds(config, len(dataset))
+        self.count = max(1, streams)
+        self.persistent = persistent(config, streams)
+        self.base_seed = BaseSeeds(config, streams, len(dataset))
         self.replay = replay  # False: the dataset draws nothing from the global RNGs
         # A private copy of the plan (a custom sampler's factory called again), for replay.
-        self._plan: BatchPlan = make_sampler(config, dataset, allowed)
+        self._plan: BatchPlan = make_sampler(config, dataset, allowed, streams=streams)
         self._batches = len(self._plan)
         self._next: dict[int, tuple[int, int]] = {}  # worker -> the batch it is ready for
         # worker -> {the batch its RNG state is ready for: that state}, oldest first
@@ -95,13 +101,13 @@ class Streams:
         self.replayed = 0  # batches replayed, for tests and the docs' cost figures
 
     def worker_of(self, index: int) -> int:
-        return index % self.num_workers
+        return index % self.count
 
     def _after(self, w: int, epoch: int, index: int) -> tuple[int, int] | None:
         """The batch worker ``w`` makes after ``(epoch, index)`` with the RNG state it
         leaves; None: a new epoch of non-persistent workers, seeded afresh."""
-        if index + self.num_workers < self._batches:
-            return epoch, index + self.num_workers
+        if index + self.count < self._batches:
+            return epoch, index + self.count
         if self.persistent and w < self._batches:
             return epoch + 1, w
         return None
@@ -139,7 +145,7 @@ class Streams:
                 state = kept[start]
         replay = self._between(w, start, (epoch, index)) if self.replay else []
         self.replayed += len(replay)
-        return Reseed(w, self.num_workers, self.base_seed(epoch), replay, state)
+        return Reseed(w, self.count, self.base_seed(epoch), replay, state)
 
     def _between(self, w: int, start: tuple[int, int], stop: tuple[int, int]) -> list[list[int]]:
         """Worker ``w``'s index batches from ``start`` (included) to ``stop`` (not)."""
@@ -150,7 +156,7 @@ class Streams:
             if first >= last:
                 continue
             batches = list(self._plan.batches(e))
-            for j in range(first, last, self.num_workers):
+            for j in range(first, last, self.count):
                 indices = batches[j]
                 if indices is not None and (e, j) not in self._poison:
                     out.append(indices)
@@ -218,26 +224,6 @@ def load_state(blob: bytes) -> None:
     restore((torch.frombuffer(bytearray(torch_state), dtype=torch.uint8), random_state, np_state))
 
 
-# The pool's pipe carries a reseed before the task it is for, and from the worker a
-# snapshot before the result it follows; a tag tells them apart.
-TASK_TAG, RESEED_TAG = b"T", b"R"
-RESULT_TAG, SNAPSHOT_TAG = b"r", b"s"
-
-
-def encode_reseed(reseed: Reseed) -> bytes:
-    return RESEED_TAG + pickle.dumps(reseed, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def encode_snapshot(epoch: int, index: int) -> bytes:
-    """The worker's RNG state after batch ``(epoch, index)``."""
-    return SNAPSHOT_TAG + pickle.dumps((epoch, index, dump_state()), protocol=5)
-
-
-def decode_snapshot(message: bytes) -> tuple[int, int, bytes]:
-    epoch, index, state = pickle.loads(message[1:])
-    return int(epoch), int(index), state
-
-
 class WorkerRngs:
     """A worker process's side: the RNG state of each of the streams (DataLoader's
     worker ids) it makes batches for. One stream per process, unless a live resize
@@ -246,14 +232,14 @@ class WorkerRngs:
     further stream gets its own shallow copy of the dataset (as DataLoader's workers
     each have theirs), for ``worker_init_fn`` to set up."""
 
-    def __init__(self, dataset: Any, num_workers: int, init_fn: Any) -> None:
+    def __init__(self, dataset: Any, streams: int, init_fn: Any) -> None:
         self.dataset = dataset  # the current stream's
         try:
             self._pristine = copy.copy(dataset)  # before any worker_init_fn
         except Exception:  # not copyable: further streams share it
             self._pristine = dataset
         self._datasets: dict[int, Any] = {}
-        self._num_workers = num_workers
+        self._streams = streams
         self._init_fn = init_fn
         self._current: int | None = None
         self._saved: dict[int, tuple[RngState, Any]] = {}  # stream -> (state, WorkerInfo)
@@ -270,7 +256,7 @@ class WorkerRngs:
 
     def enter(self, index: int) -> None:
         """Make the global RNGs batch ``index``'s stream's."""
-        stream = index % self._num_workers
+        stream = index % self._streams
         if stream == self._current:
             return
         if stream not in self._saved:
@@ -290,9 +276,3 @@ class WorkerRngs:
         if self._current is not None:
             self._saved[self._current] = (capture(), torch_worker._worker_info)
             self._current = None
-
-
-def decode_reseed(message: bytes) -> Reseed:
-    reseed = pickle.loads(message[1:])
-    assert isinstance(reseed, Reseed)
-    return reseed

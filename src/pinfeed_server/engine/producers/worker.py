@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import struct
 from dataclasses import dataclass
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
@@ -33,28 +32,25 @@ from pinfeed_server.engine.config import LoaderConfig
 from pinfeed_server.engine.iterable import is_iterable
 from pinfeed_server.engine.producers.base import ProducerContext, Result, Task, error_info
 from pinfeed_server.engine.producers.codec import (
-    STARTUP_SEQ,
-    STOP,
-    decode_task,
-    encode_result,
-)
-from pinfeed_server.engine.producers.iterating import IterStreams, make_turn
-from pinfeed_server.engine.producers.seeding import (
+    DROP_TAG,
     RESEED_TAG,
     RESULT_TAG,
-    Reseed,
-    WorkerRngs,
-    decode_reseed,
-    encode_snapshot,
+    SEGMENT_TAG,
+    SNAPSHOT_TAG,
+    STARTUP_SEQ,
+    STOP,
+    decode_pickled,
+    decode_segment,
+    decode_task,
+    encode_pickled,
+    encode_result,
+    encode_segment,
 )
+from pinfeed_server.engine.producers.iterating import IterStreams, make_turn
+from pinfeed_server.engine.producers.seeding import Reseed, WorkerRngs, dump_state
 from pinfeed_server.engine.producers.zygote import inherited
 from pinfeed_server.engine.ring import Ring, SegmentInfo, SlotSpace, map_ring
 from pinfeed_server.plugins import resolve
-
-# The pool's pipe: a ring segment to map (its fd follows, ``reduction.send_handle``) or
-# to unmap: id, first slot, slots.
-SEGMENT_TAG, DROP_TAG = b"G", b"D"
-SEGMENT = struct.Struct("<III")
 
 
 @dataclass(frozen=True)
@@ -69,7 +65,7 @@ class WorkerSpec:
     ring_size: int  # segment 0's bytes; later segments come over the pipe
     slot_bytes: int
     worker_init_fn: str | None = None
-    num_workers: int = 1  # DataLoader's, as created: the RNG streams (seeding.py)
+    streams: int = 1  # DataLoader's num_workers as created: the RNG streams (seeding.py)
     snapshots: bool = False  # send the RNG state after each batch
     collate_fn: str | None = None
     iterable: LoaderConfig | None = None  # an IterableDataset's loader: turns (iterating.py)
@@ -80,17 +76,17 @@ class WorkerSpec:
         iterable = is_iterable(ctx.dataset)
         return cls(
             ctx.config.name,
-            ctx.kind,
+            ctx.kind.name,
             ctx.params,
             ctx.datasets,
             ctx.layout.to_json(),
             ctx.ring.segments()[0][0].nslots * ctx.ring.slot_bytes,  # segment 0
             ctx.ring.slot_bytes,
             ctx.config.worker_init_fn,
-            max(1, ctx.config.num_workers),
-            # Built-in kinds draw nothing from the global RNGs: no replay, no snapshots
-            # (unless a collate_fn may draw); an iterable's workers keep their own.
-            snapshots=(ctx.kind == "python" or ctx.config.collate_fn is not None) and not iterable,
+            max(1, ctx.streams),
+            # A dataset that draws nothing from the global RNGs needs no replay and no
+            # snapshots; an iterable's workers keep their streams' states themselves.
+            snapshots=ctx.draws_rng and not iterable,
             collate_fn=ctx.config.collate_fn,
             iterable=ctx.config if iterable else None,
         )
@@ -112,11 +108,11 @@ class BatchMaker:
         self._spec, self._slots = spec, slots
         self._layout = Layout.from_json(spec.layout)
         self.writer = SlotWriter(dataset, self._layout, slots, spec.slot_bytes, collate)
-        self._rngs = WorkerRngs(dataset, spec.num_workers, init_fn)
+        self._rngs = WorkerRngs(dataset, spec.streams, init_fn)
         self._turns = (
             None
             if spec.iterable is None
-            else IterStreams(dataset, spec.iterable, init_fn, worker=True)
+            else IterStreams(dataset, spec.iterable, spec.streams, init_fn, worker=True)
         )
         self._failed: Exception | None = None  # the last reseed's error, until the next one
 
@@ -186,12 +182,12 @@ def worker_main(worker_id: int, conn: Connection, spec: WorkerSpec) -> None:
             receive_segment(message, conn, space, maps)
             continue
         if message[:1] == RESEED_TAG:
-            maker.reseed(decode_reseed(message))
+            maker.reseed(decode_pickled(message))
             continue
         task = decode_task(message[1:])
         result, seeded = maker.make(task)
-        if spec.snapshots and seeded:
-            conn.send_bytes(encode_snapshot(task.epoch, task.index))
+        if spec.snapshots and seeded:  # the worker's RNG state after the batch
+            conn.send_bytes(encode_pickled(SNAPSHOT_TAG, (task.epoch, task.index, dump_state())))
         conn.send_bytes(RESULT_TAG + encode_result(result))
     maker.close()
     del base
@@ -210,10 +206,10 @@ def send_segments(ring: Ring, conn: Connection, pid: int, known: set[int]) -> se
         with contextlib.suppress(OSError):
             for sid in sorted(set(now) - known):
                 info, fd = now[sid]
-                conn.send_bytes(SEGMENT_TAG + SEGMENT.pack(info.id, info.first, info.nslots))
+                conn.send_bytes(encode_segment(SEGMENT_TAG, info.id, info.first, info.nslots))
                 reduction.send_handle(conn, fd, pid)
             for sid in sorted(known - set(now)):
-                conn.send_bytes(DROP_TAG + SEGMENT.pack(sid, 0, 0))
+                conn.send_bytes(encode_segment(DROP_TAG, sid, 0, 0))
     return set(now)
 
 
@@ -221,7 +217,7 @@ def receive_segment(
     message: bytes, conn: Connection, space: SlotSpace, maps: dict[int, mmap.mmap]
 ) -> None:
     """Map a segment the ring gained (its fd follows on the pipe), or unmap a closed one."""
-    info = SegmentInfo(*SEGMENT.unpack(message[1:]))
+    info = SegmentInfo(*decode_segment(message))
     if message[:1] == SEGMENT_TAG:
         fd = reduction.recv_handle(conn)
         try:

@@ -1,0 +1,62 @@
+"""The node's limits on all loaders together, and the one admission function.
+
+PINFEED_MAX_WORKERS bounds the worker processes (and threads) that take this node's
+CPUs, PINFEED_MAX_SHM_BYTES the memory every ring holds or is about to. A new loader,
+a loader restarted from the registry and every live change (a PATCH, autotune) is
+admitted here or refused with the domain error that says what to do (409
+worker-limit, 507 insufficient-memory, mapped to problem+json by the API).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from pinfeed.errors import InsufficientMemory, WorkerLimit
+from pinfeed_server.engine.config import LoaderConfig
+from pinfeed_server.engine.loader import LoaderEngine
+
+
+class NodeBudget:
+    def __init__(
+        self,
+        max_workers: int,
+        max_shm_bytes: int,
+        loaders: Callable[[], Mapping[str, LoaderEngine]],
+    ) -> None:
+        self.max_workers = max_workers
+        self.max_shm_bytes = max_shm_bytes
+        self._loaders = loaders
+
+    def workers_used(self, but: str | None = None) -> int:
+        """Node workers of every loader, or of every loader but ``but``."""
+        return sum(e.node_workers for n, e in list(self._loaders().items()) if n != but)
+
+    def shm_used(self, but: str | None = None) -> int:
+        return sum(e.reserved_bytes() for n, e in list(self._loaders().items()) if n != but)
+
+    def admit(
+        self, config: LoaderConfig, ring_bytes: int, workers: int, replaces: str | None = None
+    ) -> None:
+        """Refuse ``config`` (a new loader's, or loader ``replaces``'s new one), whose
+        ring holds ``ring_bytes`` and whose processes take ``workers`` of the node's,
+        where the node's limits cannot take it."""
+        but = replaces if replaces is not None else config.name
+        used = self.workers_used(but)
+        if used + workers > self.max_workers:
+            free = max(0, self.max_workers - used)
+            raise WorkerLimit(
+                f"loader {config.name!r} asks for {workers} worker processes; {free} of "
+                f"PINFEED_MAX_WORKERS={self.max_workers} are free ({used} held by other "
+                "loaders). Lower num_workers, delete a loader, or raise PINFEED_MAX_WORKERS",
+                max_workers=self.max_workers,
+                free_workers=free,
+            )
+        free_bytes = max(0, self.max_shm_bytes - self.shm_used(but))
+        if ring_bytes > free_bytes:
+            raise InsufficientMemory(
+                f"loader {config.name!r} needs a ring of {ring_bytes} bytes; {free_bytes} "
+                f"bytes of PINFEED_MAX_SHM_BYTES={self.max_shm_bytes} are free. Lower "
+                "batch_size, num_workers or prefetch_factor, or raise the budget",
+                need_bytes=ring_bytes,
+                free_bytes=free_bytes,
+            )
