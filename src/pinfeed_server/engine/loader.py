@@ -136,6 +136,7 @@ class LoaderEngine:
             params,
             context,
             self.dataset,
+            self.sampler,
             self.layout,
             self.ring,
             self._on_result,

@@ -49,6 +49,7 @@ from pinfeed_server.datasets import DatasetContext, Kind
 from pinfeed_server.engine.collate import Layout
 from pinfeed_server.engine.config import LoaderConfig
 from pinfeed_server.engine.ring import Ring
+from pinfeed_server.engine.sampler import BatchPlan
 
 
 # Not frozen, though never changed: two are made per batch, and a frozen dataclass
@@ -104,6 +105,7 @@ class ProducerContext:
     params: dict[str, Any]
     datasets: DatasetContext
     dataset: Any  # the server's own instance, for producers in the server process
+    plan: BatchPlan  # the engine's (a replay reads its history: seeding.history_of)
     layout: Layout
     ring: Ring
     on_result: Callable[[Result], None]

@@ -33,6 +33,7 @@ from pinfeed_server.engine.producers.seeding import (
     WorkerRngs,
     apply,
     capture,
+    history_of,
     restore,
 )
 from pinfeed_server.plugins import resolve
@@ -71,9 +72,10 @@ class InlineProducer:
         self.streams = Streams(
             ctx.config,
             ctx.streams,
-            ctx.dataset,
+            history_of(
+                ctx.config, ctx.streams, ctx.plan, ctx.dataset, ctx.datasets.allowed_plugins
+            ),
             replay=ctx.draws_rng,
-            allowed=ctx.datasets.allowed_plugins,
         )
         if self.streams.replay and ctx.streams > 0:
             init, allowed = ctx.config.worker_init_fn, ctx.datasets.allowed_plugins
