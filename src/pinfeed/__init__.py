@@ -25,6 +25,7 @@ from pinfeed.errors import (
     SampleError,
     ServerUnavailable,
     Unauthorized,
+    Unshippable,
     UnsupportedMediaType,
     WorkerLimit,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "SampleError",
     "ServerUnavailable",
     "Unauthorized",
+    "Unshippable",
     "UnsupportedMediaType",
     "WorkerLimit",
 ]
