@@ -46,7 +46,7 @@ from pinfeed_server.engine.recovery import resume_producing
 from pinfeed_server.engine.resize import LiveResize
 from pinfeed_server.engine.ring import Ring, SlotState, SlotTable
 from pinfeed_server.engine.sampler import BatchPlan, with_last
-from pinfeed_server.engine.stats import LoaderStats
+from pinfeed_server.engine.stats import LoaderStats, StatsSnapshot
 from pinfeed_server.engine.status import LoaderState, LoaderStatus, MemberStatus, SlotCounts
 
 log = logging.getLogger("pinfeed.loader")
@@ -346,13 +346,12 @@ class LoaderEngine(LiveResize):
             self.stats.consumed(item.rows)
         return item
 
-    def stats_snapshot(self) -> dict[str, Any]:
+    def stats_snapshot(self) -> StatsSnapshot:
         busy = self.producer.busy_seconds() if self.producer else 0.0
         members = max(1, self.consumers.attached)  # a sum of bools: no lock needed
         tuner = self.tuner
-        return self.stats.snapshot(busy, self.config.num_workers, members) | {
-            "autotune": tuner.report() if tuner is not None else None
-        }
+        report = tuner.report() if tuner is not None else None
+        return self.stats.snapshot(self.config.name, busy, self.config.num_workers, members, report)
 
     def tune_sample(self) -> Sample:
         """The counters autotune measures over its intervals."""
