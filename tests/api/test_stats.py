@@ -114,6 +114,10 @@ def test_a_snapshot_sets_every_field_as_model_construct_would() -> None:
     assert snap.model_fields_set == set(StatsSnapshot.model_fields)
     with pytest.raises(ValueError, match="frozen"):
         snap.errors = 1  # type: ignore[misc]
+    # Snapshots share one fields-set (see _built): a copy must not write into it.
+    copy = snap.model_copy(update={"errors": 7})
+    assert copy.errors == 7 and snap.errors == 0
+    assert snap.model_fields_set == set(StatsSnapshot.model_fields)
     assert (snap.workers, snap.worker_busy_s, snap.autotune) == (2, 1.5, {"enabled": True})
 
 
