@@ -17,8 +17,7 @@ LoaderState = Literal["starting", "ready", "failed", "draining", "closed"]
 
 
 class SlotCounts(BaseModel):
-    """Ring slots by state: free -> filling -> ready -> leased -> free; total is their
-    sum."""
+    """Ring slots by state: free -> filling -> ready -> leased -> free; total: their sum."""
 
     free: int = 0
     filling: int = 0
