@@ -16,6 +16,10 @@ if sys.argv[1:2] == ["scale"]:
     from bench.scale import main
 
     raise SystemExit(main(sys.argv[2:]))
+if sys.argv[1:2] == ["metrics-render"]:
+    from bench.metrics_render import main
+
+    raise SystemExit(main(sys.argv[2:]))
 if sys.argv[1:2] == ["ray"]:
     from bench.ray import main
 

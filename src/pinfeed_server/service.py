@@ -37,7 +37,7 @@ from pinfeed_server.engine.loader import LoaderEngine
 from pinfeed_server.engine.prepare import ConfigError, prepare
 from pinfeed_server.engine.producers import Zygotes, configure_forkserver, executors
 from pinfeed_server.engine.producers.inline import GLOBAL_RNG
-from pinfeed_server.engine.stats import LoaderStats
+from pinfeed_server.engine.stats import StatsSnapshot
 from pinfeed_server.engine.status import LoaderStatus
 from pinfeed_server.node.budget import NodeBudget
 from pinfeed_server.node.tuning import TuningLoop
@@ -295,15 +295,22 @@ class Service:
                 continue  # deleted while we listed
         return out
 
-    def loader_stats(self, name: str) -> dict[str, Any]:
+    def loader_stats(self, name: str) -> StatsSnapshot:
         if name in self._unstarted:
-            return {"name": name, **LoaderStats().snapshot(0.0, 1)}
-        return {"name": name, **self._engine(name).stats_snapshot()}
+            return StatsSnapshot.zeros(name, self._unstarted[name]["config"]["num_workers"])
+        return self._engine(name).stats_snapshot()
 
-    def unstarted(self) -> list[dict[str, Any]]:
-        """The loaders that could not start, described (``GET /metrics`` lists them)."""
-        rows = sorted(self._unstarted.items())
-        return [{"name": name, **self._describe_unstarted(row)} for name, row in rows]
+    def unstarted(self) -> list[tuple[dict[str, Any], LoaderStatus, StatsSnapshot]]:
+        """The loaders that could not start (``GET /metrics`` lists them): each one's
+        config with its dataset, its status (failed) and its stats (zeros)."""
+        return [
+            (
+                {**row["config"], "name": name, "dataset": row["dataset"]},
+                LoaderStatus.unstarted(row["detail"]),
+                StatsSnapshot.zeros(name, row["config"]["num_workers"]),
+            )
+            for name, row in sorted(self._unstarted.items())
+        ]
 
     def patch_loader(self, name: str, body: LoaderPatch) -> dict[str, Any]:
         """Change num_workers/prefetch_factor live: position and batches are kept; the

@@ -55,7 +55,7 @@ from pinfeed_server.engine.publisher import Publisher
 from pinfeed_server.engine.resizer import RingResizer
 from pinfeed_server.engine.ring import Ring, SlotState, SlotTable
 from pinfeed_server.engine.sampler import BatchPlan, with_last
-from pinfeed_server.engine.stats import LoaderStats
+from pinfeed_server.engine.stats import LoaderStats, StatsSnapshot
 from pinfeed_server.engine.status import LoaderState, LoaderStatus, MemberStatus, SlotCounts
 
 log = logging.getLogger("pinfeed.loader")
@@ -482,13 +482,12 @@ class LoaderEngine:
             self.stats.consumed(item.rows)
         return item
 
-    def stats_snapshot(self) -> dict[str, Any]:
+    def stats_snapshot(self) -> StatsSnapshot:
         busy = self.producer.busy_seconds()
         members = max(1, self.consumers.attached)  # a sum of bools: no lock needed
         tuner = self.tuner
-        return self.stats.snapshot(busy, self.config.num_workers, members) | {
-            "autotune": tuner.report() if tuner is not None else None
-        }
+        report = tuner.report() if tuner is not None else None
+        return self.stats.snapshot(self.config.name, busy, self.config.num_workers, members, report)
 
     def tune_sample(self) -> Sample:
         """The counters autotune measures over its intervals."""
