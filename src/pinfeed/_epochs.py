@@ -271,7 +271,8 @@ class Epochs:
         self._want_epoch = None
 
     def _check_resumable(self) -> None:
-        if self._info.group_mode == "split" and self._info.group_size > 1:
+        config = self._info.config
+        if config.group_mode == "split" and config.group_size > 1:
             raise RuntimeError(
                 "state_dict/load_state_dict need a plain or broadcast loader; split groups "
                 "resume at epoch boundaries with set_epoch"

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from pinfeed.protocol import Attached
+from pinfeed.protocol import Attached, AttachedConfig
 
 
 def _server_side(what: str) -> NoReturn:
@@ -56,11 +56,11 @@ class RemoteSampler(Sampler[int]):
 
     def __init__(self, info: Attached, set_epoch: Callable[[int], None]) -> None:
         config = info.config
-        self.shuffle = bool(config["shuffle"])
-        self.seed = int(config["seed"])
-        self.drop_last = bool(config["drop_last"])
-        self.num_replicas: int | None = config["world_size"]
-        self.rank = int(config["rank"])
+        self.shuffle = config.shuffle
+        self.seed = config.seed
+        self.drop_last = config.drop_last
+        self.num_replicas = config.world_size
+        self.rank = config.rank
         self.epoch = info.epoch
         self.num_samples: int | None = info.sampler_length
         self._set_epoch = set_epoch
@@ -101,13 +101,13 @@ class RemoteBatchSampler(Sampler[list[int]]):
         _server_side("batch sampler")
 
 
-def _seeded_generator(config: dict[str, Any]) -> torch.Generator | None:
+def _seeded_generator(config: AttachedConfig) -> torch.Generator | None:
     """The generator that makes DataLoader shuffle as this loader does (a new one each
     call: drawing from it changes nothing in the server), or None where DataLoader
     would have none (no shuffle, or DistributedSampler's seed)."""
-    if not config["shuffle"] or config["world_size"] is not None:
+    if not config.shuffle or config.world_size is not None:
         return None
-    return torch.Generator().manual_seed(int(config["seed"]))
+    return torch.Generator().manual_seed(config.seed)
 
 
 class DataLoaderAttributes:
@@ -124,33 +124,33 @@ class DataLoaderAttributes:
     @property
     def batch_size(self) -> int | None:
         """None under a ``batch_sampler``, as DataLoader's (it is the batch sampler's)."""
-        if self._info.config.get("batch_sampler") is not None:
+        if self._info.config.batch_sampler is not None:
             return None
-        return int(self._info.config["batch_size"])
+        return self._info.config.batch_size
 
     @property
     def drop_last(self) -> bool:
-        return bool(self._info.config["drop_last"])
+        return self._info.config.drop_last
 
     @property
     def num_workers(self) -> int:
         """The server's worker processes for this loader (at attach)."""
-        return int(self._info.config["num_workers"])
+        return self._info.config.num_workers
 
     @property
     def prefetch_factor(self) -> int | None:
         """Batches ahead per worker; None without workers, as with DataLoader."""
-        return int(self._info.config["prefetch_factor"]) if self.num_workers else None
+        return self._info.config.prefetch_factor if self.num_workers else None
 
     @property
     def persistent_workers(self) -> bool:
         """The loader's ``persistent_workers``: one base seed, worker RNGs carried across
         epochs (the server's worker processes outlive every epoch either way)."""
-        return bool(self._info.config.get("persistent_workers", False))
+        return self._info.config.persistent_workers
 
     @property
     def pin_memory(self) -> bool:
-        return bool(self._info.config["pin_memory"])
+        return self._info.config.pin_memory
 
     @property
     def timeout(self) -> float:
@@ -160,7 +160,7 @@ class DataLoaderAttributes:
     @property
     def dataset(self) -> RemoteDataset:
         info = self._info
-        return RemoteDataset(str(info.config["dataset"]), info.dataset_length, info.sample)
+        return RemoteDataset(info.config.dataset, info.dataset_length, info.sample)
 
     @property
     def sampler(self) -> RemoteSampler:
@@ -168,14 +168,14 @@ class DataLoaderAttributes:
 
     @property
     def batch_sampler(self) -> RemoteBatchSampler:
-        batch_size = int(self._info.config["batch_size"])
+        batch_size = self._info.config.batch_size
         return RemoteBatchSampler(self._sampler, batch_size, self._info.batches_per_epoch)
 
     @property
     def collate_fn(self) -> Callable[[list[Any]], Any]:
         """What the server applies (collating straight into the slot): default_collate,
         or a stand-in for the loader's own ``collate_fn``, which runs in the server."""
-        spec = self._info.config.get("collate_fn")
+        spec = self._info.config.collate_fn
         if spec is None:
             return torch.utils.data.default_collate
         return lambda samples: _server_side(f"collate_fn {spec!r}")
