@@ -130,6 +130,7 @@ def test_copy_releases_each_slot_with_the_next_message() -> None:
 def test_reconnect_re_attaches_and_seeks_to_where_the_loader_was() -> None:
     fake = FakeServer(batches=4)
     loader = Loader("fake", transport=fake, reconnect=True, reconnect_timeout=5)
+    sampler = loader.sampler
     it = iter(loader)
     got = [labels(next(it))[0], labels(next(it))[0]]
     fake.pos = (7, 0)  # the restarted server forgot this member's position
@@ -137,6 +138,7 @@ def test_reconnect_re_attaches_and_seeks_to_where_the_loader_was() -> None:
     got += [labels(b)[0] for b in it]
     assert got == [first(0, i) for i in range(4)]
     assert fake.attaches == 2 and fake.sent.count("SEEK") == 1
+    assert loader.sampler is sampler  # what a tool holds stays the loader's sampler
     assert loader.state == "idle" and loader.state_dict()["epoch"] == 1
 
 
