@@ -1,9 +1,10 @@
-"""The data-plane connection a ``Loader`` talks through: one Unix socket to the server.
+"""The socket under a ``Loader``'s ``Connection`` (``pinfeed._connection``): one Unix
+socket to the server's data plane.
 
 ``Transport`` is the seam: ``Loader(name, transport=...)`` takes any object with these
-methods, so the loader's state machine runs in tests against an in-process fake
-(as httpx clients take a mock transport). Every reply lands in ``buf``; a method
-returns its length.
+methods, so the loader's connection and state machine run in tests against an
+in-process fake (as httpx clients take a mock transport). Every reply lands in
+``buf``; a method returns its length.
 """
 
 from __future__ import annotations

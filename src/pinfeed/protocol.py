@@ -2,9 +2,9 @@
 ``pinfeed_server.engine.dataplane``. Its complete table is ``docs/protocol.md``.
 
 One ``SOCK_SEQPACKET`` Unix socket per consumer; the first byte of a message is its
-kind. Control messages carry one JSON object, typed here (``Attach``, ``Attached``,
-``ErrorInfo``); per-batch messages are fixed ``struct`` layouts, so the hot path
-neither pickles nor parses JSON::
+kind. Control messages carry one JSON object, typed here (``Attach``, ``Attached`` and
+its ``AttachedConfig``, ``ErrorInfo``); per-batch messages are fixed ``struct`` layouts,
+so the hot path neither pickles nor parses JSON::
 
     client -> server                         server -> client
     ATTACH  A  JSON Attach                   ATTACHED a  JSON Attached + ring memfd
@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 ATTACH, NEXT, RELEASE, SKIP, SEEK, CUDA = map(ord, "ANRSKC")  # client -> server
 ATTACHED, BATCH, END, POSITION, ERROR, SEGMENT = map(ord, "aBEPXG")  # server -> client
@@ -210,6 +210,39 @@ class Attach:
 
 
 @dataclass(frozen=True)
+class AttachedConfig:
+    """The loader's configuration as a trainer sees it (``Attached.config``): the
+    fields ``pinfeed.Loader`` reports as DataLoader's attributes and acts on, with the
+    meaning of the loader's HTTP fields (its name is ``Attached.loader``). The rest
+    (autotune, executor, ...) is in ``GET /v1/loaders/{name}``. A decoder ignores keys
+    it does not know."""
+
+    dataset: str
+    batch_size: int  # under a batch_sampler, the field's value (DataLoader's is None)
+    shuffle: bool
+    seed: int
+    drop_last: bool
+    num_workers: int  # the loader's worker processes when the trainer attached
+    prefetch_factor: int
+    pin_memory: bool
+    persistent_workers: bool
+    rank: int
+    world_size: int | None  # None: no sharding (DistributedSampler's otherwise)
+    group_size: int  # trainer processes attached as one consumer group
+    group_mode: str  # "broadcast" or "split"
+    collate_fn: str | None  # 'module:callable' run in the server; None: default_collate
+    sampler: str | None  # a sampler's factory 'module:callable'; None: DataLoader's own
+    batch_sampler: str | None  # a batch sampler's factory; None: none
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> AttachedConfig:
+        try:
+            return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+        except TypeError as exc:  # a field missing
+            raise ValueError(f"ATTACHED config: {exc}") from None
+
+
+@dataclass(frozen=True)
 class Attached:
     """The server's reply to ATTACH; ring segment 0's memfd travels with it (SCM_RIGHTS).
     ``epoch``/``position``: the member's next batch. A decoder ignores unknown keys."""
@@ -221,25 +254,30 @@ class Attached:
     slot_bytes: int
     layout: Layout
     batches_per_epoch: int | None  # None: an iterable without __len__
-    group_size: int
-    group_mode: str
     epoch: int
     position: int
-    config: dict[str, Any]  # the loader's config: DataLoader's attributes (pinfeed._info)
+    config: AttachedConfig
     dataset_length: int | None
     sampler_length: int | None  # None: an IterableDataset's (no sampler)
     sample: Any
     version: int = PROTOCOL_VERSION
 
     def encode(self) -> bytes:
-        body = {f.name: getattr(self, f.name) for f in fields(self)}
-        return _encode_json(ATTACHED, body | {"layout": self.layout.to_json()})
+        return _encode_json(ATTACHED, asdict(self))  # layout and config as JSON objects
 
     @classmethod
     def decode(cls, data: Buffer) -> Attached:
+        """ValueError if a field is missing; fields it does not know are left out."""
         obj = _decode_json(ATTACHED, data)
         known = {f.name: obj[f.name] for f in fields(cls) if f.name in obj}
-        return cls(**(known | {"layout": Layout.from_json(obj["layout"])}))
+        try:
+            known |= {
+                "layout": Layout.from_json(obj["layout"]),
+                "config": AttachedConfig.from_json(obj["config"]),
+            }
+            return cls(**known)
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"ATTACHED lacks a field: {exc}") from None
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from pathlib import Path
 from pinfeed import protocol as p
 from pinfeed.errors import DataPlaneError, LoaderFailed, LoaderNotFound, ProtocolError
 from pinfeed_server.engine.collate import describe
+from pinfeed_server.engine.config import LoaderConfig
 from pinfeed_server.engine.iterable import dataset_length, sampler_length
 from pinfeed_server.engine.loader import LoaderEngine
 from pinfeed_server.engine.session import Session
@@ -30,6 +31,29 @@ from pinfeed_server.engine.session import Session
 log = logging.getLogger("pinfeed.dataplane")
 
 Lookup = Callable[[str], LoaderEngine | None]
+
+
+def _attached_config(config: LoaderConfig) -> p.AttachedConfig:
+    """What a trainer is told of its loader's config (a sampler or batch sampler by its
+    factory): named field by field, so that mypy sees a field renamed on either side."""
+    return p.AttachedConfig(
+        dataset=config.dataset,
+        batch_size=config.batch_size,
+        shuffle=config.shuffle,
+        seed=config.seed,
+        drop_last=config.drop_last,
+        num_workers=config.num_workers,
+        prefetch_factor=config.prefetch_factor,
+        pin_memory=config.pin_memory,
+        persistent_workers=config.persistent_workers,
+        rank=config.rank,
+        world_size=config.world_size,
+        group_size=config.group_size,
+        group_mode=config.group_mode,
+        collate_fn=config.collate_fn,
+        sampler=config.sampler.factory if config.sampler is not None else None,
+        batch_sampler=config.batch_sampler.factory if config.batch_sampler is not None else None,
+    )
 
 
 def _peer_ids(conn: socket.socket) -> tuple[int, int]:
@@ -188,7 +212,6 @@ class DataPlaneServer:
             conn.send(exc.info().encode())
             return None
         assert engine.ring is not None
-        cfg = engine.config
         epoch, index = engine.position(member)
         attached = p.Attached(
             loader=request.loader,
@@ -198,12 +221,9 @@ class DataPlaneServer:
             slot_bytes=engine.ring.slot_bytes,
             layout=engine.layout,
             batches_per_epoch=engine.batches_per_epoch,
-            group_size=cfg.group_size,
-            group_mode=cfg.group_mode,
             epoch=epoch,
             position=index,
-            # What the trainer reports as DataLoader's attributes (pinfeed._info).
-            config=cfg.model_dump(),
+            config=_attached_config(engine.config),
             dataset_length=dataset_length(engine.sampler),
             sampler_length=sampler_length(engine.sampler),
             sample=describe(engine.layout),
