@@ -1,6 +1,7 @@
 """pinfeed's trainer library: ``Loader`` (batches over shared memory) and ``Client`` (HTTP)."""
 
 from pinfeed._admin import Client
+from pinfeed._dataloader import DataLoader
 from pinfeed._loader import Loader
 from pinfeed.errors import (
     BatchTooLarge,
@@ -36,6 +37,7 @@ __all__ = [
     "BatchTooLarge",
     "Client",
     "Conflict",
+    "DataLoader",
     "DataPlaneError",
     "GroupMemberLost",
     "InsufficientMemory",

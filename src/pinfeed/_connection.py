@@ -13,10 +13,12 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
+from collections.abc import Callable, Sequence
 
 import torch
 
 from pinfeed import protocol as p
+from pinfeed import rng
 from pinfeed._ring import RingMapping, RingSegments
 from pinfeed._transport import Transport, close_fds
 from pinfeed._views import BatchViews, Delivery
@@ -36,6 +38,7 @@ PIN_WARNING = (
 )
 
 _SEGMENT = p.SEGMENT
+_AHEAD = (p.SEGMENT, p.RNG)  # messages that come ahead of the item they are about
 
 
 class Connection:
@@ -57,9 +60,13 @@ class Connection:
         member: int | None,
         device: torch.device | None,
         copy: bool,
+        request: Callable[[], tuple[bytes, Sequence[int]]] | None = None,
     ) -> None:
+        """``request()``: the first message and the fds that go with it (default: an
+        ATTACH of ``name`` as ``member``; ``pinfeed.DataLoader``'s is a CREATE)."""
         self.name = name
         self.member = member
+        self._request = request or (lambda: (p.Attach(self.name, self.member).encode(), ()))
         self.device = device
         self.copy = copy
         self.buf = transport.buf  # every reply lands here
@@ -76,13 +83,13 @@ class Connection:
         """Send ATTACH and map what ATTACHED gives; ``stacklevel``: where a warning
         points, counted from here."""
         t, buf = self._t, self.buf
-        n, fds = t.attach(p.Attach(self.name, self.member).encode())
+        n, fds = t.attach(*self._request())
         if buf[0] != p.ATTACHED or len(fds) != 1:
             close_fds(fds)
             t.close()
             raise self.failure(n)
         info = self.info = p.Attached.decode(memoryview(buf)[:n])
-        self.member = info.member
+        self.name, self.member = info.loader, info.member
         ring = self.ring = RingMapping(fds[0], info.ring_bytes)
         self.segments = RingSegments(ring, info.nslots, info.slot_bytes)
         self.views = BatchViews(self.segments, info.layout, info.nslots, info.slot_bytes)
@@ -117,20 +124,30 @@ class Connection:
 
     # -- receiving: SEGMENT messages come ahead of the item that may use them -----------
     def recv(self) -> int:
-        """Wait for the next reply (not a SEGMENT: those are applied on the way)."""
+        """Wait for the next reply (not a SEGMENT or RNG: those are applied on the way)."""
         n = self._t.recv()
-        while self.buf[0] == _SEGMENT:
-            self._segment()
+        while self.buf[0] in _AHEAD:
+            self._ahead()
             n = self._t.recv()
         return n
 
     def try_recv(self) -> int | None:
         """The next reply if one is here already, else None (never waits)."""
         n = self._t.try_recv()
-        if n is not None and self.buf[0] == _SEGMENT:
-            self._segment()
+        if n is not None and self.buf[0] in _AHEAD:
+            self._ahead()
             return self.recv()  # the item it came ahead of is right behind it
         return n
+
+    def _ahead(self) -> None:
+        if self.buf[0] == _SEGMENT:
+            self._segment()
+            return
+        # RNG: the trainer's RNG states after the batch that follows, made on them in
+        # the server (a pinfeed.DataLoader without workers: DataLoader makes its batches
+        # in the trainer, on its RNGs).
+        (_, size) = p.RNG_HEAD.unpack_from(self.buf)
+        rng.load_state(bytes(self.buf[p.RNG_HEAD.size : p.RNG_HEAD.size + size]))
 
     def _segment(self) -> None:
         """The ring grew or shrank: map the new segment, or let a closed one go."""

@@ -14,6 +14,14 @@ so the hot path neither pickles nor parses JSON::
     SKIP    S  as NEXT; reply END            POSITION P  POSITION_BODY (after SEEK)
     SEEK    K  POSITION_BODY                 ERROR    X  JSON ErrorInfo
     CUDA    C  (no body, no reply)           SEGMENT  G  SEGMENT_BODY (+ memfd: ring grew)
+    CREATE  O  JSON Create + payload memfd   RNG      Y  RNG_HEAD + the trainer's RNG
+    EPOCH   H  EPOCH_BODY (base seed)                    states, ahead of its BATCH
+    FEED    F  FEED_HEAD, int64 indices, RNG
+
+CREATE, EPOCH, FEED and RNG are ``pinfeed.DataLoader``'s: the trainer ships its objects
+(``pinfeed.payload``) and gets a loader of its own (the reply is ATTACHED), then, per
+epoch, sends the base seed its iterator drew and the index batches its sampler made,
+ahead of the batches it asks for, as DataLoader's iterator hands them to its workers.
 
 An ERROR's slug names a class of ``pinfeed.errors``, which this module does not import:
 it imports neither pinfeed nor torch (a stdlib-only trainer loads it by path)."""
@@ -33,11 +41,13 @@ from typing import Any, ClassVar
 PROTOCOL_VERSION = 4
 
 ATTACH, NEXT, RELEASE, SKIP, SEEK, CUDA = map(ord, "ANRSKC")  # client -> server
-ATTACHED, BATCH, END, POSITION, ERROR, SEGMENT = map(ord, "aBEPXG")  # server -> client
+CREATE, EPOCH, FEED = map(ord, "OHF")  # client -> server: pinfeed.DataLoader's
+ATTACHED, BATCH, END, POSITION, ERROR, SEGMENT, RNG = map(ord, "aBEPXGY")  # server -> client
 KIND_NAMES = {
     ATTACH: "ATTACH", NEXT: "NEXT", RELEASE: "RELEASE", SKIP: "SKIP", SEEK: "SEEK",
-    CUDA: "CUDA", ATTACHED: "ATTACHED", BATCH: "BATCH", END: "END", POSITION: "POSITION",
-    ERROR: "ERROR", SEGMENT: "SEGMENT",
+    CUDA: "CUDA", CREATE: "CREATE", EPOCH: "EPOCH", FEED: "FEED", ATTACHED: "ATTACHED",
+    BATCH: "BATCH", END: "END", POSITION: "POSITION", ERROR: "ERROR", SEGMENT: "SEGMENT",
+    RNG: "RNG",
 }  # fmt: skip
 
 # kind | flags << 8, slot, seq, epoch, index in epoch, length of the trailing body
@@ -50,6 +60,11 @@ END_BODY = struct.Struct("<B3xIQ")  # kind, epoch, seq
 POSITION_BODY = struct.Struct("<B3xII")  # kind, epoch, index
 SEGMENT_BODY = struct.Struct("<B3xIII")  # kind, segment id, first slot, slots (0: closed)
 RELEASE_HEAD = struct.Struct("<BxH")  # kind, count
+EPOCH_BODY = struct.Struct("<B3xIq")  # kind, epoch, base seed
+# kind, epoch, index, indices (FEED_END: the sampler ran out), RNG state bytes after them
+FEED_HEAD = struct.Struct("<B3xIIII")
+FEED_END = 0xFFFFFFFF
+RNG_HEAD = struct.Struct("<B3xI")  # kind, bytes of the pickled (torch, random, numpy) states
 SLOT = struct.Struct("<I")
 WAIT = struct.Struct("<I")
 _ONE_RELEASE = struct.Struct("<BxHII")  # kind, count=1, slot, wait_us
@@ -207,6 +222,88 @@ class Attach:
         if type(version) is not int:
             raise ValueError("ATTACH needs the protocol version (an int)")
         return cls(loader, member, version)
+
+
+@dataclass(frozen=True)
+class Create:
+    """``pinfeed.DataLoader``'s first message: a loader of its own over the objects in the
+    payload memfd that travels with it (``pinfeed.payload``). DataLoader's arguments that
+    the server acts on; the sampler stays in the trainer (FEED). ``name``: a named loader
+    that stays warm for the next trainer asking for it with an equal config and payload
+    (``digest``); None: the loader goes with this connection."""
+
+    name: str | None
+    digest: str  # sha256 of the payload and these fields: "an equal config"
+    max_rows: int  # the largest batch a slot holds (batch_size; a batch_sampler's)
+    num_workers: int
+    prefetch_factor: int
+    pin_memory: bool
+    persistent_workers: bool
+    iterable: bool
+    length: int | None  # len(dataset), None for an iterable without one
+    batches_per_epoch: int | None  # len(DataLoader), where it has one
+    samples: int | None  # len(sampler), where it has one
+    drop_last: bool = False  # an IterableDataset's batches (its workers batch it)
+    executor: str = "local"
+    version: int = PROTOCOL_VERSION
+
+    def encode(self) -> bytes:
+        return _encode_json(CREATE, asdict(self))
+
+    @classmethod
+    def decode(cls, data: Buffer) -> Create:
+        """ValueError if malformed; any peer may send anything, so types are checked."""
+        obj = _decode_json(CREATE, data)
+        if type(obj.get("version")) is not int:
+            raise ValueError("CREATE needs the protocol version (an int)")
+        kinds = {f.name: f.type for f in fields(cls)}
+        unknown = set(obj) - set(kinds)
+        if unknown:
+            raise ValueError(f"CREATE has unknown fields {sorted(unknown)}")
+        try:
+            out = cls(**obj)
+        except TypeError as exc:
+            raise ValueError(f"CREATE: {exc}") from None
+        for name in ("max_rows", "num_workers", "prefetch_factor"):
+            value = getattr(out, name)
+            if type(value) is not int or value < (1 if name != "num_workers" else 0):
+                raise ValueError(f"CREATE {name} must be a positive int, not {value!r}")
+        return out
+
+
+def encode_epoch(epoch: int, base_seed: int) -> bytes:
+    return EPOCH_BODY.pack(EPOCH, epoch, base_seed)
+
+
+def decode_epoch(data: Buffer) -> tuple[int, int]:
+    if len(data) != EPOCH_BODY.size:
+        raise ValueError("an EPOCH is kind, epoch, base seed")
+    _, epoch, seed = EPOCH_BODY.unpack_from(data)
+    return epoch, seed
+
+
+def encode_feed(epoch: int, index: int, indices: list[int] | None, rng: bytes = b"") -> bytes:
+    """Batch ``index`` of ``epoch`` (None: the sampler ran out), and the trainer's RNG
+    states to make it on (a loader without workers: DataLoader makes its batches in the
+    trainer, on the trainer's RNGs)."""
+    if indices is None:
+        return FEED_HEAD.pack(FEED, epoch, index, FEED_END, 0)
+    head = FEED_HEAD.pack(FEED, epoch, index, len(indices), len(rng))
+    return head + struct.pack(f"<{len(indices)}q", *indices) + rng
+
+
+def decode_feed(data: Buffer) -> tuple[int, int, list[int] | None, bytes]:
+    """(epoch, index, indices or None at the end, RNG states or b"")."""
+    if len(data) < FEED_HEAD.size:
+        raise ValueError("short FEED")
+    _, epoch, index, count, nrng = FEED_HEAD.unpack_from(data)
+    if count == FEED_END:
+        return epoch, index, None, b""
+    end = FEED_HEAD.size + 8 * count
+    if len(data) != end + nrng:
+        raise ValueError("a FEED's length does not match its counts")
+    indices = list(struct.unpack_from(f"<{count}q", data, FEED_HEAD.size))
+    return epoch, index, indices, bytes(data[end:])
 
 
 @dataclass(frozen=True)

@@ -161,6 +161,15 @@ class LoaderPatch(BaseModel):
     )
 
 
+class LoaderOwner(BaseModel):
+    """The trainer process a ``pinfeed.DataLoader`` loader belongs to."""
+
+    pid: int
+    uid: int
+    attached: bool = Field(description="its trainer is connected")
+    keep: bool = Field(description="named: stays warm for the next trainer asking for it")
+
+
 class LoaderPublic(LoaderStatus, LoaderConfig):
     """A loader's config and live status."""
 
@@ -198,6 +207,11 @@ class LoaderPublic(LoaderStatus, LoaderConfig):
     )
     created_at: float = Field(description="Unix time")
     batch: Any = Field(None, description="one batch's structure with shapes and dtypes")
+    owner: LoaderOwner | None = Field(
+        None,
+        description="the trainer whose pinfeed.DataLoader made this loader (its objects, "
+        "its sampler); null: a loader made over HTTP",
+    )
 
 
 # The engine's StatsSnapshot as it is, named for the API and given its examples here:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import mmap
 import os
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -46,7 +47,7 @@ class FakeServer:
         self._next_slot = 0
 
     # -- Transport -------------------------------------------------------------------
-    def attach(self, request: bytes) -> tuple[int, list[int]]:
+    def attach(self, request: bytes, fds: Sequence[int] = ()) -> tuple[int, list[int]]:
         self.attaches += 1
         self.sent.append("ATTACH")
         leaf = p.Leaf("tensor", "int64", (), 0, SLOT_BYTES, 8)

@@ -69,6 +69,7 @@ def _batch() -> bytes:
 
 
 # kind -> (a message of that kind, a check that decoding it gives back what went in)
+CREATE = p.Create(None, "d", 32, 2, 2, True, False, False, 100, 4, 100)
 ROUND_TRIPS: dict[int, tuple[bytes, Callable[[bytes], object]]] = {
     p.ATTACH: (p.Attach("demo", 1).encode(), lambda m: p.Attach.decode(m) == p.Attach("demo", 1)),
     p.NEXT: (
@@ -109,7 +110,33 @@ ROUND_TRIPS: dict[int, tuple[bytes, Callable[[bytes], object]]] = {
             )
         ),
     ),
+    p.CREATE: (
+        CREATE.encode(),
+        lambda m: (
+            p.Create.decode(m) == p.Create(None, "d", 32, 2, 2, True, False, False, 100, 4, 100)
+        ),
+    ),
+    p.EPOCH: (p.encode_epoch(3, -7), lambda m: p.decode_epoch(m) == (3, -7)),
+    p.FEED: (
+        p.encode_feed(1, 5, [9, 2, 4], b"rng"),
+        lambda m: p.decode_feed(m) == (1, 5, [9, 2, 4], b"rng"),
+    ),
+    p.RNG: (
+        p.RNG_HEAD.pack(p.RNG, 3) + b"abc",
+        lambda m: p.RNG_HEAD.unpack_from(m) == (p.RNG, 3) and m[p.RNG_HEAD.size :] == b"abc",
+    ),
 }
+
+
+def test_a_feed_end_and_bad_feeds() -> None:
+    assert p.decode_feed(p.encode_feed(2, 7, None)) == (2, 7, None, b"")
+    with pytest.raises(ValueError):
+        p.decode_feed(p.encode_feed(1, 0, [1, 2])[:-3])
+    with pytest.raises(ValueError, match="unknown fields"):
+        p.Create.decode(p._encode_json(p.CREATE, {"version": p.PROTOCOL_VERSION, "bogus": 1}))
+    bad = p.Create(None, "d", 0, 2, 2, True, False, False, 100, 4, 100).encode()
+    with pytest.raises(ValueError, match="max_rows"):
+        p.Create.decode(bad)
 
 
 def test_every_kind_round_trips() -> None:

@@ -36,6 +36,7 @@ class BatchItem:
     index: int
     rows: int
     strings: bytes
+    rng: bytes = b""  # the trainer's RNG states after the batch (an RNG message first)
 
 
 @dataclass(frozen=True)

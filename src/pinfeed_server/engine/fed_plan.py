@@ -91,6 +91,13 @@ class FedPlan:
             self._cond.notify_all()
 
     # -- the engine's side -------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget every epoch (a new trainer's start from epoch 0)."""
+        with self._cond:
+            self._epochs.clear()
+            self._interrupts += 1
+            self._cond.notify_all()
+
     def interrupt(self) -> None:
         """Wake ``batches`` iterators: they return (a seek moved production, or a stop)."""
         with self._cond:

@@ -356,6 +356,34 @@ class LoaderEngine:
             self._seek_locked(epoch + 1, 0)
             return EndItem(epoch, max(0, self.publisher.next_publish - 1))
 
+    # -- a trainer-fed plan (pinfeed.DataLoader: its sampler runs in the trainer) -------
+    def _fed(self) -> FedPlan:
+        if not isinstance(self.sampler, FedPlan):
+            raise ValueError(f"loader {self.config.name!r} makes its own batch plan: no FEED")
+        return self.sampler
+
+    def begin_fed_epoch(self, epoch: int, seed: int) -> None:
+        self._fed().begin(epoch, seed)
+
+    def feed(self, epoch: int, index: int, indices: list[int] | None, rng: bytes | None) -> None:
+        """Batch ``index`` of ``epoch`` from the trainer's sampler (None: it ran out)."""
+        plan = self._fed()
+        if indices is None:
+            plan.end(epoch)
+        else:
+            plan.feed(epoch, index, indices, rng)
+
+    def restart_fed(self) -> None:
+        """A new trainer takes over a named trainer-fed loader: its epochs start afresh,
+        on fresh worker streams (its producer restarted from the dataset's zygote, which
+        stays warm), as a new DataLoader's would."""
+        plan = self._fed()
+        with self._reconfigure:
+            self.producer.restart()
+            with self._cond:
+                plan.reset()
+                self._seek_locked(0, 0)
+
     # -- live configuration ------------------------------------------------------------
     def reconfigure(self, change: LiveChange, admit: Admit) -> LoaderConfig:
         """The one way a running loader's configuration changes (a PATCH, autotune, the

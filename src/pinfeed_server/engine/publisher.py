@@ -99,7 +99,9 @@ class Publisher:
         if result.error is None:
             self.slots.move(task.slot, SlotState.FILLING, SlotState.READY)
             self.consumers.publish(
-                BatchItem(task.slot, result.seq, task.epoch, task.index, rows, result.strings)
+                BatchItem(
+                    task.slot, result.seq, task.epoch, task.index, rows, result.strings, result.rng
+                )
             )
             self.stats.produced(rows, self.slot_bytes)
         else:

@@ -23,19 +23,13 @@ import time
 
 from torch.utils.data._utils import worker as torch_worker
 
+from pinfeed.rng import RngState, capture, dump_state, load_state, restore
 from pinfeed_server.engine.collate import SlotWriter
+from pinfeed_server.engine.fed_plan import FedPlan
 from pinfeed_server.engine.iterable import EndJudge, is_iterable, shard_env
 from pinfeed_server.engine.producers.base import ProducerContext, Result, Task, error_info
 from pinfeed_server.engine.producers.iterating import IterStreams, make_turn
-from pinfeed_server.engine.producers.seeding import (
-    RngState,
-    Streams,
-    WorkerRngs,
-    apply,
-    capture,
-    history_of,
-    restore,
-)
+from pinfeed_server.engine.producers.seeding import Streams, WorkerRngs, apply, history_of
 
 # The global RNGs are the process's: one inline batch at a time may have them swapped,
 # and other dataset code run in the server (the service's probe of a first sample)
@@ -91,6 +85,8 @@ class InlineProducer:
             raise ValueError("a map-style dataset's batches come from index lists")
         elif self._workers is not None:
             result = self._make_as_workers(task, task.indices)
+        elif isinstance(self._ctx.plan, FedPlan) and self.streams.replay:
+            result = self._make_on_trainer_rngs(self._ctx.plan, task, task.indices)
         elif self.streams.replay:
             result = self._make_with_own_rngs(task, task.indices)
         else:  # a built-in kind: it draws nothing from the global RNGs
@@ -110,6 +106,23 @@ class InlineProducer:
                 return self._make(task.seq, task.slot, indices)
             finally:
                 self._rng = capture()
+                restore(server)
+
+    def _make_on_trainer_rngs(self, plan: FedPlan, task: Task, indices: list[int]) -> Result:
+        """A ``pinfeed.DataLoader`` without workers: DataLoader makes such a batch in the
+        trainer, on the trainer's global RNGs, so it is made here on the states the
+        trainer sent with it (FEED), and the states after it go back with the batch
+        (RNG), for the trainer to carry on from."""
+        state = plan.trainer_rng(task.epoch, task.index)
+        with GLOBAL_RNG:
+            server = capture()
+            try:
+                if state is not None:
+                    load_state(state)
+                result = self._make(task.seq, task.slot, indices)
+                result.rng = dump_state()
+                return result
+            finally:
                 restore(server)
 
     def _make_as_workers(self, task: Task, indices: list[int]) -> Result:
