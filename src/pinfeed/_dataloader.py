@@ -268,22 +268,29 @@ class _Owned:
     def feed(self, index: int, indices: list[int] | None, rng_state: bytes = b"") -> None:
         self.conn.send_message(p.encode_feed(self.epoch, index, indices, rng_state))
 
-    def next_item(self) -> Any:
-        """The next batch (delivered), or None at the epoch's END; raises what failed."""
+    def next_batch(self) -> bool:
+        """Wait for the next item: True for a BATCH (``deliver`` it), False at the
+        epoch's END; raises what failed."""
         conn = self.conn
         conn.send(_NEXT)
         n = conn.recv()
         kind = conn.buf[0]
         if kind == _BATCH:
-            _, slot, _seq, _epoch, _index, nstr = _BATCH_HEAD.unpack_from(conn.buf)
-            return conn.delivery.deliver(slot, conn.views.batch(conn.buf, slot, nstr))
+            return True
         if kind == _END:
             self.in_epoch = False
-            return None
+            return False
         info = conn.error(n)
         if info is None:
             raise conn.failure(n)
         raise error_from_info(info)
+
+    def deliver(self) -> Any:
+        """The BATCH just received, as views (or copies, or on the device). Its slot goes
+        back with the next message sent: send FEEDs before, not after."""
+        conn = self.conn
+        _, slot, _seq, _epoch, _index, nstr = _BATCH_HEAD.unpack_from(conn.buf)
+        return conn.delivery.deliver(slot, conn.views.batch(conn.buf, slot, nstr))
 
     def close(self) -> None:
         self._closing()
@@ -320,9 +327,10 @@ class _Iter(_BaseDataLoaderIter):
             for _ in range(owned.prefetch):  # DataLoader's _reset puts this many ahead
                 self._feed()
 
-    def _feed(self, rng_state: bytes = b"") -> bool:
-        """Send the sampler's next index batch; False (after telling the server) once it
-        ran out."""
+    def _feed(self, with_rng: bool = False) -> bool:
+        """Send the sampler's next index batch (``with_rng``: and this process's RNG
+        states, taken after the sampler drew: the batch is made on them); False (after
+        telling the server) once the sampler ran out."""
         if self._exhausted:
             return False
         try:
@@ -331,7 +339,8 @@ class _Iter(_BaseDataLoaderIter):
             self._exhausted = True
             self._owned.feed(self._fed, None)
             return False
-        self._owned.feed(self._fed, [int(i) for i in indices], rng_state)
+        state = rng.dump_state() if with_rng else b""
+        self._owned.feed(self._fed, [int(i) for i in indices], state)
         self._fed += 1
         return True
 
@@ -339,22 +348,28 @@ class _Iter(_BaseDataLoaderIter):
         owned = self._owned
         if owned.epoch != self._epoch or not owned.in_epoch:
             raise StopIteration  # a newer iterator took over this loader
-        if not owned.iterable and owned.num_workers == 0:
-            # As DataLoader: the next index, then the batch, made on this process's RNGs.
-            self._feed(rng.dump_state())
+        if owned.num_workers == 0:
+            # As DataLoader: the next index (an iterable: the next turn of its one
+            # iterator), then the batch, made on this process's RNGs.
+            if owned.iterable:
+                owned.feed(self._fed, [], rng.dump_state())
+                self._fed += 1
+            else:
+                self._feed(with_rng=True)
+        ahead = owned.num_workers > 0 and not owned.iterable
         try:
-            batch = owned.next_item()
+            got = owned.next_batch()
         except ServerUnavailable:
             raise  # a reconnect re-ships (see the module); not built yet for fed epochs
         except Exception:
-            if owned.num_workers > 0 and not owned.iterable:
+            if ahead:
                 self._feed()  # DataLoader puts the next index before re-raising
             raise
-        if batch is None:
+        if not got:
             raise StopIteration
-        if owned.num_workers > 0 and not owned.iterable:
+        if ahead:
             self._feed()  # one more index for each batch handed out, as DataLoader
-        return batch
+        return owned.deliver()
 
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
         super()._reset(loader, first_iter)

@@ -378,6 +378,7 @@ class Service:
             iterable=is_iterable(objects.dataset),
             reported=request.batches_per_epoch,
             samples=request.samples,
+            fed_turns=request.num_workers == 0,
         )
         code = LoaderCode(objects.collate_fn, objects.worker_init_fn)
         cap = max(0, self.settings.max_shm_bytes - self.shm_used()) // (4 * ring_slots(cfg))

@@ -43,6 +43,7 @@ class BatchItem:
 class EndItem:
     epoch: int
     seq: int
+    rng: bytes = b""  # the trainer's RNG states after the epoch's last turn (inline.py)
 
 
 @dataclass(frozen=True)

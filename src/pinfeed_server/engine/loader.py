@@ -314,9 +314,15 @@ class LoaderEngine:
             ended = self.publisher.accept(result)
             if ended is not None and self._cursor[0] <= ended:
                 # An iterator ran out before the plan did: produce the next epoch.
-                self._gen += 1
-                self._cursor = (ended + 1, 0)
+                self._move_to(ended + 1, 0)
             self._cond.notify_all()
+
+    def _move_to(self, epoch: int, index: int) -> None:
+        """Production goes on at (epoch, index): a new generation (under ``self._cond``)."""
+        self._gen += 1
+        self._cursor = (epoch, index)
+        if isinstance(self.sampler, FedPlan):
+            self.sampler.interrupt()  # the producer may be waiting for the trainer's feed
 
     def seek(self, member: int, epoch: int, index: int) -> None:
         """Make (epoch, index) the next batch; keep the warm queue if it already is."""
@@ -334,11 +340,8 @@ class LoaderEngine:
 
     def _seek_locked(self, epoch: int, index: int) -> None:
         """The body of ``seek``, under ``self._cond``."""
-        self._gen += 1
-        self._cursor = (epoch, index)
+        self._move_to(epoch, index)
         self.publisher.restart(epoch, index)
-        if isinstance(self.sampler, FedPlan):
-            self.sampler.interrupt()  # the producer may be waiting for the trainer's feed
         self._cond.notify_all()
 
     def skip_epoch(self, member: int) -> EndItem | None:

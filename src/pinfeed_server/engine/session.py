@@ -98,10 +98,12 @@ class Session:
         ring = self.engine.ring
         if ring is not None and self.generation != ring.generation:  # before a batch in them
             self.announce_segments(ring)
+        if isinstance(item, (BatchItem, EndItem)) and item.rng:
+            # The trainer's RNG states after this batch, or after the turn that ended the
+            # epoch (a trainer-fed loader without workers: inline.py).
+            self.conn.send(p.RNG_HEAD.pack(p.RNG, len(item.rng)) + item.rng)
         if isinstance(item, BatchItem):
             self.leased.add(item.slot)
-            if item.rng:  # the trainer's RNG states after this batch (inline.py)
-                self.conn.send(p.RNG_HEAD.pack(p.RNG, len(item.rng)) + item.rng)
             body = item.strings
             kind, dims = p.BATCH | p.FLAG_LAYOUT << 8, b""
             if body[:1] != b"\0":  # else a layout of its own (BATCH_LAYOUT_HEAD's mark)

@@ -18,8 +18,11 @@ batches stay ``DataLoader(num_workers=N)``'s.
 from __future__ import annotations
 
 import copy
+import itertools
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 from torch.utils.data._utils import worker as torch_worker
 
@@ -28,7 +31,7 @@ from pinfeed_server.engine.collate import SlotWriter
 from pinfeed_server.engine.fed_plan import FedPlan
 from pinfeed_server.engine.iterable import EndJudge, is_iterable, shard_env
 from pinfeed_server.engine.producers.base import ProducerContext, Result, Task, error_info
-from pinfeed_server.engine.producers.iterating import IterStreams, make_turn
+from pinfeed_server.engine.producers.iterating import IterStreams, make_turn, write_samples
 from pinfeed_server.engine.producers.seeding import Streams, WorkerRngs, apply, history_of
 
 # The global RNGs are the process's: one inline batch at a time may have them swapped,
@@ -50,6 +53,8 @@ class InlineProducer:
         self._busy_s = 0.0
         self._closed = False
         self._dataset = ctx.dataset
+        self._fed_epoch = -1  # a trainer-fed iterable's epoch, and its iterator
+        self._fed_iter: Iterator[Any] = iter(())
         self._rng: RngState | None = None  # the loader's RNGs between its batches
         self._config = ctx.config
         # Created with workers: their streams, served here (see the module docstring).
@@ -79,7 +84,9 @@ class InlineProducer:
         t0 = time.perf_counter()
         if self._generation != self._ctx.ring.generation:
             self.segments_changed()
-        if self._iter is not None:
+        if self._iter is not None and isinstance(self._ctx.plan, FedPlan):
+            result = self._turn_on_trainer_rngs(self._ctx.plan, task)
+        elif self._iter is not None:
             result = self._make_from_iterator(self._iter, task)
         elif task.indices is None:
             raise ValueError("a map-style dataset's batches come from index lists")
@@ -141,6 +148,35 @@ class InlineProducer:
                 self._writer.dataset = self._dataset
                 restore(server)
                 torch_worker._worker_info = info
+
+    def _turn_on_trainer_rngs(self, plan: FedPlan, task: Task) -> Result:
+        """A ``pinfeed.DataLoader`` over an IterableDataset without workers: DataLoader
+        iterates it in the trainer, on the trainer's RNGs (no seeding, no worker info),
+        one batch per ``next()``: one iterator per epoch, each turn made on the states
+        the trainer sent, which go back with it."""
+        state = plan.trainer_rng(task.epoch, task.index)
+        with GLOBAL_RNG:
+            server = capture()
+            try:
+                if state is not None:
+                    load_state(state)
+                if self._fed_epoch != task.epoch:
+                    self._fed_epoch, self._fed_iter = task.epoch, iter(copy.copy(self._dataset))
+                samples = list(itertools.islice(self._fed_iter, self._config.batch_size))
+                short = len(samples) < self._config.batch_size
+                if not samples or (short and self._config.drop_last):
+                    result = Result(task.seq, end=True, rows=0)
+                else:
+                    result = write_samples(self._writer, task, samples)
+            except Exception as exc:
+                result = Result(task.seq, error=error_info(exc))
+            finally:
+                rngs = dump_state()
+                restore(server)
+        result.rng = rngs
+        if result.end:
+            result.end = self._judge.ran_out(task.epoch, task.index)
+        return result
 
     def _make_from_iterator(self, streams: IterStreams, task: Task) -> Result:
         cfg = self._config
