@@ -132,7 +132,7 @@ def make_w1(root: Path, scale: float) -> Workload:
         n,
         256,
         True,
-        10,
+        6,  # epochs: DataLoader as usually written needs ~6 s of them at full size
         [3, 64, 64],
         "uint8",
         [path.name],
@@ -294,7 +294,7 @@ def make_w6(root: Path, scale: float) -> Workload:
         n,
         32,
         True,
-        4,
+        2,  # epochs: DataLoader as usually written needs ~10 s of them at full size
         [2, W6_SEQ_LEN],
         "int64",
         [path.name],
@@ -336,7 +336,7 @@ def make_w7(root: Path, scale: float) -> Workload:
         n,
         64,
         True,
-        4,
+        2,  # epochs: ~10 s of DataLoader at full size
         [3, h, w],
         "uint8",
         [folder.name],
@@ -379,7 +379,7 @@ def make_w8(root: Path, scale: float) -> Workload:
         n,
         64,
         False,
-        4,
+        2,  # epochs: ~10 s of DataLoader at full size
         [3, h, w],
         "uint8",
         [folder.name],
@@ -413,9 +413,9 @@ WHY = {
     "field, then its workers copy the batch into shared memory; plain DataLoader "
     "copies row by row and stacks.",
     "W3": "Decode-bound: both systems run the same Pillow decode and resize per file, and "
-    "a file cannot be read a batch at a time (tuned = DataLoader at its best). At "
-    "equal cores the ratio is near 1 by construction; what pinfeed saves is the "
-    "handoff of a 9.6 MB batch.",
+    "a file cannot be read a batch at a time (tuned = DataLoader at its best): at equal "
+    "cores the only work pinfeed saves is the handoff of a 9.6 MB batch (no pickling "
+    "into shared memory, no storages rebuilt in the trainer).",
     "W4": "Python-bound: 64 `__getitem__` calls and the padding `collate_fn` per batch, "
     "in pinfeed's workers as in DataLoader's; pinfeed saves the pickling into shared "
     "memory and the unpickling in the trainer (`python -m bench w4-profile`). The "
