@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -32,10 +33,16 @@ class Section:
     # minutes at full size on the 2-core development machine (from its quick runs)
     minutes: float = 0.0
     available: Callable[[], str | None] = lambda: None  # a reason it cannot run here
+    data_dir: bool = True  # takes --data-dir (the generated workload files' cache)
 
     def run(self, argv: list[str]) -> int:
         fn = getattr(importlib.import_module(self.module), self.function)
-        return int(fn(argv) or 0)
+        saved = sys.argv
+        sys.argv = [saved[0], self.name, *argv]  # what its result file records as command
+        try:
+            return int(fn(argv) or 0)
+        finally:
+            sys.argv = saved
 
 
 def _cuda() -> str | None:
@@ -57,14 +64,12 @@ SECTIONS = [
     Section("scaling", "bench.suite", "scaling_main", "1, 2, 4 trainers on one server", minutes=3),
     Section("training", "bench.training", what="a training step: stall, trainer CPU", minutes=6),
     Section("autotune", "bench.autotune", what="autotune against fixed settings", minutes=9),
-    Section("scale", "bench.scale", what="datasets at real size, cold and warm", minutes=5),
+    Section("scale", "bench.scale", what="datasets at real size", minutes=5, data_dir=False),
     Section("w4-profile", "bench.profile_w4", what="where W4's CPU goes", minutes=0.5),
     Section("control", "bench.control", what="the control plane under load", minutes=5),
-    Section("soak", "bench.soak", what="8 loaders, SIGKILLs, every batch checked", minutes=2),
-    Section(
-        "ray", "bench.ray", what="executor ray against local", quick=[], minutes=4, available=_ray
-    ),
-    Section("gpu", "bench.gpu", what="H2D copies, GPU idle share", minutes=3, available=_cuda),
+    Section("soak", "bench.soak", what="SIGKILLs, every batch checked", minutes=2, data_dir=False),
+    Section("ray", "bench.ray", "main", "executor ray against local", [], 4, _ray, False),
+    Section("gpu", "bench.gpu", "main", "H2D copies, GPU idle share", ["--quick"], 3, _cuda, False),
 ]
 BY_NAME = {s.name: s for s in SECTIONS}
 DEFAULT_ARGS = {"soak": ["--seconds", "90"]}
@@ -78,6 +83,14 @@ def run_all(argv: list[str]) -> int:
     ap.add_argument("--only", default="", help="comma-separated sections")
     ap.add_argument("--skip", default="", help="comma-separated sections")
     ap.add_argument("--list", action="store_true", help="list the sections and exit")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder of result files (default docs/results/; elsewhere, the docs are left "
+        "alone: check them with python -m bench report --results DIR --check)",
+    )
+    ap.add_argument("--data-dir", type=Path, default=None, help="generated workload files")
     args = ap.parse_args(argv)
     if args.list:
         for s in SECTIONS:
@@ -99,7 +112,11 @@ def run_all(argv: list[str]) -> int:
         if why:
             print(f"== {s.name}: skipped ({why})")
             continue
-        sub = s.quick if args.quick else DEFAULT_ARGS.get(s.name, [])
+        sub = list(s.quick if args.quick else DEFAULT_ARGS.get(s.name, []))
+        if args.out is not None:
+            sub += ["--out", str(args.out)]
+        if args.data_dir is not None and s.data_dir:
+            sub += ["--data-dir", str(args.data_dir)]
         print(f"== {s.name}: {s.what} (python -m bench {' '.join([s.name, *sub])})", flush=True)
         t = time.monotonic()
         try:
@@ -112,7 +129,10 @@ def run_all(argv: list[str]) -> int:
             failed.append(s.name)
     from bench import report
 
-    report.main([])
+    if args.out is None:
+        report.main([])
+    else:
+        print(f"results in {args.out}; the docs are left as they are")
     print(
         f"all sections in {time.monotonic() - t0:.0f} s" + (f"; failed: {failed}" if failed else "")
     )

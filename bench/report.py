@@ -1055,7 +1055,7 @@ def plot(r: Results, path: Path) -> Path | None:
         ax.set_xticks(range(len(nws)), [f"nw={nw}" for nw in nws])
         ax.set_title(_title(key, res), fontsize=9)
         ax.set_ylabel("samples/s")
-        ax.legend(fontsize=7, loc="upper left")
+        ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -1083,9 +1083,17 @@ def main(argv: list[str] | None = None) -> int:
             path.write_text(new)
             print(f"updated {path.relative_to(REPO)}")
     if not args.no_plot:
-        made = plot(r, PLOT)
-        if made:
-            print(f"wrote {made.relative_to(REPO)}")
+        try:
+            made = plot(r, PLOT)
+        except ImportError as exc:  # the tables need nothing beyond the standard library
+            print(
+                f"warning: {PLOT.relative_to(REPO)} not remade ({exc.name} is missing: "
+                "pip install -e '.[bench]')",
+                file=sys.stderr,
+            )
+        else:
+            if made:
+                print(f"wrote {made.relative_to(REPO)}")
     _stale(r)
     return 0
 

@@ -248,7 +248,7 @@ def run_size(files: int, args: argparse.Namespace, workers: list[int]) -> dict[s
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench scale", description=__doc__)
-    ap.add_argument("--sizes", default="1000,100000,400000,1280000")
+    ap.add_argument("--sizes", default="1000,400000,1280000")
     ap.add_argument("--workers", default="1,4,8")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument(
@@ -265,11 +265,11 @@ def main(argv: list[str]) -> int:
     )
     ap.add_argument("--runs", type=int, default=3, help="runs of each loader (median, spread)")
     ap.add_argument("--tmp", default="/tmp")
-    ap.add_argument("--quick", action="store_true", help="a smoke run: 1,000 and 20,000 files")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 1,000 and 10,000 files")
     ap.add_argument("--out", type=Path, default=results.RESULTS, help="folder of result files")
     args = ap.parse_args(argv)
     if args.quick:
-        args.sizes, args.epoch_sizes, args.runs = "1000,20000", "20000", 1
+        args.sizes, args.epoch_sizes, args.runs = "1000,10000", "10000", 1
     sizes = [int(s) for s in args.sizes.split(",") if s]
     workers = [int(w) for w in args.workers.split(",") if w]
     args.epoch_sizes = {int(s) for s in args.epoch_sizes.split(",") if s}

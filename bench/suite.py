@@ -64,19 +64,22 @@ def parse_args(argv: list[str] | None, prog: str = "python -m bench suite") -> a
     ap.add_argument(
         "--quick",
         action="store_true",
-        help="a smoke run: the smallest files, 1 run, num_workers 0 and 2, trainers 1 and 2",
+        help="a smoke run: the smallest files, 1 run, num_workers 2 (W1 also 0), trainers 1, 2",
     )
     ap.add_argument("--data-dir", type=Path, default=data.DATA_DIR, help="generated files' cache")
     ap.add_argument("--out", type=Path, default=results.RESULTS, help="folder of result files")
     args = ap.parse_args(argv)
     if args.quick:
         args.scale, args.runs, args.trainers = min(args.scale, 0.05), 1, "1,2"
-        args.workers, args.handoff_batches = "0,2", 20
+        args.workers, args.handoff_batches = "2", 20
     args.workload_keys = [w.strip().upper() for w in args.workloads.split(",") if w.strip()]
     unknown = set(args.workload_keys) - set(data.MAKERS)
     if unknown:
         ap.error(f"unknown workloads {sorted(unknown)}; choose from {sorted(data.MAKERS)}")
     args.worker_counts = [int(x) for x in args.workers.split(",") if x.strip()]
+    # A smoke run takes W1 at 0 workers too: the server's own producer, DataLoader in the
+    # trainer's process.
+    args.w1_worker_counts = [0, *args.worker_counts] if args.quick else args.worker_counts
     args.trainer_counts = [int(x) for x in args.trainers.split(",") if x.strip()]
     args.only_systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if args.runs < 1:
@@ -238,7 +241,7 @@ def bench_workload(args: argparse.Namespace, w: data.Workload) -> dict[str, Any]
     data.warm_page_cache(root, w)
     with BenchServer(root) as srv:
         result["cold_start"] = cold_start(srv, w)
-        for nw in args.worker_counts:
+        for nw in args.w1_worker_counts if w.key == "W1" else args.worker_counts:
             for run in range(args.runs):
                 for system in order(systems, run):
                     spec = _spec(
