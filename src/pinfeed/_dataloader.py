@@ -36,7 +36,7 @@ from __future__ import annotations
 import hashlib
 import os
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -225,18 +225,17 @@ class _Owned:
             drop_last=loader.drop_last,
         )
         digest = hashlib.sha256(_payload_bytes(self.payload) + request.encode()).hexdigest()
-        self.request = p.Create(**{**request.__dict__, "digest": digest})
+        message, fds = p.Create(**{**request.__dict__, "digest": digest}).encode(), (self.payload,)
         ensure_server(socket)
         timeout = loader.timeout or None
         transport = SocketTransport(socket, timeout, name or "pinfeed.DataLoader")
+        # The CREATE (sent again by a reconnect) refers to nothing of this object's, so
+        # the connection, which the finalizer below holds, does not keep it alive.
         self.conn = Connection(
-            transport, name or "", None, device, copy, request=self._create_message
+            transport, name or "", None, device, copy, request=lambda: (message, fds)
         )
         # The connection (and so the server's loader) goes with this object.
         self._closing = weakref.finalize(self, self.conn.close)
-
-    def _create_message(self) -> tuple[bytes, Sequence[int]]:
-        return self.request.encode(), (self.payload,)
 
     # -- an epoch -----------------------------------------------------------------------
     def begin(self, base_seed: int) -> int:

@@ -7,6 +7,7 @@ memory budget) and raises ``pinfeed.errors`` exceptions that become problem+json
 from __future__ import annotations
 
 import functools
+import gc
 import hashlib
 import itertools
 import logging
@@ -545,3 +546,5 @@ class Service:
         if owned is not None:  # its objects: the zygote that holds them, their memfd
             self.zygotes.discard(OWNED_ZYGOTE + name)
             os.close(owned.payload_fd)
+            del engine
+            gc.collect()  # the trainer's objects (and their pages) are in reference cycles
