@@ -105,20 +105,22 @@ class DataLoader(TorchDataLoader):  # type: ignore[type-arg]
         socket: str | os.PathLike[str] | None = None,
         max_batch_size: int | None = None,
     ) -> None:
+        # By keyword: tools that record and replay a DataLoader's init arguments
+        # (Lightning) see one call's arguments, each once.
         super().__init__(
             dataset,
-            batch_size,
-            shuffle,
-            sampler,
-            batch_sampler,
-            num_workers,
-            collate_fn,
-            pin_memory,
-            drop_last,
-            timeout,
-            worker_init_fn,
-            multiprocessing_context,
-            generator,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            sampler=sampler,
+            batch_sampler=batch_sampler,
+            num_workers=num_workers,
+            collate_fn=collate_fn,
+            pin_memory=pin_memory,
+            drop_last=drop_last,
+            timeout=timeout,
+            worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context,
+            generator=generator,
             prefetch_factor=prefetch_factor,
             persistent_workers=persistent_workers,
             pin_memory_device=pin_memory_device,
@@ -129,6 +131,10 @@ class DataLoader(TorchDataLoader):  # type: ignore[type-arg]
                 "pinfeed.DataLoader with batch_size=None (no automatic batching) is not "
                 "supported yet: give a batch_size, or a batch_sampler"
             )
+        # pinfeed's options as attributes of their own names: what tools that make a
+        # DataLoader anew from its attributes read (Lightning, to put a sampler in).
+        self.name, self.device, self.copy, self.reconnect = name, device, copy, reconnect
+        self.socket, self.max_batch_size = socket, max_batch_size
         target = torch.device(device) if device is not None else None
         if target is not None and target.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"device={device!r} was asked for, but CUDA is not available")
