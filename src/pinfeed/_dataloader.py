@@ -54,6 +54,7 @@ from pinfeed._transport import SocketTransport
 from pinfeed.errors import ServerUnavailable, error_from_info
 
 _NEXT, _BATCH, _END, _ERROR = p.NEXT, p.BATCH, p.END, p.ERROR
+RECONNECT_TIMEOUT_S = 60.0
 _BATCH_HEAD = p.BATCH_HEAD
 
 
@@ -376,6 +377,8 @@ class _Iter(_BaseDataLoaderIter):
         self._epoch = owned.begin(seed)
         self._fed = 0
         self._exhausted = False
+        # What was fed this epoch: sent again to a restarted server (reconnect).
+        self._history: list[tuple[list[int], bytes]] = []
         if index:
             for _ in range(index):  # the batches before: the workers' streams replay them
                 self._feed()
@@ -397,7 +400,9 @@ class _Iter(_BaseDataLoaderIter):
             self._owned.feed(self._fed, None)
             return False
         state = rng.dump_state() if with_rng else b""
-        self._owned.feed(self._fed, [int(i) for i in indices], state)
+        batch = [int(i) for i in indices]
+        self._owned.feed(self._fed, batch, state)
+        self._history.append((batch, state))
         self._fed += 1
         return True
 
@@ -415,9 +420,7 @@ class _Iter(_BaseDataLoaderIter):
                 self._feed(with_rng=True)
         ahead = owned.num_workers > 0 and not owned.iterable
         try:
-            got = owned.next_batch()
-        except ServerUnavailable:
-            raise  # a reconnect re-ships (see the module); not built yet for fed epochs
+            got = self._next_batch()
         except Exception:
             owned.yielded += 1  # a failed batch counts as consumed, as in DataLoader
             if ahead:
@@ -429,6 +432,27 @@ class _Iter(_BaseDataLoaderIter):
         if ahead:
             self._feed()  # one more index for each batch handed out, as DataLoader
         return owned.deliver()
+
+    def _next_batch(self) -> bool:
+        """The owned loader's next item; after a server restart (``reconnect=True``),
+        on a new loader made from the same objects and this epoch's feed again."""
+        owned = self._owned
+        try:
+            return owned.next_batch()
+        except ServerUnavailable:
+            if not owned.reconnect:
+                raise
+        owned.conn.reconnect(RECONNECT_TIMEOUT_S)  # ships the objects again (CREATE)
+        owned.epoch, owned.in_epoch = self._epoch - 1, False
+        yielded = owned.yielded
+        owned.begin(int(self._base_seed))
+        for index, (batch, state) in enumerate(self._history):
+            owned.feed(index, batch, state)
+        if self._exhausted:
+            owned.feed(len(self._history), None)
+        if yielded:
+            owned.seek(yielded)
+        return owned.next_batch()
 
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
         resume, self._owned.resume = self._owned.resume, None
