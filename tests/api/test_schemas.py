@@ -54,7 +54,7 @@ def test_loader_models_derive_from_one_declaration(schemas: dict[str, Any]) -> N
     assert set(LoaderCreate.model_fields) == fields
     assert set(LoaderConfig.model_fields) == fields
     assert set(LoaderPublic.model_fields) == (
-        fields | set(LoaderStatus.model_fields) | {"created_at", "batch"}
+        fields | set(LoaderStatus.model_fields) | {"created_at", "batch", "owner"}
     )
     assert set(LoaderPatch.model_fields) <= fields
     assert set(schemas["LoaderCreate"]["properties"]) == fields

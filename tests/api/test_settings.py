@@ -47,6 +47,8 @@ def test_every_setting_reads_its_env_var(monkeypatch: pytest.MonkeyPatch, tmp_pa
         "HTTP_MAX_RPS": "20.5",
         "METRICS_MAX_AGE_S": "0",
         "RAY_ADDRESS": "127.0.0.1:6379",
+        "ACCEPT_OBJECTS": "false",
+        "IDLE_EXIT_S": "30",
     }
     assert {f"PINFEED_{k.upper()}" for k in Settings.model_fields} == {f"PINFEED_{k}" for k in env}
     for key, value in env.items():
@@ -63,6 +65,7 @@ def test_every_setting_reads_its_env_var(monkeypatch: pytest.MonkeyPatch, tmp_pa
     assert s.torch_threads == 2 and s.socket_gid == 0
     assert (s.max_workers, s.http_max_rps, s.metrics_max_age_s) == (12, 20.5, 0.0)
     assert TOKEN not in repr(s) and s.ray_address == "127.0.0.1:6379"
+    assert (s.accept_objects, s.idle_exit_s) == (False, 30.0)
     s.model_copy(update={"ray_address": None}).check_safe()  # no Ray head here
 
 

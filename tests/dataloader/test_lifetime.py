@@ -47,13 +47,28 @@ def _state(srv: Server) -> tuple[list[str], list[str], int]:
     return fds, memfds(srv.pid), len(descendants(srv.pid))
 
 
-def _settled(srv: Server, before: tuple[list[str], list[str], int]) -> Any:
-    """True once the server holds nothing it did not hold before: no more fds of any
+def _settle(srv: Server, before: tuple[list[str], list[str], int], timeout: float = 30) -> None:
+    """Wait until the server holds nothing it did not hold before: no more fds of any
     kind (an HTTP keep-alive socket of before may have closed since), the same memfds,
-    no more processes."""
-    fds, mems, procs = _state(srv)
-    grown = collections.Counter(fds) - collections.Counter(before[0])
-    return (not grown and mems == before[1] and procs <= before[2]) or None
+    no more processes; on timeout, say what is left over."""
+    left: dict[str, Any] = {}
+
+    def settled() -> bool:
+        fds, mems, procs = _state(srv)
+        left.clear()
+        grown = collections.Counter(fds) - collections.Counter(before[0])
+        if grown:
+            left["fds"] = dict(grown)
+        if mems != before[1]:
+            left["memfds"] = {"before": before[1], "now": mems}
+        if procs > before[2]:
+            left["processes"] = {"before": before[2], "now": procs}
+        return not left
+
+    try:
+        wait_for(settled, "the server back to its state before", timeout)
+    except AssertionError:
+        raise AssertionError(f"the server still holds, after {timeout} s: {left}") from None
 
 
 def _trainer(srv: Server, *args: str) -> subprocess.Popen[str]:
@@ -124,7 +139,7 @@ def test_a_trainer_killed_mid_epoch_leaves_nothing(own: Server) -> None:
         proc.wait(10)
         with own.client() as c:
             wait_for(lambda: not c.loaders(), "the killed trainer's loader to go")
-        wait_for(lambda: _settled(own, before), "the server back to its state before", 20)
+        _settle(own, before)
     finally:
         _reap(proc)
     assert smaps_rollup(own.pid)["Pss"] - pss < 16 * 2**20
@@ -143,7 +158,7 @@ def test_fifty_create_and_close_cycles_leak_nothing(own: Server) -> None:
         del loader  # the other half: let go by garbage, as a script that just drops it
     with own.client() as c:
         wait_for(lambda: not c.loaders(), "every loader gone", 20)
-    wait_for(lambda: _settled(own, before), "no fd, memfd or process left", 20)
+    _settle(own, before)
     assert smaps_rollup(own.pid)["Pss"] - pss < 24 * 2**20
 
 
@@ -159,7 +174,7 @@ def test_exits_of_trainer_processes_leave_nothing(own: Server) -> None:
             _reap(proc)
     with own.client() as c:
         wait_for(lambda: not c.loaders(), "every loader gone")
-    wait_for(lambda: _settled(own, before), "the server as before", 20)
+    _settle(own, before)
 
 
 def test_a_named_loader_stays_warm_for_the_next_trainer(own: Server) -> None:
