@@ -1,7 +1,10 @@
-"""pinfeed's trainer library: ``Loader`` (batches over shared memory) and ``Client`` (HTTP)."""
+"""pinfeed's trainer library: ``Loader`` (batches over shared memory), ``Client`` (HTTP)
+and ``Transformed`` (a dataset and its per-loader transform, the reference of a cached
+dataset's loader)."""
 
 from pinfeed._admin import Client
 from pinfeed._loader import Loader
+from pinfeed._transformed import Transformed
 from pinfeed.errors import (
     BatchTooLarge,
     Conflict,
@@ -55,6 +58,7 @@ __all__ = [
     "ProtocolError",
     "SampleError",
     "ServerUnavailable",
+    "Transformed",
     "Unauthorized",
     "UnsupportedMediaType",
     "WorkerLimit",

@@ -100,6 +100,15 @@ class LoaderFields(BaseModel):
         "seeding, as DataLoader calls it (modules under PINFEED_ALLOWED_PLUGINS)",
     )
 
+    transform: str | None = Field(
+        None,
+        pattern=SPEC,
+        description="'package.module:callable' called on each sample in the worker, after "
+        "the dataset (and its cache) and before collate_fn, on DataLoader's worker RNG "
+        "streams: the batches are DataLoader(Transformed(dataset, callable))'s. The random "
+        "augmentation goes here, the deterministic stages in the dataset (modules under "
+        "PINFEED_ALLOWED_PLUGINS; map-style datasets)",
+    )
     collate_fn: str | None = Field(
         None,
         pattern=SPEC,

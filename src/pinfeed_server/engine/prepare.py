@@ -1,5 +1,7 @@
 """What a loader needs before it starts, checked against its dataset: its plugins
-resolved, its batch plan (sampler), and its slot layout, sized from a first batch.
+resolved, the dataset its producers read (its ``transform`` over the shared dataset:
+``Transformed``), its batch plan (sampler), and its slot layout, sized from a first
+batch.
 
 Everything here raises ``ConfigError`` with a message that says what to change; the
 service answers it with a 422. The executor's refusals come first, then DataLoader's own
@@ -13,6 +15,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pinfeed import Transformed
+from pinfeed_server.cache import CachedDataset
 from pinfeed_server.datasets import Kind
 from pinfeed_server.engine.collate import Layout, LayoutError, fetch_samples, loader_layout
 from pinfeed_server.engine.config import LoaderConfig, make_sampler, streams_of
@@ -33,6 +37,7 @@ class Prepared:
     plan: BatchPlan
     layout: Layout
     executor: Executor
+    dataset: Any  # what the loader's producers read: the dataset, or its Transformed
 
 
 def prepare(
@@ -56,7 +61,7 @@ def prepare(
     if refusal is not None:
         raise ConfigError(refusal)
     plugins: dict[str, Callable[..., Any] | None] = {}
-    for field in ("worker_init_fn", "collate_fn"):
+    for field in ("worker_init_fn", "collate_fn", "transform"):
         spec = getattr(cfg, field)
         try:
             plugins[field] = None if spec is None else resolve(spec, allowed, what=field)
@@ -65,6 +70,15 @@ def prepare(
     conflict = iterable_conflict(cfg) if iterable else None
     if conflict is not None:
         raise ConfigError(conflict)
+    transform = plugins["transform"]
+    if transform is not None:
+        if iterable:
+            raise ConfigError(
+                f"loader {cfg.name!r}: transform applies to a map-style dataset "
+                "(Transformed(d, t)[i] = t(d[i])); an IterableDataset transforms its samples "
+                "in its own __iter__"
+            )
+        shared, dataset = dataset, Transformed(dataset, transform)
     try:
         plan = make_sampler(cfg, dataset, allowed, streams=streams_of(cfg))
     except SamplerError as exc:
@@ -89,11 +103,23 @@ def prepare(
                 batch, where = first_samples(dataset, cfg, n), "the first batch of its iterator"
             else:
                 batch, where = fetch_samples(dataset, indices[:n]), f"sample {first}"
+                if transform is not None and isinstance(shared, CachedDataset):
+                    _check_transform(cfg, shared, transform, indices[0])
             layout = loader_layout(batch, plan.max_rows, collate, cfg.max_batch_bytes, cap, where)
-    except LayoutError as exc:
+    except (LayoutError, ConfigError) as exc:
         raise ConfigError(str(exc)) from None
     except Exception as exc:
         raise ConfigError(
             f"reading sample {first} to size the ring raised {type(exc).__name__}: {exc}"
         ) from None
-    return Prepared(plan, layout, executor)
+    return Prepared(plan, layout, executor, dataset)
+
+
+def _check_transform(
+    cfg: LoaderConfig, shared: CachedDataset, transform: Callable[..., Any], index: int
+) -> None:
+    """A transform over a cached dataset gets read-only views of the node's cache in
+    the workers (a write there faults): refuse one that writes into its input."""
+    problem = shared.check_transform(transform, index)
+    if problem is not None:
+        raise ConfigError(f"loader {cfg.name!r}: {problem}")

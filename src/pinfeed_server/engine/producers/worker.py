@@ -26,6 +26,7 @@ from typing import Any
 import numpy.random  # noqa: F401
 import torch
 
+from pinfeed import Transformed
 from pinfeed_server.datasets import DatasetContext
 from pinfeed_server.engine.collate import Layout, SlotWriter
 from pinfeed_server.engine.config import LoaderConfig
@@ -69,6 +70,7 @@ class WorkerSpec:
     snapshots: bool = False  # send the RNG state after each batch
     collate_fn: str | None = None
     iterable: LoaderConfig | None = None  # an IterableDataset's loader: turns (iterating.py)
+    transform: str | None = None  # applied over the dataset the worker inherits
 
     @classmethod
     def of(cls, ctx: ProducerContext) -> WorkerSpec:
@@ -89,16 +91,20 @@ class WorkerSpec:
             snapshots=ctx.draws_rng and not iterable,
             collate_fn=ctx.config.collate_fn,
             iterable=ctx.config if iterable else None,
+            transform=ctx.config.transform,
         )
 
 
 class BatchMaker:
-    """A worker's batch making: its dataset, a writer into ``slots`` (the ring's slot
-    space, or a Ray actor's one-slot buffer), its RNG streams and an iterable's
-    iterators. ``make`` is the one place a worker (or actor) makes a batch."""
+    """A worker's batch making: its dataset (the loader's ``transform`` over the one it
+    got, as the server's producers read ``Transformed``), a writer into ``slots`` (the
+    ring's slot space, or a Ray actor's one-slot buffer), its RNG streams and an
+    iterable's iterators. ``make`` is the one place a worker (or actor) makes a batch."""
 
     def __init__(self, spec: WorkerSpec, dataset: Any, slots: torch.Tensor | SlotSpace) -> None:
         allowed = spec.context.allowed_plugins
+        if spec.transform is not None:
+            dataset = Transformed(dataset, resolve(spec.transform, allowed, what="transform"))
         collate = None
         if spec.collate_fn is not None:
             collate = resolve(spec.collate_fn, allowed, what="collate_fn")
