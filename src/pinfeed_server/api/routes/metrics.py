@@ -1,6 +1,8 @@
 """``GET /metrics``: Prometheus text format, read from the live service at scrape time.
 
-The engine keeps every counter, so a scrape reads them once per loader (lock-free
+Loaders' series are labelled ``loader``, each cached dataset's ``dataset``
+(``pinfeed_dataset_cache_*``, from its ``CacheStats``). The engine keeps every
+counter, so a scrape reads them once per loader (lock-free
 statistics, ``engine.stats``) and writes the text directly: O(loaders), a few
 microseconds per series, no metric objects per scrape. A deleted loader simply stops
 appearing. Process metrics (memory, CPU, fds) come from prometheus_client's own
@@ -85,6 +87,18 @@ GAUGES = (
     ("position", "Index in its epoch of the next batch", "position"),
     ("batches_per_epoch", "Batches in one epoch", "batches_per_epoch"),
 )
+# Each cached dataset's series: (name after pinfeed_dataset_cache_, kind, help, CacheStats field)
+CACHE_SERIES = (
+    ("bytes", "gauge", "Memory the dataset's sample cache uses", "bytes"),
+    ("max_bytes", "gauge", "Memory the dataset's sample cache reserves", "max_bytes"),
+    ("samples", "gauge", "Samples stored in the dataset's cache", "samples"),
+    ("persisted", "gauge", "1 if the cache is kept in a file too", "persisted"),
+    ("hits_total", "counter", "Reads served from the cache", "hits"),
+    ("misses_total", "counter", "Reads from the dataset itself", "misses"),
+    ("waits_total", "counter", "Hits that waited for another process to store", "waits"),
+    ("corrupt_total", "counter", "Stored records that failed their checksum", "corrupt"),
+    ("rebuilt_total", "counter", "Times the cache's file was unusable and rebuilt", "rebuilt"),
+)
 WAIT_HISTOGRAM = "pinfeed_loader_next_wait_seconds"
 WAIT_HELP = "How long one next() of a trainer blocked for its batch"
 LE = [*(repr(b) for b in WAIT_BUCKETS_S), "+Inf"]
@@ -153,10 +167,21 @@ def render(service: Service) -> str:
     """The pinfeed series of every loader, in Prometheus text format 0.0.4."""
     rows = loader_rows(service)
     names = [(row, _esc(row["name"])) for row in rows]
+    caches = service.cache_stats()
     out: list[str] = []
     for name, doc, value in (
         ("pinfeed_shm_budget_bytes", "PINFEED_MAX_SHM_BYTES", service.settings.max_shm_bytes),
-        ("pinfeed_shm_used_bytes", "Bytes of the budget held by rings", service.shm_used()),
+        (
+            "pinfeed_shm_used_bytes",
+            "Bytes of the budget held by rings and caches",
+            service.shm_used(),
+        ),
+        ("pinfeed_cache_budget_bytes", "PINFEED_CACHE_MAX_BYTES", service.settings.cache_budget),
+        (
+            "pinfeed_cache_reserved_bytes",
+            "Bytes of the budget reserved by sample caches",
+            sum(c.max_bytes for c in caches.values()),
+        ),
         ("pinfeed_loaders", "Loaders registered", len(rows)),
         ("pinfeed_workers", "Worker processes of all loaders", service.workers_used()),
         ("pinfeed_workers_max", "PINFEED_MAX_WORKERS", service.settings.max_workers),
@@ -187,6 +212,13 @@ def render(service: Service) -> str:
             metric = f"pinfeed_loader_{suffix}"
             _family(out, metric, kind, doc)
             out.extend(f'{metric}{{loader="{n}"}} {_num(row[key])}\n' for row, n in names)
+
+    for suffix, kind, doc, key in CACHE_SERIES:
+        metric = f"pinfeed_dataset_cache_{suffix}"
+        _family(out, metric, kind, doc)
+        out.extend(
+            f'{metric}{{dataset="{_esc(d)}"}} {_num(getattr(c, key))}\n' for d, c in caches.items()
+        )
 
     _family(out, WAIT_HISTOGRAM, "histogram", WAIT_HELP)
     for row, n in names:
