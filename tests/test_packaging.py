@@ -36,7 +36,7 @@ def test_the_wheel_holds_every_module_under_its_import_name(wheel: Path) -> None
     assert not any(n.startswith(("app/", "client/", "tests/", "bench/")) for n in names)
 
 
-def test_the_trainer_library_requires_only_torch_numpy_httpx(wheel: Path) -> None:
+def test_the_trainer_library_requires_only_torch_numpy_httpx_cloudpickle(wheel: Path) -> None:
     with zipfile.ZipFile(wheel) as z:
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
         lines = z.read(meta).decode().splitlines()
@@ -44,7 +44,7 @@ def test_the_trainer_library_requires_only_torch_numpy_httpx(wheel: Path) -> Non
         Requirement(line.split(":", 1)[1]) for line in lines if line.startswith("Requires-Dist:")
     ]
     plain = sorted(r.name for r in required if r.marker is None)
-    assert plain == ["httpx", "numpy", "torch"]
+    assert plain == ["cloudpickle", "httpx", "numpy", "torch"]
 
 
 def test_pinfeed_imports_without_any_server_package() -> None:

@@ -28,6 +28,7 @@ from pinfeed.errors import (
     SampleError,
     ServerUnavailable,
     Unauthorized,
+    Unshippable,
     UnsupportedMediaType,
     WorkerLimit,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "ServerUnavailable",
     "Transformed",
     "Unauthorized",
+    "Unshippable",
     "UnsupportedMediaType",
     "WorkerLimit",
 ]

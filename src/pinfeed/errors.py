@@ -15,18 +15,21 @@ accessors read it::
     class                        slug                    HTTP  fatal
     PinfeedError                 error                               the base of all
     ├── ProblemError             http-error              (any)       a problem of no other type
-    │   ├── InvalidRequest       invalid-request         422         a bad body or parameter
+    │   ├── InvalidRequest       invalid-request         422   yes   a bad body or parameter (on
+    │   │                                                              the socket: a bad CREATE)
     │   ├── Unauthorized         unauthorized            401         no or a wrong bearer token
     │   ├── NotFound             not-found               404         no such dataset, loader, route
     │   ├── MethodNotAllowed     method-not-allowed      405         the route has no such method
-    │   ├── Conflict             conflict                409         exists, or still in use
-    │   │   └── WorkerLimit      worker-limit            409         over PINFEED_MAX_WORKERS
+    │   ├── Conflict             conflict                409   yes   exists, or still in use
+    │   │   └── WorkerLimit      worker-limit            409   yes   over PINFEED_MAX_WORKERS
     │   ├── PayloadTooLarge      payload-too-large       413         over PINFEED_MAX_BODY_BYTES
     │   ├── UnsupportedMediaType unsupported-media-type  415         not application/json
     │   ├── InternalError        internal                500         a bug (see the server's log)
     │   ├── NotReady             not-ready               503         /readyz: a loader is starting
     │   ├── Overloaded           overloaded              503         at PINFEED_HTTP_MAX_RPS
-    │   └── InsufficientMemory   insufficient-memory     507         over PINFEED_MAX_SHM_BYTES
+    │   └── InsufficientMemory   insufficient-memory     507   yes   over PINFEED_MAX_SHM_BYTES
+    ├── Unshippable              unshippable                         pinfeed.DataLoader cannot
+    │                                                                  send an object (trainer only)
     ├── ServerUnavailable        server-unavailable            yes   unreachable or gone; the
     │                                                                  loader deleted or stopping
     └── DataPlaneError           data-plane                          an error on the Unix socket
@@ -110,6 +113,7 @@ class InvalidRequest(ProblemError):
     slug = "invalid-request"
     status = 422
     title = "Invalid request"
+    fatal = True  # on the data plane: a CREATE refused (pinfeed.DataLoader)
 
 
 class Unauthorized(ProblemError):
@@ -134,6 +138,7 @@ class Conflict(ProblemError):
     slug = "conflict"
     status = 409
     title = "Conflict"
+    fatal = True  # on the data plane: a named loader already runs another config
 
 
 class WorkerLimit(Conflict):
@@ -188,6 +193,7 @@ class InsufficientMemory(ProblemError):
     slug = "insufficient-memory"
     status = 507
     title = "Insufficient memory"
+    fatal = True  # on the data plane: a CREATE over the node's budget
 
     @property
     def need_bytes(self) -> int | None:
@@ -196,6 +202,19 @@ class InsufficientMemory(ProblemError):
     @property
     def free_bytes(self) -> int | None:
         return self._int("free_bytes")
+
+
+# -- the trainer alone ---------------------------------------------------------------------
+class Unshippable(PinfeedError, TypeError):
+    """``pinfeed.DataLoader`` cannot send one of the script's objects to the server (an
+    open file, a socket, a generator, a CUDA tensor); ``path`` names it (``dataset.fh``).
+    Raised in the trainer, never sent."""
+
+    slug = "unshippable"
+
+    @property
+    def path(self) -> str:
+        return str(self.extra.get("path", ""))
 
 
 # -- either plane ------------------------------------------------------------------------

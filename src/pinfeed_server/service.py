@@ -327,6 +327,7 @@ class Service:
             self.context,
             ready.layout,
             ready.plan,
+            ready.code,
             ready.executor,
             spawn=lambda: zygote().process_factory,
         )

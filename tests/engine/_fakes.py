@@ -12,7 +12,7 @@ from torch.utils.data import default_collate
 
 from pinfeed_server.datasets import KINDS, DatasetContext, build_dataset
 from pinfeed_server.engine.collate import Layout, leaf_views, probe
-from pinfeed_server.engine.config import LoaderConfig
+from pinfeed_server.engine.config import LoaderCode, LoaderConfig, make_sampler
 from pinfeed_server.engine.producers import ProducerContext, Result
 from pinfeed_server.engine.ring import Ring
 
@@ -66,6 +66,8 @@ def context(
         PARAMS,
         DatasetContext(tmp_path),
         ds,
+        make_sampler(cfg, ds, streams=cfg.num_workers),
+        LoaderCode.resolve(cfg, ("tests.fixtures",)),
         layout,
         ring,
         sink.on_result,

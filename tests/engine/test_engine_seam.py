@@ -14,7 +14,7 @@ import pytest
 
 from pinfeed_server.datasets import KINDS, DatasetContext
 from pinfeed_server.engine.collate import SlotWriter
-from pinfeed_server.engine.config import make_sampler
+from pinfeed_server.engine.config import LoaderCode, make_sampler
 from pinfeed_server.engine.consumers import BatchItem, EndItem, Item
 from pinfeed_server.engine.loader import LoaderEngine
 from pinfeed_server.engine.producers import ProducerContext, Result, Task
@@ -122,6 +122,7 @@ def _engine(tmp_path: Path, producer: type[RemoteLike]) -> tuple[LoaderEngine, l
         DatasetContext(tmp_path),
         layout_of(ds),
         make_sampler(cfg, ds, streams=2),
+        LoaderCode(),
         executor,
     )
     engine.start()

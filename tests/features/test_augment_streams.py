@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 from pinfeed_server.engine.config import LoaderConfig
 from pinfeed_server.engine.producers.seeding import (
     BaseSeeds,
+    PlannedHistory,
     Reseed,
     Streams,
     apply,
@@ -27,6 +28,10 @@ LENGTH, BATCH = 22, 3  # 8 batches per epoch
 def _config(**kw: Any) -> LoaderConfig:
     base = {"name": "s", "dataset": "d", "batch_size": BATCH, "shuffle": True, "seed": 11}
     return LoaderConfig.model_validate({**base, **kw})
+
+
+def _planned(config: LoaderConfig) -> Streams:
+    return Streams(config, 2, PlannedHistory(config, 2, range(LENGTH)), replay=True)
 
 
 def test_base_seeds_are_dataloaders() -> None:
@@ -50,22 +55,20 @@ def test_base_seeds_are_dataloaders() -> None:
 
 
 def test_in_sequence_tasks_need_no_reseed() -> None:
-    streams = Streams(_config(num_workers=2), 2, range(LENGTH), replay=True)
+    streams = _planned(_config(num_workers=2))
     reseeds = [streams.prepare(0, i) for i in range(8)]
     assert [r is not None for r in reseeds] == [True, True] + [False] * 6
     assert reseeds[1] is not None and reseeds[1].worker_id == 1 and reseeds[1].replay == []
     # A non-persistent epoch starts afresh; a persistent one carries on.
     assert streams.prepare(1, 0) is not None
-    persistent = Streams(
-        _config(num_workers=2, persistent_workers=True), 2, range(LENGTH), replay=True
-    )
+    persistent = _planned(_config(num_workers=2, persistent_workers=True))
     for i in range(8):
         persistent.prepare(0, i)
     assert persistent.prepare(1, 0) is None
 
 
 def test_a_new_worker_replays_or_restores_its_snapshot() -> None:
-    streams = Streams(_config(num_workers=2), 2, range(LENGTH), replay=True)
+    streams = _planned(_config(num_workers=2))
     for i in range(6):
         streams.prepare(0, i)
     streams.forget(1)  # worker 1 replaced before batch 5 came back
@@ -76,9 +79,7 @@ def test_a_new_worker_replays_or_restores_its_snapshot() -> None:
     reseed = streams.prepare(0, 7)
     assert reseed is not None and reseed.replay == [] and reseed.state == b"state-before-7"
     # Persistent: a resume at epoch 1 on a new server replays epoch 0 too.
-    persistent = Streams(
-        _config(num_workers=2, persistent_workers=True), 2, range(LENGTH), replay=True
-    )
+    persistent = _planned(_config(num_workers=2, persistent_workers=True))
     reseed = persistent.prepare(1, 3)
     assert reseed is not None and len(reseed.replay) == 4 + 1  # 1, 3, 5, 7; then 1
 
@@ -90,8 +91,8 @@ def test_replay_reaches_dataloaders_worker_state() -> None:
     gen = torch.Generator().manual_seed(11)
     dl = DataLoader(Augmented(), batch_size=BATCH, shuffle=True, generator=gen, num_workers=2)
     want = list(dl)[5]
-    streams = Streams(config, 2, range(LENGTH), replay=True)
-    batches = list(streams._plan.batches(0))
+    streams = _planned(config)
+    batches = list(streams.history.batches(0))
     saved = capture()
     try:
         reseed = Reseed(1, 2, streams.base_seed(0), [batches[1], batches[3]])

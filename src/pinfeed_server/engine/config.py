@@ -10,8 +10,9 @@ field is one line here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -19,7 +20,7 @@ from pinfeed_server.engine.autotune import AutotuneSpec
 from pinfeed_server.engine.custom_sampler import BatchSamplerSpec, SamplerSpec, custom_plan
 from pinfeed_server.engine.iterable import IterablePlan, is_iterable
 from pinfeed_server.engine.sampler import BatchPlan, EpochSampler
-from pinfeed_server.plugins import SPEC
+from pinfeed_server.plugins import SPEC, resolve
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 Name = Field(
@@ -217,6 +218,40 @@ def streams_of(config: LoaderConfig) -> int:
 def persistent(config: LoaderConfig, streams: int) -> bool:
     """DataLoader's persistent workers: one base seed, RNG streams carried across epochs."""
     return config.persistent_workers and streams > 0
+
+
+class Named(Protocol):
+    """What names a loader's code: its config, or the spec its workers start with."""
+
+    @property
+    def collate_fn(self) -> str | None: ...
+
+    @property
+    def worker_init_fn(self) -> str | None: ...
+
+    @property
+    def transform(self) -> str | None: ...
+
+
+@dataclass(frozen=True)
+class LoaderCode:
+    """A loader's own code, called as DataLoader calls it. A loader made over HTTP names
+    it (``"module:callable"``, imported under PINFEED_ALLOWED_PLUGINS: ``resolve``); a
+    trainer's ``pinfeed.DataLoader`` ships the script's objects themselves."""
+
+    collate_fn: Callable[..., Any] | None = None
+    worker_init_fn: Callable[..., Any] | None = None
+    transform: Callable[..., Any] | None = None  # per sample, over the dataset
+
+    @classmethod
+    def resolve(cls, config: Named, allowed: tuple[str, ...]) -> LoaderCode:
+        """The callables ``config`` names; ``PluginError`` names one that cannot be used."""
+        collate, init, transform = config.collate_fn, config.worker_init_fn, config.transform
+        return cls(
+            None if collate is None else resolve(collate, allowed, what="collate_fn"),
+            None if init is None else resolve(init, allowed, what="worker_init_fn"),
+            None if transform is None else resolve(transform, allowed, what="transform"),
+        )
 
 
 KEEP: Any = "keep"  # LiveChange.autotune: leave it as it is

@@ -33,6 +33,7 @@ from pinfeed_server.engine.autotune import Sample, Tuner
 from pinfeed_server.engine.collate import Layout
 from pinfeed_server.engine.config import (
     LiveChange,
+    LoaderCode,
     LoaderConfig,
     prefetch_depth,
     ring_slots,
@@ -40,6 +41,7 @@ from pinfeed_server.engine.config import (
 )
 from pinfeed_server.engine.consumers import BatchItem, Consumers, EndItem, ErrorItem, Item
 from pinfeed_server.engine.custom_sampler import oversize
+from pinfeed_server.engine.fed_plan import FedPlan
 from pinfeed_server.engine.iterable import MAX_TURN, IterablePlan, is_iterable, plan_len
 from pinfeed_server.engine.producer_handle import ProducerHandle
 from pinfeed_server.engine.producers import (
@@ -80,12 +82,14 @@ class LoaderEngine:
         context: DatasetContext,
         layout: Layout,
         plan: BatchPlan,
+        code: LoaderCode,
         executor: Executor,
         spawn: Callable[[], ProcessFactory] | None = None,
     ) -> None:
         """``plan``: the batch plan the ring was sized with (``prepare.py``: a custom
-        sampler's first epoch is iterated once, at creation); ``spawn``: how the
-        executor forks local processes (the dataset's zygote)."""
+        sampler's first epoch is iterated once, at creation); ``code``: its collate_fn
+        and worker_init_fn; ``spawn``: how the executor forks local processes (the
+        dataset's zygote)."""
         self.config = config
         self.dataset = dataset
         self.layout = layout
@@ -104,6 +108,7 @@ class LoaderEngine:
         self.ring: Ring | None = None
         self.resizer: RingResizer | None = None
         self._source = (kind, params, context)
+        self.code = code
         self.producer = ProducerHandle(executor, self._producer_context, spawn)
         self._reconfigure = threading.Lock()  # one live change or ring upkeep at a time
         self.slots = SlotTable(self.nslots)
@@ -136,6 +141,8 @@ class LoaderEngine:
             params,
             context,
             self.dataset,
+            self.sampler,
+            self.code,
             self.layout,
             self.ring,
             self._on_result,
@@ -221,6 +228,8 @@ class LoaderEngine:
                 self.state = "draining"
             self._cond.notify_all()
         self._stop.set()
+        if isinstance(self.sampler, FedPlan):
+            self.sampler.interrupt()
         with self.slots.cond:
             self.slots.cond.notify_all()
 
@@ -252,8 +261,14 @@ class LoaderEngine:
 
     def _produce_from(self, gen: int, epoch: int, index: int) -> None:
         """Produce from (epoch, index) on until a seek (new generation) or stop."""
+        plan = self.sampler
+        fed = plan if isinstance(plan, FedPlan) else None
         while not self._stop.is_set():
-            for i, indices, last in with_last(self.sampler.batches(epoch, index), index):
+            batches = plan.batches(epoch, index)
+            # A trainer-fed epoch's end is known only once its sampler ran out, after its
+            # last batch was fed: no look-ahead, an END of its own follows (_end_fed).
+            items = None if fed is None else ((i, b, False) for i, b in enumerate(batches, index))
+            for i, indices, last in items or with_last(batches, index):
                 slot = self.slots.acquire_free(self._stop)
                 if slot is None:
                     return
@@ -268,12 +283,29 @@ class LoaderEngine:
                 if error is not None:  # a batch_sampler's batch larger than the slots
                     self._on_result(Result(seq, error=error))
                     continue
-                self.producer.submit(Task(seq, epoch, i, slot, indices))
+                seed = None if fed is None else fed.base_seed(epoch)
+                self.producer.submit(Task(seq, epoch, i, slot, indices, seed))
+            if fed is not None and not self._end_fed(gen, epoch):
+                return
             epoch, index = epoch + 1, 0
             with self._cond:
                 if self._gen != gen:
                     return
                 self._cursor = (epoch, 0)
+
+    def _end_fed(self, gen: int, epoch: int) -> bool:
+        """The trainer's sampler ran out: the epoch's END, after its batches (an END
+        result of its own, published in order). False if a seek or stop came first."""
+        slot = self.slots.acquire_free(self._stop)
+        if slot is None:
+            return False
+        with self._cond:
+            if self._gen != gen:
+                self.slots.move(slot, SlotState.FILLING, SlotState.FREE)
+                return False
+            seq = self.publisher.add(epoch, self._cursor[1], slot, 0, False)
+        self._on_result(Result(seq, end=True))
+        return True
 
     # -- publisher -----------------------------------------------------------------------
     def _on_result(self, result: Result) -> None:
@@ -305,6 +337,8 @@ class LoaderEngine:
         self._gen += 1
         self._cursor = (epoch, index)
         self.publisher.restart(epoch, index)
+        if isinstance(self.sampler, FedPlan):
+            self.sampler.interrupt()  # the producer may be waiting for the trainer's feed
         self._cond.notify_all()
 
     def skip_epoch(self, member: int) -> EndItem | None:

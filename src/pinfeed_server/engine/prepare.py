@@ -19,13 +19,13 @@ from pinfeed import Transformed
 from pinfeed_server.cache import CachedDataset
 from pinfeed_server.datasets import Kind
 from pinfeed_server.engine.collate import Layout, LayoutError, fetch_samples, loader_layout
-from pinfeed_server.engine.config import LoaderConfig, make_sampler, streams_of
+from pinfeed_server.engine.config import LoaderCode, LoaderConfig, make_sampler, streams_of
 from pinfeed_server.engine.custom_sampler import SamplerError
 from pinfeed_server.engine.iterable import first_samples, is_iterable, iterable_conflict
 from pinfeed_server.engine.producers import Executor
 from pinfeed_server.engine.producers.inline import GLOBAL_RNG
 from pinfeed_server.engine.sampler import BatchPlan
-from pinfeed_server.plugins import PluginError, resolve
+from pinfeed_server.plugins import PluginError
 
 
 class ConfigError(ValueError):
@@ -36,6 +36,7 @@ class ConfigError(ValueError):
 class Prepared:
     plan: BatchPlan
     layout: Layout
+    code: LoaderCode
     executor: Executor
     dataset: Any  # what the loader's producers read: the dataset, or its Transformed
 
@@ -47,6 +48,7 @@ def prepare(
     executors: Mapping[str, Executor],
     allowed: tuple[str, ...],
     cap: int,
+    code: LoaderCode | None = None,
 ) -> Prepared:
     """``cfg``'s executor, plan and layout over ``dataset`` (of ``kind``); ``cap`` bounds
     a ``collate_fn`` loader's slot when it sets no ``max_batch_bytes``
@@ -60,17 +62,15 @@ def prepare(
     refusal = executor.refusal(cfg, kind, iterable)
     if refusal is not None:
         raise ConfigError(refusal)
-    plugins: dict[str, Callable[..., Any] | None] = {}
-    for field in ("worker_init_fn", "collate_fn", "transform"):
-        spec = getattr(cfg, field)
+    if code is None:
         try:
-            plugins[field] = None if spec is None else resolve(spec, allowed, what=field)
+            code = LoaderCode.resolve(cfg, allowed)
         except PluginError as exc:
             raise ConfigError(str(exc)) from None
     conflict = iterable_conflict(cfg) if iterable else None
     if conflict is not None:
         raise ConfigError(conflict)
-    transform = plugins["transform"]
+    transform = code.transform
     if transform is not None:
         if iterable:
             raise ConfigError(
@@ -88,7 +88,7 @@ def prepare(
             f"dataset {cfg.dataset!r} has {len(dataset)} samples: batch_size "
             f"{cfg.batch_size} with drop_last yields no batch"
         )
-    collate = plugins["collate_fn"]
+    collate = code.collate_fn
     # default collate sizes slots from one sample; a collate_fn from its first batch
     n = 1 if collate is None else plan.max_rows
     first: Any = "the first sample of its iterator"
@@ -112,7 +112,7 @@ def prepare(
         raise ConfigError(
             f"reading sample {first} to size the ring raised {type(exc).__name__}: {exc}"
         ) from None
-    return Prepared(plan, layout, executor, dataset)
+    return Prepared(plan, layout, code, executor, dataset)
 
 
 def _check_transform(

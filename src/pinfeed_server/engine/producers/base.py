@@ -47,8 +47,9 @@ from pinfeed.errors import SampleError
 from pinfeed.protocol import ErrorInfo
 from pinfeed_server.datasets import DatasetContext, Kind
 from pinfeed_server.engine.collate import Layout
-from pinfeed_server.engine.config import LoaderConfig
+from pinfeed_server.engine.config import LoaderCode, LoaderConfig
 from pinfeed_server.engine.ring import Ring
+from pinfeed_server.engine.sampler import BatchPlan
 
 
 # Not frozen, though never changed: two are made per batch, and a frozen dataclass
@@ -62,6 +63,7 @@ class Task:
     index: int
     slot: int
     indices: list[int] | None  # None: the producer draws the batch from its iterator
+    seed: int | None = None  # the epoch's base seed, where the trainer drew it (FedPlan)
 
 
 @dataclass(slots=True)
@@ -104,6 +106,8 @@ class ProducerContext:
     params: dict[str, Any]
     datasets: DatasetContext
     dataset: Any  # the server's own instance, for producers in the server process
+    plan: BatchPlan  # the engine's (a replay reads its history: seeding.history_of)
+    code: LoaderCode  # its collate_fn and worker_init_fn, resolved or shipped
     layout: Layout
     ring: Ring
     on_result: Callable[[Result], None]
@@ -112,14 +116,14 @@ class ProducerContext:
 
     @property
     def draws_rng(self) -> bool:
-        return draws_rng(self.kind, self.config)
+        return draws_rng(self.kind, self.config) or self.code.collate_fn is not None
 
 
 def draws_rng(kind: Kind[Any], config: LoaderConfig) -> bool:
     """Whether making a batch may draw from the global RNGs (the dataset's kind says so,
-    or the loader's ``transform`` or ``collate_fn`` might): then each batch must come
-    from its own stream's RNG state, and a stream moved elsewhere is replayed
-    (``seeding.py``)."""
+    or the loader's ``transform`` or ``collate_fn`` might; shipped code is the
+    ``shipped`` kind's, which may): then each batch must come from its own stream's RNG
+    state, and a stream moved elsewhere is replayed (``seeding.py``)."""
     return kind.draws_rng or config.transform is not None or config.collate_fn is not None
 
 

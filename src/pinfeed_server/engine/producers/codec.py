@@ -12,8 +12,9 @@ per batch; the rare ones (a reseed, an RNG snapshot) are pickled.
     N  RESIZE   actors to run (bridge)
     (empty)     STOP: exit
 
-A task: ``seq, epoch, index, slot`` and whether indices follow (an iterable's turn has
-none), then the indices as int64. A result: ``seq, status, rows`` (-1: one per index),
+A task: ``seq, epoch, index, slot``, whether indices follow (an iterable's turn has
+none) and whether a base seed does (one the trainer drew), then the seed and the
+indices as int64. A result: ``seq, status, rows`` (-1: one per index),
 then the batch's strings JSON (status ``OK``) or its ``ErrorInfo`` as JSON (``ERROR``);
 ``END`` has no payload. A result with ``seq`` -1 is a worker's start-up report.
 """
@@ -34,7 +35,9 @@ RESULT_TAG, SNAPSHOT_TAG, RESTART_TAG, FATAL_TAG = b"r", b"s", b"x", b"F"
 STOP = b""
 STARTUP_SEQ = -1
 
-_TASK = struct.Struct("<qqqIb")  # ..., slot, 1: indices follow (0: an iterable's turn)
+# seq, epoch, index, slot, 1: indices follow (0: an iterable's turn), 1: a seed follows
+_TASK = struct.Struct("<qqqIbb")
+_SEED = struct.Struct("<q")
 _RESULT = struct.Struct("<qBq")
 OK, ERROR, END = 0, 1, 2
 _SEGMENT = struct.Struct("<III")  # id, first slot, slots
@@ -43,17 +46,23 @@ _COUNT = struct.Struct("<q")
 
 def encode_task(task: Task) -> bytes:
     """A TASK's body (``TASK_TAG`` goes before it on the pipe)."""
+    listed, seeded = task.indices is not None, task.seed is not None
+    head = _TASK.pack(task.seq, task.epoch, task.index, task.slot, listed, seeded)
+    seed = _SEED.pack(task.seed) if task.seed is not None else b""
     if task.indices is None:
-        return _TASK.pack(task.seq, task.epoch, task.index, task.slot, 0)
-    head = _TASK.pack(task.seq, task.epoch, task.index, task.slot, 1)
-    return head + array("q", task.indices).tobytes()
+        return head + seed
+    return head + seed + array("q", task.indices).tobytes()
 
 
 def decode_task(buf: bytes) -> Task:
-    seq, epoch, index, slot, listed = _TASK.unpack_from(buf)
-    if not listed:
-        return Task(seq, epoch, index, slot, None)
-    return Task(seq, epoch, index, slot, memoryview(buf)[_TASK.size :].cast("q").tolist())
+    seq, epoch, index, slot, listed, seeded = _TASK.unpack_from(buf)
+    at = _TASK.size
+    seed = None
+    if seeded:
+        (seed,) = _SEED.unpack_from(buf, at)
+        at += _SEED.size
+    indices = memoryview(buf)[at:].cast("q").tolist() if listed else None
+    return Task(seq, epoch, index, slot, indices, seed)
 
 
 def encode_result(result: Result) -> bytes:

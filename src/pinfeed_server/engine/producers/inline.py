@@ -33,9 +33,9 @@ from pinfeed_server.engine.producers.seeding import (
     WorkerRngs,
     apply,
     capture,
+    history_of,
     restore,
 )
-from pinfeed_server.plugins import resolve
 
 # The global RNGs are the process's: one inline batch at a time may have them swapped,
 # and other dataset code run in the server (the service's probe of a first sample)
@@ -50,9 +50,9 @@ class InlineProducer:
         self._on_result = ctx.on_result
         self._ctx = ctx
         self._generation = ctx.ring.generation
-        collate = ctx.config.collate_fn
-        fn = None if collate is None else resolve(collate, ctx.datasets.allowed_plugins)
-        self._writer = SlotWriter(ctx.dataset, ctx.layout, ctx.ring.space, ctx.ring.slot_bytes, fn)
+        self._writer = SlotWriter(
+            ctx.dataset, ctx.layout, ctx.ring.space, ctx.ring.slot_bytes, ctx.code.collate_fn
+        )
         self._busy_s = 0.0
         self._closed = False
         self._dataset = ctx.dataset
@@ -71,13 +71,13 @@ class InlineProducer:
         self.streams = Streams(
             ctx.config,
             ctx.streams,
-            ctx.dataset,
+            history_of(
+                ctx.config, ctx.streams, ctx.plan, ctx.dataset, ctx.datasets.allowed_plugins
+            ),
             replay=ctx.draws_rng,
-            allowed=ctx.datasets.allowed_plugins,
         )
         if self.streams.replay and ctx.streams > 0:
-            init, allowed = ctx.config.worker_init_fn, ctx.datasets.allowed_plugins
-            init_fn = resolve(init, allowed, what="worker_init_fn") if init else None
+            init_fn = ctx.code.worker_init_fn
             self._workers = WorkerRngs(copy.copy(ctx.dataset), ctx.streams, init_fn)
 
     def submit(self, task: Task) -> None:

@@ -109,6 +109,7 @@ class IterStreams:
         self._drop_last = config.drop_last
         self._persistent = persistent(config, streams)
         self._base = BaseSeeds(config, streams, 0)  # an iterable never shuffles: no draws
+        self._fed: dict[int, int] = {}  # epoch -> a base seed the trainer drew
         self._init_fn = init_fn
         self._worker = worker
         self._rank, self._world_size = config.rank, config.world_size or 1
@@ -118,6 +119,16 @@ class IterStreams:
         self._current: _Stream | None = None  # whose RNG state is in the globals
         self.fast_forwarded = 0  # requests drawn and dropped (tests, docs' costs)
         self.restored = 0  # streams put back from a stateful dataset's state
+
+    def fed_seed(self, epoch: int, seed: int | None) -> None:
+        """The base seed the trainer drew for ``epoch`` (``pinfeed.DataLoader``), in place
+        of the one computed from the loader's seed."""
+        if seed is not None:
+            self._fed[0 if self._persistent else epoch] = seed
+
+    def _seed(self, epoch: int) -> int:
+        fed = self._fed.get(0 if self._persistent else epoch)
+        return self._base(epoch) if fed is None else fed
 
     def fetch(self, epoch: int, index: int) -> list[Any] | None:
         """Turn ``index`` of ``epoch``: its samples, or None (the stream has run out).
@@ -184,7 +195,7 @@ class IterStreams:
             s.dataset = copy.copy(self._pristine)
         except Exception:  # not copyable: the streams share it
             s.dataset = self._pristine
-        seed = seed_rngs(self._base(epoch), s.worker_id)
+        seed = seed_rngs(self._seed(epoch), s.worker_id)
         if self._worker:
             torch_worker._worker_info = ShardedWorkerInfo(
                 id=s.worker_id,
@@ -285,6 +296,7 @@ def make_turn(streams: IterStreams, writer: SlotWriter, task: Task) -> Result:
     ``Result.end`` (the stream has run out; the pool judges whether that ends the
     epoch, ``iterable.EndJudge``)."""
     try:
+        streams.fed_seed(task.epoch, task.seed)
         samples = streams.fetch(task.epoch, task.index)
         if samples is None:
             return Result(task.seq, end=True, rows=0)

@@ -43,7 +43,7 @@ from pinfeed_server.engine.producers.processes import (
     reap,
     start_workers,
 )
-from pinfeed_server.engine.producers.seeding import Streams
+from pinfeed_server.engine.producers.seeding import Streams, history_of
 from pinfeed_server.engine.producers.worker import WorkerSpec, send_segments
 
 log = logging.getLogger("pinfeed.workers")
@@ -66,9 +66,10 @@ class WorkerPool:
             else Streams(
                 ctx.config,
                 ctx.streams,
-                ctx.dataset,
+                history_of(
+                    ctx.config, ctx.streams, ctx.plan, ctx.dataset, ctx.datasets.allowed_plugins
+                ),
                 replay=self.spec.snapshots,
-                allowed=ctx.datasets.allowed_plugins,
             )
         )
         self._ring = ctx.ring

@@ -56,7 +56,7 @@ from pinfeed_server.engine.producers.codec import (
     decode_task,
     encode_result,
 )
-from pinfeed_server.engine.producers.seeding import Streams
+from pinfeed_server.engine.producers.seeding import PlannedHistory, Streams
 from pinfeed_server.engine.producers.worker import WorkerSpec, receive_segment
 from pinfeed_server.engine.ring import SegmentInfo, SlotSpace, map_ring
 
@@ -104,9 +104,8 @@ class Bridge:
         self.streams = Streams(
             spec.config,
             spec.streams,
-            dataset,
+            PlannedHistory(spec.config, spec.streams, dataset, spec.worker.context.allowed_plugins),
             replay=spec.worker.snapshots,
-            allowed=spec.worker.context.allowed_plugins,
         )
         # Any: Ray's ActorClass typing does not follow .options().remote()
         remote: Any = ray.remote(BatchActor)

@@ -21,8 +21,9 @@ from __future__ import annotations
 import copy
 import pickle
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -30,6 +31,7 @@ from torch.utils.data._utils import worker as torch_worker
 
 from pinfeed_server.engine.collate import fetch_samples
 from pinfeed_server.engine.config import LoaderConfig, make_sampler, persistent
+from pinfeed_server.engine.fed_plan import FedPlan
 from pinfeed_server.engine.sampler import BatchPlan
 
 
@@ -69,6 +71,65 @@ class BaseSeeds:
         return self._seeds[epoch]
 
 
+class History(Protocol):
+    """What a replay needs of a loader's plan: each epoch's base seed and index batches."""
+
+    def base_seed(self, epoch: int) -> int: ...
+
+    def batches(self, epoch: int) -> Sequence[list[int] | None]: ...
+
+    def length(self, epoch: int) -> int | None:
+        """Batches in ``epoch``; None while not known (a trainer-fed epoch still running)."""
+
+
+class PlannedHistory:
+    """A computed plan's history: a private copy of the plan (a custom sampler's
+    factory called again, so the engine's own iteration is not disturbed) and
+    DataLoader's base seeds from the loader's seed."""
+
+    def __init__(
+        self, config: LoaderConfig, streams: int, dataset: Any, allowed: tuple[str, ...] = ()
+    ) -> None:
+        self._plan: BatchPlan = make_sampler(config, dataset, allowed, streams=streams)
+        self.base_seed = BaseSeeds(config, streams, len(dataset))
+
+    def batches(self, epoch: int) -> Sequence[list[int] | None]:
+        return list(self._plan.batches(epoch))
+
+    def length(self, epoch: int) -> int | None:
+        return len(self._plan)
+
+
+class FedHistory:
+    """A trainer-fed plan's history: what the trainer sent (``engine/fed_plan.py``)."""
+
+    def __init__(self, plan: FedPlan) -> None:
+        self._plan = plan
+
+    def base_seed(self, epoch: int) -> int:
+        return self._plan.base_seed(epoch)
+
+    def batches(self, epoch: int) -> Sequence[list[int] | None]:
+        return self._plan.fed(epoch)[0]
+
+    def length(self, epoch: int) -> int | None:
+        fed, ended = self._plan.fed(epoch)
+        return len(fed) if ended else None
+
+
+def history_of(
+    config: LoaderConfig,
+    streams: int,
+    plan: BatchPlan,
+    dataset: Any,
+    allowed: tuple[str, ...] = (),
+) -> History:
+    """The history of the engine's ``plan`` a replay reads."""
+    if isinstance(plan, FedPlan):
+        return FedHistory(plan)
+    return PlannedHistory(config, streams, dataset, allowed)
+
+
 SNAPSHOTS_KEPT = 32  # per worker: RNG states after its latest batches (~10 KB each)
 
 
@@ -79,21 +140,13 @@ class Streams:
     worker after each batch), else from the seed; then replay up to the batch."""
 
     def __init__(
-        self,
-        config: LoaderConfig,
-        streams: int,
-        dataset: Any,
-        *,
-        replay: bool,
-        allowed: tuple[str, ...] = (),
+        self, config: LoaderConfig, streams: int, history: History, *, replay: bool
     ) -> None:
         self.count = max(1, streams)
         self.persistent = persistent(config, streams)
-        self.base_seed = BaseSeeds(config, streams, len(dataset))
+        self.history = history
+        self.base_seed = history.base_seed
         self.replay = replay  # False: the dataset draws nothing from the global RNGs
-        # A private copy of the plan (a custom sampler's factory called again), for replay.
-        self._plan: BatchPlan = make_sampler(config, dataset, allowed, streams=streams)
-        self._batches = len(self._plan)
         self._next: dict[int, tuple[int, int]] = {}  # worker -> the batch it is ready for
         # worker -> {the batch its RNG state is ready for: that state}, oldest first
         self._snapshots: dict[int, dict[tuple[int, int], bytes]] = {}
@@ -106,9 +159,10 @@ class Streams:
     def _after(self, w: int, epoch: int, index: int) -> tuple[int, int] | None:
         """The batch worker ``w`` makes after ``(epoch, index)`` with the RNG state it
         leaves; None: a new epoch of non-persistent workers, seeded afresh."""
-        if index + self.count < self._batches:
+        n = self.history.length(epoch)
+        if n is None or index + self.count < n:  # a fed epoch may go on: assume it does
             return epoch, index + self.count
-        if self.persistent and w < self._batches:
+        if self.persistent and w < n:
             return epoch + 1, w
         return None
 
@@ -151,11 +205,11 @@ class Streams:
         """Worker ``w``'s index batches from ``start`` (included) to ``stop`` (not)."""
         out: list[list[int]] = []
         for e in range(start[0], stop[0] + 1):
+            batches = self.history.batches(e)
             first = start[1] if e == start[0] else w
-            last = stop[1] if e == stop[0] else self._batches
+            last = stop[1] if e == stop[0] else len(batches)
             if first >= last:
                 continue
-            batches = list(self._plan.batches(e))
             for j in range(first, last, self.count):
                 indices = batches[j]
                 if indices is not None and (e, j) not in self._poison:

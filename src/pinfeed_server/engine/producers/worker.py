@@ -28,8 +28,9 @@ import torch
 
 from pinfeed import Transformed
 from pinfeed_server.datasets import DatasetContext
+from pinfeed_server.datasets.shipped import Shipped
 from pinfeed_server.engine.collate import Layout, SlotWriter
-from pinfeed_server.engine.config import LoaderConfig
+from pinfeed_server.engine.config import LoaderCode, LoaderConfig
 from pinfeed_server.engine.iterable import is_iterable
 from pinfeed_server.engine.producers.base import ProducerContext, Result, Task, error_info
 from pinfeed_server.engine.producers.codec import (
@@ -51,7 +52,6 @@ from pinfeed_server.engine.producers.iterating import IterStreams, make_turn
 from pinfeed_server.engine.producers.seeding import Reseed, WorkerRngs, dump_state
 from pinfeed_server.engine.producers.zygote import inherited
 from pinfeed_server.engine.ring import Ring, SegmentInfo, SlotSpace, map_ring
-from pinfeed_server.plugins import resolve
 
 
 @dataclass(frozen=True)
@@ -101,16 +101,16 @@ class BatchMaker:
     ring's slot space, or a Ray actor's one-slot buffer), its RNG streams and an
     iterable's iterators. ``make`` is the one place a worker (or actor) makes a batch."""
 
-    def __init__(self, spec: WorkerSpec, dataset: Any, slots: torch.Tensor | SlotSpace) -> None:
-        allowed = spec.context.allowed_plugins
-        if spec.transform is not None:
-            dataset = Transformed(dataset, resolve(spec.transform, allowed, what="transform"))
-        collate = None
-        if spec.collate_fn is not None:
-            collate = resolve(spec.collate_fn, allowed, what="collate_fn")
-        init_fn = None
-        if spec.worker_init_fn is not None:
-            init_fn = resolve(spec.worker_init_fn, allowed, what="worker_init_fn")
+    def __init__(self, spec: WorkerSpec, held: Any, slots: torch.Tensor | SlotSpace) -> None:
+        """``held``: the dataset the worker got (its zygote's, or built), or a trainer's
+        shipped objects, which bring their own collate_fn and worker_init_fn."""
+        if isinstance(held, Shipped):
+            dataset, collate, init_fn = held.dataset, held.collate_fn, held.worker_init_fn
+        else:
+            code = LoaderCode.resolve(spec, spec.context.allowed_plugins)
+            dataset, collate, init_fn = held, code.collate_fn, code.worker_init_fn
+            if code.transform is not None:
+                dataset = Transformed(dataset, code.transform)
         self._spec, self._slots = spec, slots
         self._layout = Layout.from_json(spec.layout)
         self.writer = SlotWriter(dataset, self._layout, slots, spec.slot_bytes, collate)

@@ -40,7 +40,7 @@ from multiprocessing.context import ForkServerProcess, set_spawning_popen
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from pinfeed_server.datasets import KINDS, DatasetContext, build_dataset
+from pinfeed_server.datasets import KINDS, DatasetContext, build_dataset, shipped
 from pinfeed_server.engine.producers.seeding import seed_rngs
 
 log = logging.getLogger("pinfeed.workers")
@@ -79,7 +79,13 @@ def _main(listener: int, alive: int, payload: tuple[Any, ...], ready: Any) -> No
     """The zygote process: get the dataset, say so, then fork workers on request."""
     global HELD, _HOLDING
     try:
-        HELD = build_dataset(*payload[1:]) if payload[0] == "build" else payload[1]
+        if payload[0] == "build":
+            HELD = build_dataset(*payload[1:])
+        elif payload[0] == "payload":  # a trainer's objects: load them from their memfd
+            HELD = shipped.load(payload[1])
+            os.close(payload[1])
+        else:
+            HELD = payload[1]
         _HOLDING = True
     except BaseException as exc:
         ready.send_bytes(f"{type(exc).__name__}: {exc}".encode())
@@ -155,7 +161,10 @@ class Zygote:
         kind: str,
         params: dict[str, Any],
         context: DatasetContext,
+        payload_fd: int | None = None,
     ) -> None:
+        """``payload_fd``: a trainer's objects (``datasets/shipped.py``), which the
+        zygote loads from their memfd itself, sharing its pages."""
         self.name = name
         self.key = f"{name}-{os.getpid()}-{id(self)}"
         build: tuple[Any, ...] = ("build", kind, params, context)
@@ -166,7 +175,10 @@ class Zygote:
         spec = KINDS.get(kind)
         ship = spec is not None and spec.ship_build
         self.shipped = False
-        if ship:
+        if payload_fd is not None:
+            self._start(("payload", _Fd(payload_fd)))
+            self.shipped = True
+        elif ship:
             try:
                 self._start(("ship", dataset))
                 self.shipped = True
@@ -265,7 +277,14 @@ class Zygotes:
         self._by_name: dict[str, Zygote] = {}
         self._starting: dict[str, threading.Lock] = {}
 
-    def get(self, name: str, dataset: Any, kind: str, params: dict[str, Any]) -> Zygote:
+    def get(
+        self,
+        name: str,
+        dataset: Any,
+        kind: str,
+        params: dict[str, Any],
+        payload_fd: int | None = None,
+    ) -> Zygote:
         """``name``'s zygote, started now if it has none (or it died); RuntimeError if
         it cannot start."""
         with self._lock:
@@ -278,7 +297,7 @@ class Zygotes:
             if zygote is not None:
                 zygote.close()
             try:
-                zygote = Zygote(name, dataset, kind, params, self._context)
+                zygote = Zygote(name, dataset, kind, params, self._context, payload_fd)
             except Exception as exc:
                 raise RuntimeError(
                     f"dataset {name!r}: the process its workers fork from cannot start: {exc}"

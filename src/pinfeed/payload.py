@@ -1,0 +1,101 @@
+"""The objects a trainer ships to its node's server (``pinfeed.DataLoader``), as one
+memfd: a pickle (protocol 5) and its out-of-band buffers, so that numpy arrays and
+tensors held by a dataset travel once, are never copied into the pickle stream, and
+are shared by the server, the dataset's zygote and every worker forked from it (they
+map the same pages).
+
+Layout (little-endian)::
+
+    MAGIC (8 bytes) | header length (u32) | header JSON | ... blocks at 64-byte offsets
+    header: {"pickle": [offset, length], "buffers": [[offset, length], ...]}
+
+``read`` maps the memfd copy-on-write (``MAP_PRIVATE``): buffers are writable (numpy
+arrays come back writeable, as the trainer had them) and a write stays in the writer's
+process. The pickle is read with the standard ``pickle`` module; objects pickled by
+value by cloudpickle need cloudpickle importable where they load (it is a dependency
+of both sides). Writing is the trainer's (``pinfeed._shipping``); this module is the
+format both sides share.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import pickle
+import struct
+from typing import Any
+
+import numpy as np
+import torch
+
+MAGIC = b"pinfeed\x01"
+_LEN = struct.Struct("<I")
+ALIGN = 64
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def write(data: bytes, buffers: list[memoryview], name: str = "pinfeed-payload") -> int:
+    """A sealed-size memfd holding ``data`` (a protocol-5 pickle) and its ``buffers``;
+    the caller owns the fd."""
+    layout: list[list[int]] = []
+    at = 0
+    header_guess = 64 + 32 * (len(buffers) + 1)  # room for the header, refined below
+    while True:
+        start = _align(len(MAGIC) + _LEN.size + header_guess)
+        at = start + _align(len(data))
+        layout = []
+        for b in buffers:
+            layout.append([at, b.nbytes])
+            at = _align(at + b.nbytes)
+        header = json.dumps({"pickle": [start, len(data)], "buffers": layout}).encode()
+        if len(header) <= header_guess:
+            break
+        header_guess = len(header)
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, max(at, start + len(data), 1))
+        with mmap.mmap(fd, max(at, 1)) as mm:
+            mm[: len(MAGIC)] = MAGIC
+            _LEN.pack_into(mm, len(MAGIC), len(header))
+            mm[len(MAGIC) + _LEN.size : len(MAGIC) + _LEN.size + len(header)] = header
+            mm[start : start + len(data)] = data
+            for (offset, length), b in zip(layout, buffers, strict=True):
+                mm[offset : offset + length] = b.cast("B")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read(fd: int) -> tuple[Any, mmap.mmap]:
+    """The objects in memfd ``fd``, and the private mapping their buffers live in
+    (keep it while they are used; it is unmapped once they and it are gone). A
+    ValueError names what is wrong with a payload that is not one; what unpickling
+    raises (a module the server cannot import) is raised as it is."""
+    size = os.fstat(fd).st_size
+    if size < len(MAGIC) + _LEN.size:
+        raise ValueError("not a pinfeed payload (too short)")
+    mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    if mm[: len(MAGIC)] != MAGIC:
+        mm.close()
+        raise ValueError("not a pinfeed payload (bad magic): trainer and server versions differ?")
+    (n,) = _LEN.unpack_from(mm, len(MAGIC))
+    at = len(MAGIC) + _LEN.size
+    header = json.loads(bytes(mm[at : at + n]))
+    start, length = header["pickle"]
+    view = memoryview(mm)
+    buffers = [view[o : o + size_] for o, size_ in header["buffers"]]
+    obj = pickle.loads(view[start : start + length], buffers=buffers)
+    return obj, mm
+
+
+def tensor_from_buffer(
+    data: np.ndarray[Any, Any], dtype: str, shape: tuple[int, ...]
+) -> torch.Tensor:
+    """A CPU tensor shipped as its bytes (``pinfeed._shipping``): a view of them, no copy."""
+    kind = getattr(torch, dtype.removeprefix("torch."))
+    return torch.from_numpy(data).view(kind).reshape(shape)

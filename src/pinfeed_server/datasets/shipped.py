@@ -1,0 +1,68 @@
+"""``shipped``: a trainer's own Dataset, ``collate_fn`` and ``worker_init_fn``, sent by
+``pinfeed.DataLoader`` over the data-plane socket (never over HTTP) as a payload memfd
+(``pinfeed.payload``). Not a kind one registers: the server builds it from the payload
+a trainer of its own uid sent, and it lives as long as that trainer's loader.
+
+Loading runs the trainer's code in the server, with the server's uid (unpickling may
+import modules and call constructors): the data plane accepts a payload only from a
+peer with the server's own uid (``PINFEED_ACCEPT_OBJECTS`` turns it off). The dataset's
+zygote maps the same memfd and loads it once more, so the workers forked from it share
+the payload's pages (its numpy arrays and tensors) with the server.
+"""
+
+from __future__ import annotations
+
+import mmap
+from dataclasses import dataclass
+from typing import Any
+
+from pinfeed import payload
+from pinfeed_server.datasets.base import DatasetContext, DatasetError, Kind, Params
+
+
+class ShippedParams(Params):
+    pass
+
+
+@dataclass
+class Shipped:
+    """The objects of one ``pinfeed.DataLoader``, as loaded from its payload."""
+
+    dataset: Any
+    collate_fn: Any
+    worker_init_fn: Any
+    mapping: mmap.mmap  # the payload's pages, which the objects' buffers live in
+
+
+def load(fd: int) -> Shipped:
+    """The objects in payload ``fd``; a ``DatasetError`` that names what to do if they
+    cannot be loaded here (a module of the trainer's the server cannot import)."""
+    try:
+        objects, mapping = payload.read(fd)
+    except ModuleNotFoundError as exc:
+        raise DatasetError(
+            f"the pinfeed server cannot import module {exc.name!r}, which the trainer's "
+            "objects are pickled against: install it in the server's Python environment "
+            "(a server pinfeed.DataLoader starts uses the trainer's), or define the class "
+            "in the training script"
+        ) from None
+    except ValueError as exc:
+        raise DatasetError(str(exc)) from None
+    except Exception as exc:
+        raise DatasetError(
+            f"the trainer's objects cannot be loaded in the pinfeed server: "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
+    if not isinstance(objects, dict) or "dataset" not in objects:
+        raise DatasetError("the payload holds no dataset")
+    return Shipped(
+        objects["dataset"], objects.get("collate_fn"), objects.get("worker_init_fn"), mapping
+    )
+
+
+def _build(params: ShippedParams, ctx: DatasetContext) -> Any:
+    raise DatasetError("a shipped dataset comes from its trainer (pinfeed.DataLoader)")
+
+
+# Its objects are the script's: they may draw random numbers (augmentations).
+KIND = Kind("shipped", ShippedParams, _build, __doc__, ship_build=True, draws_rng=True)

@@ -1,0 +1,138 @@
+"""The batch plan of a loader whose sampler runs in the trainer (``pinfeed.DataLoader``).
+
+DataLoader iterates its sampler in the trainer's process, so the script's own sampler
+object behaves as the script expects: ``set_epoch`` on its ``DistributedSampler``, a
+stateful sampler's position, a ``RandomSampler`` drawing from the trainer's generator
+or global RNG. ``pinfeed.DataLoader`` keeps that: its iterator draws the epoch's base
+seed and iterates the batch sampler in the trainer, at the moments DataLoader's own
+iterator would (``num_workers * prefetch_factor`` index batches ahead of the batch it
+yields; one at a time with no workers), and sends them here: ``begin(epoch, seed)``,
+``feed(epoch, index, indices)`` in order, ``end(epoch)`` once the sampler ran out.
+
+The engine's producer thread iterates ``batches(epoch)``, which yields each index list as
+it arrives (``None`` turns for an IterableDataset, from ``begin`` on, until its streams
+run out) and ends after ``end``; ``interrupt`` wakes it for a seek or stop. The plan
+keeps the epoch's batches and seeds (and the previous epoch's), for the replay that puts
+a replaced worker's RNG back where it was (``producers/seeding.py``).
+
+Thread-safe: fed from the data-plane thread, read by the producer and the pool's threads.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+KEPT_EPOCHS = 2  # the current one and the one before (a persistent worker's replay)
+
+
+@dataclass
+class _Epoch:
+    seed: int
+    batches: list[list[int]] = field(default_factory=list)
+    rng: dict[int, bytes] = field(default_factory=dict)  # index -> the trainer's RNG state
+    ended: bool = False
+
+
+class FedPlan:
+    def __init__(
+        self,
+        length: int,
+        max_rows: int,
+        *,
+        iterable: bool,
+        reported: int | None,
+        samples: int | None,
+    ) -> None:
+        """``length``: the dataset's samples (0 for an iterable without ``__len__``);
+        ``max_rows``: a slot's capacity in samples; ``reported``: ``len(DataLoader)`` as
+        the trainer computed it (None where it has none); ``samples``: the sampler's."""
+        self.length = length
+        self.max_rows = max_rows
+        self.iterable = iterable
+        self.reported = reported
+        self.samples = samples or 0
+        self.dataset_length: int | None = length if length or not iterable else None
+        self._epochs: dict[int, _Epoch] = {}
+        self._cond = threading.Condition()
+        self._interrupts = 0
+
+    def __len__(self) -> int:
+        return self.reported or 0
+
+    # -- the trainer's side (the data-plane thread) ----------------------------------
+    def begin(self, epoch: int, seed: int) -> None:
+        with self._cond:
+            self._epochs[epoch] = _Epoch(seed)
+            for old in [e for e in self._epochs if e <= epoch - KEPT_EPOCHS]:
+                del self._epochs[old]
+            self._cond.notify_all()
+
+    def feed(self, epoch: int, index: int, indices: list[int], rng: bytes | None = None) -> None:
+        """Batch ``index`` of ``epoch``; ValueError if it is not the next one."""
+        with self._cond:
+            e = self._epochs.get(epoch)
+            if e is None or e.ended or index != len(e.batches):
+                raise ValueError(
+                    f"fed batch {index} of epoch {epoch} out of order (the plan has "
+                    f"{'no such epoch' if e is None else f'{len(e.batches)} batches'})"
+                )
+            e.batches.append(indices)
+            if rng is not None:
+                e.rng[index] = rng
+            self._cond.notify_all()
+
+    def end(self, epoch: int) -> None:
+        with self._cond:
+            e = self._epochs.get(epoch)
+            if e is not None:
+                e.ended = True
+            self._cond.notify_all()
+
+    # -- the engine's side -------------------------------------------------------------
+    def interrupt(self) -> None:
+        """Wake ``batches`` iterators: they return (a seek moved production, or a stop)."""
+        with self._cond:
+            self._interrupts += 1
+            self._cond.notify_all()
+
+    def batches(self, epoch: int, start: int = 0) -> Iterator[list[int] | None]:
+        with self._cond:
+            interrupts = self._interrupts
+        index = start
+        while True:
+            with self._cond:
+                while True:
+                    if self._interrupts != interrupts:
+                        return
+                    e = self._epochs.get(epoch)
+                    if e is not None and (self.iterable or index < len(e.batches)):
+                        break
+                    if e is not None and e.ended:
+                        return
+                    self._cond.wait(0.5)
+                indices = None if self.iterable else e.batches[index]
+            yield indices
+            index += 1
+
+    def base_seed(self, epoch: int) -> int:
+        """The base seed the trainer's iterator drew for ``epoch``."""
+        with self._cond:
+            e = self._epochs.get(epoch)
+            if e is None:
+                raise KeyError(f"epoch {epoch} has not begun (or is long gone)")
+            return e.seed
+
+    def fed(self, epoch: int) -> tuple[list[list[int]], bool]:
+        """What ``epoch`` has been fed so far, and whether it ended (a replay's history)."""
+        with self._cond:
+            e = self._epochs.get(epoch)
+            return ([], False) if e is None else (list(e.batches), e.ended)
+
+    def trainer_rng(self, epoch: int, index: int) -> bytes | None:
+        """The trainer's global RNG state that batch ``index`` is to be made on (a loader
+        without workers: DataLoader makes its batches in the trainer, on its RNGs)."""
+        with self._cond:
+            e = self._epochs.get(epoch)
+            return None if e is None else e.rng.pop(index, None)
