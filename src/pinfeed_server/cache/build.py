@@ -15,6 +15,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from torch.utils.data import IterableDataset
+
 from pinfeed_server.cache.dataset import CachedDataset
 from pinfeed_server.cache.determinism import NotCacheable, Probe
 from pinfeed_server.cache.determinism import check as check_samples
@@ -32,7 +34,8 @@ MARGIN = 1.10  # an estimated whole-dataset cache: samples up to 10% larger than
 
 def check(name: str, dataset: Any) -> Probe:
     """NotCacheable where ``dataset`` cannot be cached (the message says why)."""
-    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+    iterable = isinstance(dataset, IterableDataset)  # DataLoader's test
+    if iterable or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
         raise NotCacheable(
             f"dataset {name!r}: cache is for map-style datasets (__len__, __getitem__); "
             "an IterableDataset's samples have no index to keep them by"

@@ -61,7 +61,10 @@ class CachedDataset:
         """Why ``transform`` cannot run over this cache (it writes into its input, which
         a worker gets as a read-only view of the cache), or None. The RNGs are put back."""
         sample = self[index]  # the server's copy
-        before = record.plan(sample)
+        planned = record.plan(sample)
+        if planned is None:
+            return None
+        before = record.payload_bytes(planned)  # bytes now: a plan views the sample
         saved = capture_rngs()
         try:
             transform(sample)
@@ -70,9 +73,7 @@ class CachedDataset:
         finally:
             restore_rngs(saved)
         after = record.plan(sample)
-        if before is None or after is None:
-            return None
-        if record.payload_bytes(before) != record.payload_bytes(after):
+        if after is None or record.payload_bytes(after) != before:
             return (
                 f"transform writes into the sample it is given (sample {index} changed); the "
                 "workers get a cached sample as a read-only view of the node's cache: make "

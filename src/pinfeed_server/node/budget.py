@@ -64,7 +64,8 @@ class NodeBudget:
         )
         raise InsufficientMemory(
             f"dataset {dataset!r} needs a cache of {nbytes} bytes; {which} are free. Give "
-            "cache.max_bytes to keep a part of it (a fixed subset), or raise the budget",
+            "(or lower) cache.max_bytes to keep a fixed subset of it, drop another "
+            "dataset's cache, or raise the budget",
             need_bytes=nbytes,
             free_bytes=min(free, free_cache),
         )
