@@ -11,7 +11,8 @@ descriptors), or as its build spec, rebuilt where it lands (``rebuilt_in_zygote`
 so no sample and no index is ever copied into a worker.
 
 Only ``__getitem__`` goes through the cache (DataLoader's per-sample reads); any other
-attribute is the base dataset's.
+attribute is the base dataset's, but for the batched reads that would go around it
+(``fetch_into``, ``__getitems__``).
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class CachedDataset:
         return self.cache.get(i % n, self.base.__getitem__)
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("base", "cache", "_source", "_ship_base"):
+        # Not the read paths that would go around the cache (a kind's batched read).
+        if name.startswith("__") or name in _OWN:
             raise AttributeError(name)
         return getattr(self.base, name)
 
@@ -95,6 +97,9 @@ class CachedDataset:
 
     def __repr__(self) -> str:
         return f"CachedDataset({self.base!r}, {self.cache.samples()}/{len(self)} stored)"
+
+
+_OWN = frozenset({"base", "cache", "_source", "_ship_base", "fetch_into"})
 
 
 class _Build:

@@ -21,10 +21,26 @@ a second server finds it busy and keeps its cache in memory.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from pinfeed_server.cache import region as r
-from pinfeed_server.cache.locks import OWNER_LOCK, try_lock
+from pinfeed_server.cache.locks import OWNER_LOCK, SLOT_LOCKS, try_lock, unlock
+
+QUIET_S = 10.0  # how long a rebuild waits for a dead server's workers to let go
+
+
+def _wait_quiet(fd: int, timeout: float = QUIET_S) -> None:
+    """Wait (bounded) until no process holds a counter slot of the file: a SIGKILLed
+    server's workers finish the batch they were making before they notice, and one must
+    not store a sample of the old dataset into the rebuilt file."""
+    deadline = time.monotonic() + timeout
+    for k in range(r.COUNTER_SLOTS):
+        while not try_lock(fd, SLOT_LOCKS + k):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.01)
+        unlock(fd, SLOT_LOCKS + k)
 
 
 class CacheBusy(RuntimeError):
@@ -66,6 +82,8 @@ def open_file(path: Path, layout: r.Layout, fingerprint: bytes) -> tuple[r.Regio
             raise CacheBusy(f"{path} is in use by another pinfeed server")
         problem = _problem(fd, layout, fingerprint)
         if problem is not None:
+            if problem != "new":
+                _wait_quiet(fd)
             os.ftruncate(fd, 0)  # nothing of it is kept: the pages go
         os.ftruncate(fd, layout.total)
         region = r.Region(fd, layout, owner=True)
