@@ -20,6 +20,10 @@ if sys.argv[1:2] == ["ray"]:
     from bench.ray import main
 
     raise SystemExit(main(sys.argv[2:]))
+if sys.argv[1:2] and sys.argv[1].upper() == "W9":
+    from bench.w9 import main as w9
+
+    raise SystemExit(w9(sys.argv[2:]))
 from bench.suite import main
 
 if sys.argv[1:2] and sys.argv[1].upper() in ("W1", "W2", "W3", "W4", "W5"):

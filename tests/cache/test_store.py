@@ -15,6 +15,7 @@ import torch
 
 from pinfeed_server.cache import CacheSpec, build, check, reservation
 from pinfeed_server.cache.dataset import CachedDataset
+from pinfeed_server.cache.region import Layout
 from pinfeed_server.datasets import DatasetContext
 from tests.fixtures.datasets import CountedReads, Pairs, Stuck
 from tests.reliability.procs import wait_for
@@ -83,8 +84,9 @@ def test_a_process_killed_while_storing_leaves_the_entry_empty(tmp_path: Path) -
 
 def test_a_small_cache_keeps_a_fixed_subset(tmp_path: Path) -> None:
     ds = Pairs(400, 1024)  # 4 KiB records
-    whole = reservation(CacheSpec(), check("t", ds), len(ds))
-    cached = _cached(tmp_path, ds, max_bytes=whole * 3 // 10)
+    record = check("t", ds).sizes[0]
+    size = Layout(len(ds), len(ds) * record).total  # the whole dataset in a cache
+    cached = _cached(tmp_path, ds, max_bytes=size * 3 // 10)
     gen = torch.Generator().manual_seed(0)
     kept: list[int] = []
     for epoch in range(3):
@@ -98,5 +100,5 @@ def test_a_small_cache_keeps_a_fixed_subset(tmp_path: Path) -> None:
         if epoch:
             assert abs(ratio - 0.3) < 0.05, (epoch, ratio)
     assert kept[0] == kept[1] == kept[2]  # nothing evicted, nothing added after epoch 1
-    assert cached.cache.used_bytes() <= whole * 3 // 10
+    assert cached.cache.used_bytes() <= size * 3 // 10
     cached.cache.close()
