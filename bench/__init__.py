@@ -1,6 +1,6 @@
-"""Benchmarks of pinfeed against ``torch.utils.data.DataLoader``.
+"""Benchmarks of pinfeed against ``torch.utils.data.DataLoader`` and a tuned DataLoader.
 
-``python -m bench`` (or ``pinfeed bench``) runs the suite and writes ``docs/bench.json``
-and ``docs/bench.png``; ``python -m bench --help`` lists the knobs. ``python -m
-bench.gpu`` measures host-to-device copies and GPU idle share on a CUDA machine.
+``python -m bench`` runs every section (``python -m bench --list``), each writing a
+result file under ``docs/results/`` (``bench.results``), then ``python -m bench report``
+makes every table in README.md and ``docs/*.md`` from those files (``bench.report``).
 """

@@ -1,32 +1,164 @@
+"""``python -m bench``: every benchmark, then the report.
+
+    python -m bench                 # everything that runs on this machine, then the report
+    python -m bench --quick         # the same as a smoke run (minutes)
+    python -m bench --only suite,training
+    python -m bench <section> ...   # one section: its own options (--help)
+    python -m bench W4 ...          # one workload of the suite (W9: the w9 section)
+    python -m bench report [--check]
+
+Each section writes ``docs/results/<name>.json`` (``bench.results``); ``report`` makes
+every table in README.md and ``docs/*.md`` from those files (``bench.report``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
 import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 
-if sys.argv[1:2] == ["control"]:
-    from bench.control import main
 
-    raise SystemExit(main(sys.argv[2:]))
-if sys.argv[1:2] == ["autotune"]:
-    from bench.autotune import main as autotune
+@dataclass(frozen=True)
+class Section:
+    name: str
+    module: str
+    function: str = "main"
+    what: str = ""
+    quick: list[str] = field(default_factory=lambda: ["--quick"])
+    # minutes at full size on the 2-core development machine (from its quick runs)
+    minutes: float = 0.0
+    available: Callable[[], str | None] = lambda: None  # a reason it cannot run here
+    data_dir: bool = True  # takes --data-dir (the generated workload files' cache)
 
-    raise SystemExit(autotune(sys.argv[2:]))
-if sys.argv[1:2] == ["w4-profile"]:
-    from bench.profile_w4 import main
+    def run(self, argv: list[str]) -> int:
+        fn = getattr(importlib.import_module(self.module), self.function)
+        saved = sys.argv
+        sys.argv = [saved[0], self.name, *argv]  # what its result file records as command
+        try:
+            return int(fn(argv) or 0)
+        finally:
+            sys.argv = saved
 
-    raise SystemExit(main(sys.argv[2:]))
-if sys.argv[1:2] == ["scale"]:
-    from bench.scale import main
 
-    raise SystemExit(main(sys.argv[2:]))
-if sys.argv[1:2] == ["ray"]:
-    from bench.ray import main
+def _cuda() -> str | None:
+    import torch
 
-    raise SystemExit(main(sys.argv[2:]))
-if sys.argv[1:2] and sys.argv[1].upper() == "W9":
-    from bench.w9 import main as w9
+    return None if torch.cuda.is_available() else "needs CUDA"
 
-    raise SystemExit(w9(sys.argv[2:]))
-from bench.suite import main
 
-if sys.argv[1:2] and sys.argv[1].upper() in ("W1", "W2", "W3", "W4", "W5"):
-    # One workload alone, without the scaling section: python -m bench w4 [--runs ...]
-    raise SystemExit(main(["--workloads", sys.argv[1], "--trainers", "", *sys.argv[2:]]))
-raise SystemExit(main())
+def _ray() -> str | None:
+    if os.environ.get("PINFEED_BENCH_RAY") != "1":
+        return "needs root and network namespaces: set PINFEED_BENCH_RAY=1 to include it"
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return "needs root and `ip` (network namespaces)"
+    return None
+
+
+SECTIONS = [
+    Section("suite", "bench.suite", what="W1-W8: throughput, roofline, handoff", minutes=27),
+    Section("scaling", "bench.suite", "scaling_main", "1, 2, 4 trainers on one server", minutes=3),
+    Section("training", "bench.training", what="a training step: stall, trainer CPU", minutes=6),
+    Section("w9", "bench.w9", what="W9: the node's sample cache and transforms", minutes=40),
+    Section("autotune", "bench.autotune", what="autotune against fixed settings", minutes=9),
+    Section("scale", "bench.scale", what="datasets at real size", minutes=5, data_dir=False),
+    Section("w4-profile", "bench.profile_w4", what="where W4's CPU goes", minutes=0.5),
+    Section("control", "bench.control", what="the control plane under load", minutes=5),
+    Section("soak", "bench.soak", what="SIGKILLs, every batch checked", minutes=2, data_dir=False),
+    Section("ray", "bench.ray", "main", "executor ray against local", [], 4, _ray, False),
+    Section("gpu", "bench.gpu", "main", "H2D copies, GPU idle share", ["--quick"], 3, _cuda, False),
+]
+BY_NAME = {s.name: s for s in SECTIONS}
+DEFAULT_ARGS = {"soak": ["--seconds", "90"]}
+
+
+def run_all(argv: list[str]) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="every section as a smoke run")
+    ap.add_argument("--only", default="", help="comma-separated sections")
+    ap.add_argument("--skip", default="", help="comma-separated sections")
+    ap.add_argument("--list", action="store_true", help="list the sections and exit")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder of result files (default docs/results/; elsewhere, the docs are left "
+        "alone: check them with python -m bench report --results DIR --check)",
+    )
+    ap.add_argument("--data-dir", type=Path, default=None, help="generated workload files")
+    args = ap.parse_args(argv)
+    if args.list:
+        for s in SECTIONS:
+            why = s.available()
+            print(f"{s.name:<11} ~{s.minutes:4.1f} min  {s.what}" + (f"  ({why})" if why else ""))
+        print(f"{'total':<11} ~{sum(s.minutes for s in SECTIONS if not s.available()):4.1f} min")
+        return 0
+    only = {x.strip() for x in args.only.split(",") if x.strip()}
+    skip = {x.strip() for x in args.skip.split(",") if x.strip()}
+    unknown = (only | skip) - set(BY_NAME)
+    if unknown:
+        ap.error(f"unknown sections {sorted(unknown)}; choose from {sorted(BY_NAME)}")
+    failed: list[str] = []
+    t0 = time.monotonic()
+    for s in SECTIONS:
+        if (only and s.name not in only) or s.name in skip:
+            continue
+        why = s.available()
+        if why:
+            print(f"== {s.name}: skipped ({why})")
+            continue
+        sub = list(s.quick if args.quick else DEFAULT_ARGS.get(s.name, []))
+        if args.out is not None:
+            sub += ["--out", str(args.out)]
+        if args.data_dir is not None and s.data_dir:
+            sub += ["--data-dir", str(args.data_dir)]
+        print(f"== {s.name}: {s.what} (python -m bench {' '.join([s.name, *sub])})", flush=True)
+        t = time.monotonic()
+        try:
+            rc = s.run(sub)
+        except Exception as exc:  # one section's failure must not lose the others
+            print(f"== {s.name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+            rc = 1
+        print(f"== {s.name}: {'ok' if rc == 0 else f'exit {rc}'} in {time.monotonic() - t:.0f} s")
+        if rc:
+            failed.append(s.name)
+    from bench import report
+
+    if args.out is None:
+        report.main([])
+    else:
+        print(f"results in {args.out}; the docs are left as they are")
+    print(
+        f"all sections in {time.monotonic() - t0:.0f} s" + (f"; failed: {failed}" if failed else "")
+    )
+    return 1 if failed else 0
+
+
+def main(argv: list[str]) -> int:
+    head = argv[0] if argv else ""
+    if head == "report":
+        from bench import report
+
+        return report.main(argv[1:])
+    if head in BY_NAME:
+        return BY_NAME[head].run(argv[1:])
+    if head == "metrics-render":  # a diagnostic: one fresh /metrics render, no result file
+        from bench import metrics_render
+
+        return metrics_render.main(argv[1:])
+    if head.upper() == "W9":  # its own driver (per epoch, four jobs, a restart)
+        return BY_NAME["w9"].run(argv[1:])
+    if head.upper() in ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8"):
+        from bench import suite
+
+        return suite.main(["--workloads", head, *argv[1:]])
+    return run_all(argv)
+
+
+raise SystemExit(main(sys.argv[1:]))

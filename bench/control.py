@@ -18,7 +18,7 @@ The trainer's samples/s in each phase's window is its share of running alone. Ev
 reply is counted by status; 503 (a clean refusal) is told apart from other 5xx, and a
 request unanswered within ``--request-timeout`` counts as a hang.
 
-``python -m bench control`` prints the table and writes ``docs/control.json``.
+``python -m bench control`` prints the table and writes ``docs/results/control.json``.
 Loopback only; every phase is bounded in time and every request in time.
 """
 
@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import data
+from bench import data, results
 from bench.server import REPO, BenchServer
 
 TRAIN = "train"
@@ -48,7 +48,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="python -m bench control",
         description="A trainer's samples/s under HTTP load on the same server, and the "
-        "control plane's latency under full data-plane load. Writes docs/control.json.",
+        "control plane's latency under full data-plane load. Writes "
+        "docs/results/control.json.",
     )
     ap.add_argument("--seconds", type=float, default=6.0, help="length of each phase")
     ap.add_argument("--loaders", default="1,50", help="loader counts (the trainer's + idle)")
@@ -61,7 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=Path,
         default=data.DATA_DIR,
     )
-    ap.add_argument("--out", type=Path, default=REPO / "docs", help="directory for control.json")
+    ap.add_argument("--out", type=Path, default=results.RESULTS, help="folder of result files")
     args = ap.parse_args(argv)
     if args.quick:
         args.seconds, args.loaders, args.scale = 1.0, "1,3", 0.05
@@ -387,7 +388,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "loadavg_end": os.getloadavg(),
             "seconds_per_phase": args.seconds,
             "workload": w.describe() | {"num_workers": 2},
-            "note": "shared machine: other processes ran during the measurement",
         },
         "rows": rows,
     }
@@ -472,18 +472,20 @@ def print_table(result: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    t0 = time.monotonic()
-    result = run(args)
-    result["meta"]["wall_s"] = round(time.monotonic() - t0, 1)
+    envelope = results.start("control", vars(args))
+    foreign = results.ForeignCpu().start()
+    result = envelope | {"kind": "control"} | run(args)
+    result["foreign"] = foreign.stop()
     result["targets"] = [] if args.only else targets(result)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "control.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    result = results.finish(result, [result])
+    result["meta"]["wall_s"] = result["wall_s"]
+    path = results.write(result, args.out)
     print_table(result)
     for t in result["targets"]:
         mark = "ok  " if t["ok"] else "MISS"
         print(f"{mark} {t['target']}: {_f(t['value'], '{:.2f}')} ({t['goal']})")
-    print(f"wrote {path} in {result['meta']['wall_s']:.0f} s (shared machine: numbers are noisy)")
+    share = result["foreign"]["share"]
+    print(f"wrote {path} in {result['wall_s']:.0f} s (other processes' CPU share: {share:.0%})")
     return 0
 
 

@@ -11,16 +11,21 @@ W4  variable-length token sequences: int64 ids, 16-512 per sample, from one flat
     ``collate_fn`` (``bench.tokens.pad_collate``), batch 64.
 W5  W3's JPEGs with random crop and flip (``python`` kind, ``bench.augment:w5``):
     resized to 256, a random 224x224 window, flipped with probability 0.5.
+W6  a flat uint16 token file (``tokens`` kind, nanoGPT's ``train.bin``), seq_len 1024,
+    batch 32, against nanoGPT-style ``np.memmap`` windows (``bench.references``).
 W7  an ``hf`` save_to_disk folder with a fixed-size Image column (W3-like JPEGs,
     400x300) and a ClassLabel, batch 64, against ``load_from_disk(...).with_format("torch")``.
 W8  WebDataset tar shards of JPEGs (W3-like, 400x300) + cls, 64 samples a shard,
     batch 64 (an IterableDataset: no shuffle), against the webdataset library's
     ``WebDataset(...).decode("torchrgb8").to_tuple("jpg", "cls")``.
-W6  a flat uint16 token file (``tokens`` kind, nanoGPT's ``train.bin``), seq_len 1024,
-    batch 32, against nanoGPT-style ``np.memmap`` windows (``bench.references``).
+W9  (planned, ``PLANNED``) ImageNet-like JPEGs with the node's sample cache (issue 25).
 
-A workload with a ``reference`` is measured against that Dataset under DataLoader (what
-a trainer uses today for the same files); without one, against the kind's own class.
+Each workload names what plain DataLoader reads (``reference``: a ``bench.references``
+Dataset, the one a trainer uses today for the same files; none: the very object the
+server builds, for ``python`` datasets) and its tuned variant (``tuned``: a batched read,
+where the dataset has one). Adding a workload: a ``make_wN`` returning a ``Workload``, in
+``MAKERS``; a system beside pinfeed and DataLoader (e.g. ``pinfeed.DataLoader``) is an
+entry of ``bench.trainer.SYSTEMS`` and a name in the workload's ``extra_systems``.
 
 ``--scale`` multiplies every sample count.
 """
@@ -67,7 +72,19 @@ class Workload:
     files: list[str] = field(default_factory=list)
     notes: str = ""
     collate_fn: str | None = None  # the loader's, and DataLoader's (resolved)
-    reference: str | None = None  # a bench.references name: DataLoader's Dataset
+    # A bench.references name: the Dataset plain DataLoader reads (None: the very same
+    # object the server builds, as for a ``python`` dataset).
+    reference: str | None = None
+    # A bench.references.TUNED name: the tuned DataLoader's batched read (None: the
+    # dataset has none, e.g. a per-file decode; then tuned = plain DataLoader at its best).
+    tuned: str | None = None
+    extra_systems: tuple[str, ...] = ()  # e.g. "pinfeed-dataloader" (issue 24)
+
+    @property
+    def systems(self) -> tuple[str, ...]:
+        """The systems measured on this workload (``bench.trainer.SYSTEMS``)."""
+        tuned = ("dataloader-tuned",) if self.tuned else ()
+        return ("pinfeed", "dataloader", *tuned, *self.extra_systems)
 
     @property
     def sample_bytes(self) -> int:
@@ -77,6 +94,7 @@ class Workload:
     def describe(self) -> dict[str, Any]:
         d = asdict(self)
         d["sample_bytes"] = self.sample_bytes
+        d["systems"] = list(self.systems)
         d["batches_per_epoch"] = -(-self.samples // self.batch_size)
         return d
 
@@ -114,11 +132,14 @@ def make_w1(root: Path, scale: float) -> Workload:
         n,
         256,
         True,
-        10,
+        6,  # epochs: DataLoader as usually written needs ~6 s of them at full size
         [3, 64, 64],
         "uint8",
         [path.name],
-        "tensors kind: .pt loaded with mmap=True (page cache), TensorDataset semantics",
+        "tensors kind: .pt loaded with mmap=True (page cache), TensorDataset semantics; "
+        "DataLoader over torch's TensorDataset of the same file's tensors",
+        reference="tensordataset",
+        tuned="tensordataset",
     )
 
 
@@ -148,7 +169,10 @@ def make_w2(root: Path, scale: float) -> Workload:
         [3, 224, 224],
         "float32",
         [x_path.name, y_path.name],
-        "npy kind: np.load(mmap_mode='r'), files pre-read into the page cache",
+        "npy kind: np.load(mmap_mode='r'), files pre-read into the page cache; DataLoader "
+        "over a user's np.memmap Dataset (bench.references.MemmapArrays)",
+        reference="memmap",
+        tuned="memmap",
     )
 
 
@@ -192,7 +216,10 @@ def make_w3(root: Path, scale: float) -> Workload:
         "uint8",
         [folder.name],
         f"images kind: {n} JPEGs of {w}x{h} (q90, mean "
-        f"{jpeg_bytes // max(1, n) // 1024} KiB) in {W3_CLASSES} class folders",
+        f"{jpeg_bytes // max(1, n) // 1024} KiB) in {W3_CLASSES} class folders; DataLoader "
+        "over bench.references.PilImageFolder (torchvision's ImageFolder + Resize + "
+        "CenterCrop in Pillow: torchvision does not import beside this torch)",
+        reference="imagefolder",
     )
 
 
@@ -225,6 +252,7 @@ def make_w4(root: Path, scale: float) -> Workload:
         "sample; collate_fn bench.tokens:pad_collate pads to the batch's longest (ids, "
         "attention mask, lengths); sample_shape is the mean length",
         collate_fn="bench.tokens:pad_collate",
+        tuned="sequences",
     )
 
 
@@ -266,13 +294,14 @@ def make_w6(root: Path, scale: float) -> Workload:
         n,
         32,
         True,
-        4,
+        2,  # epochs: DataLoader as usually written needs ~10 s of them at full size
         [2, W6_SEQ_LEN],
         "int64",
         [path.name],
         f"tokens kind: {count:,} uint16 tokens ({count * 2 / 2**20:.0f} MiB), np.memmap; "
         "DataLoader over nanoGPT-style np.memmap windows",
         reference="tokens",
+        tuned="tokens",
     )
 
 
@@ -307,13 +336,14 @@ def make_w7(root: Path, scale: float) -> Workload:
         n,
         64,
         True,
-        4,
+        2,  # epochs: ~10 s of DataLoader at full size
         [3, h, w],
         "uint8",
         [folder.name],
         f"hf kind: {n} JPEGs of {w}x{h} (q90) embedded in Arrow; DataLoader over "
         "datasets.load_from_disk(...).with_format('torch')",
         reference="hf",
+        tuned="hf",
     )
 
 
@@ -349,13 +379,14 @@ def make_w8(root: Path, scale: float) -> Workload:
         n,
         64,
         False,
-        4,
+        2,  # epochs: ~10 s of DataLoader at full size
         [3, h, w],
         "uint8",
         [folder.name],
         f"webdataset kind: {n} JPEGs (q90) in {shards} tar shards; DataLoader over "
         "webdataset.WebDataset(...).decode('torchrgb8').to_tuple('jpg', 'cls')",
         reference="webdataset",
+        tuned="webdataset",
     )
 
 
@@ -368,6 +399,51 @@ MAKERS = {
     "W6": make_w6,
     "W7": make_w7,
     "W8": make_w8,
+}
+# Why pinfeed wins, ties or loses on each workload: the mechanism, fixed text. The verdict
+# beside it (and its ratio) is the numbers' (bench.report).
+WHY = {
+    "W1": "A batch is one gather per field in pinfeed (`index_select` into the slot) and "
+    "in the tuned DataLoader (TensorDataset indexed with the batch's index list); "
+    "against it what differs is the handoff: pinfeed announces a slot, DataLoader's "
+    "workers move each batch's storages through shared memory (none at num_workers "
+    "0). Plain DataLoader pays 256 `__getitem__` calls and `default_collate`'s stack.",
+    "W2": "Rows of 588 KiB: the gather is memory bandwidth. pinfeed gathers a batch into "
+    "the slot, its only host copy; the tuned DataLoader does one fancy index per "
+    "field, then its workers copy the batch into shared memory; plain DataLoader "
+    "copies row by row and stacks.",
+    "W3": "Decode-bound: both systems run the same Pillow decode and resize per file, and "
+    "a file cannot be read a batch at a time (tuned = DataLoader at its best): at equal "
+    "cores the only work pinfeed saves is the handoff of a 9.6 MB batch (no pickling "
+    "into shared memory, no storages rebuilt in the trainer).",
+    "W4": "Python-bound: 64 `__getitem__` calls and the padding `collate_fn` per batch, "
+    "in pinfeed's workers as in DataLoader's; pinfeed saves the pickling into shared "
+    "memory and the unpickling in the trainer (`python -m bench w4-profile`). The "
+    "tuned DataLoader pads a batch straight into one array. At num_workers 0 "
+    "pinfeed's server swaps the loader's RNG states in and out per batch.",
+    "W5": "W3 plus a random crop and flip drawn from torch's RNG: decode-bound as W3, the "
+    "same object in both systems, no batched read (tuned = DataLoader at its best).",
+    "W6": "Windows of 1,024 uint16 tokens widened to int64: pinfeed reads a batch's "
+    "windows straight into the slot; the tuned DataLoader does one 2-D fancy index a "
+    "batch; plain DataLoader makes two small tensors a sample and stacks them.",
+    "W7": "JPEG decode from Arrow dominates. Plain DataLoader already reads a batch at "
+    "once through HF's `__getitems__` (then splits it into samples and restacks); "
+    "the tuned one keeps the batch as read; pinfeed decodes into the slot.",
+    "W8": "An IterableDataset of tar shards, split by worker alike in both systems; JPEG "
+    "decode dominates. The tuned DataLoader batches in the pipeline (`.batched`); "
+    "pinfeed decodes into the slot.",
+    "W9": "Set with the W9 workload (issue 25): decode once per node, the transform per loader.",
+}
+
+# ``python -m bench training``: the workloads a training loop is measured on, with the
+# step (ms of GPU time per batch) each stands with.
+STEP_MS = {"W1": 5.0, "W3": 20.0, "W9": 20.0}
+
+# Workloads another change brings (its maker goes into MAKERS then); until their result
+# files exist, the report shows their rows as not yet measured.
+PLANNED = {
+    "W9": "ImageNet-like JPEGs, decode + resize 256 cached once per node, RandomResizedCrop "
+    "224 + flip as the loader's transform, batch 32 (issue 25)",
 }
 PLUGINS = ("bench", "tests.fixtures")  # what the bench's python datasets and collate_fns import
 

@@ -19,13 +19,12 @@
    stream; idle share = 1 - busy / (first step start .. last step end). A copy on the
    compute stream (DataLoader's ``.to``) counts as idle: no compute runs during it.
 
-Writes ``docs/bench-gpu.json``. Without CUDA it says so and exits with status 2.
+Writes ``docs/results/gpu.json``. Without CUDA it says so and exits with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -34,7 +33,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.server import REPO, BenchServer
+from bench import results
+from bench.server import BenchServer
 
 BATCH = 64
 SHAPE = (3, 224, 224)
@@ -278,9 +278,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, default=1024, help="dataset length")
     ap.add_argument("--steps", type=int, default=200, help="training steps per feed")
     ap.add_argument("--bursts", type=int, default=5)
-    ap.add_argument("--out", type=Path, default=REPO / "docs" / "bench-gpu.json")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 40 steps, 2 bursts")
+    ap.add_argument("--out", type=Path, default=results.RESULTS, help="folder of result files")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.steps, args.bursts = 40, 2
     _check_cuda()
+    envelope = results.start("gpu", vars(args))
+    foreign = results.ForeignCpu().start()
     import torch
 
     with tempfile.TemporaryDirectory(prefix="pinfeed-gpu-") as tmp:
@@ -291,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
 
             with Client(srv.url, timeout=300) as admin:
                 admin.create_dataset("gpu", "tensors", {"path": DATASET_FILE})
-            result = {
+            result = envelope | {
+                "kind": "gpu",
                 "device": torch.cuda.get_device_name(),
                 "torch": torch.__version__,
                 "cuda": torch.version.cuda,
@@ -301,8 +307,8 @@ def main(argv: list[str] | None = None) -> int:
                 "h2d": h2d(srv, "gpu", args),
                 "training": idle_share(srv, "gpu", root, args),
             }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    result["foreign"] = foreign.stop()
+    path = results.write(results.finish(result, [result]), args.out)
     h = result["h2d"]
     print(
         f"{result['device']}: H2D GB/s pageable {h['pageable_gbps']:.1f}, pinned "
@@ -315,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
             f"  {feed:<20} GPU idle {r['gpu_idle_share']:.0%}  "
             f"{r['samples_per_s']:,.0f} samples/s  busy {r['gpu_busy_ms_per_step']:.2f} ms/step"
         )
-    print(f"wrote {args.out}")
+    print(f"wrote {path}")
     return 0
 
 

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from bench.memory import PeakSampler
+from bench.results import ForeignCpu, tree_cpu_s
 from bench.server import REPO
 
 
@@ -116,6 +117,9 @@ def run_trainers(
     """Start one process per spec, release them together, return (results, memory).
 
     Memory is the peak of (server tree, if any) + (all trainer trees) while they run.
+    Between "go" and the last result (the timed window) it also measures CPU: each
+    trainer tree's and the server tree's CPU seconds, and ``foreign``: what processes
+    outside the benchmark used meanwhile (``bench.results.ForeignCpu``).
     """
     procs: list[TrainerProc] = []
 
@@ -130,9 +134,16 @@ def run_trainers(
         for spec in specs:
             procs.append(TrainerProc(spec))
         ready = [p.expect("ready", timeout) for p in procs]
+        foreign = ForeignCpu().start()
+        cpu0 = [tree_cpu_s(p.pid) for p in procs]
+        server0 = tree_cpu_s(server_pid) if server_pid is not None else 0.0
         for p in procs:
             p.send("go\n")
         results = [p.expect("result", timeout) for p in procs]
+        server_cpu = tree_cpu_s(server_pid) - server0 if server_pid is not None else 0.0
+        for r, p, c0 in zip(results, procs, cpu0, strict=True):
+            r["trainer_tree_cpu_s"] = tree_cpu_s(p.pid) - c0
+        window = foreign.stop()
         memory = sampler.stop()
         for p in procs:
             p.finish()
@@ -143,4 +154,6 @@ def run_trainers(
         raise
     for r, rd in zip(results, ready, strict=True):
         r["ready_ttfb_s"] = rd["ttfb_s"]
+    memory["server_tree_cpu_s"] = server_cpu
+    memory["foreign"] = window
     return results, memory

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
 import pickle
 import statistics
@@ -30,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench import results
 from bench.data import DATA_DIR
 
 
@@ -51,7 +51,7 @@ def profile(root: Path, scale: float, batches: int) -> dict[str, Any]:
 
     from bench import data, tokens
     from pinfeed import protocol as p
-    from pinfeed._ring import RingMapping
+    from pinfeed._ring import RingMapping, RingSegments
     from pinfeed._views import BatchViews
     from pinfeed_server.engine.batchlayout import write_output
 
@@ -72,7 +72,7 @@ def profile(root: Path, scale: float, batches: int) -> dict[str, Any]:
     os.ftruncate(fd, slot_bytes)
     ring = RingMapping(os.dup(fd), slot_bytes)
     layout = p.Layout(["list", []], (), 64, slot_bytes, per_batch=True)
-    views = BatchViews(ring, layout, 1, slot_bytes)
+    views = BatchViews(RingSegments(ring, 1, slot_bytes), layout, 1, slot_bytes)
     k = iter(range(10**9))
     bodies = []
 
@@ -118,7 +118,7 @@ def profile(root: Path, scale: float, batches: int) -> dict[str, Any]:
         "dataloader_cpu_us": dataloader,
         "bound": dataloader / pinfeed,
         "note": "pinfeed also pays a pipe message per batch to and from its worker and "
-        "a socket send/recv to the trainer (~20-40 us, bench handoff); DataLoader pays a "
+        "a socket send/recv to the trainer (the handoff table); DataLoader pays a "
         "queue put/get and its pin/result threads. Neither is counted here.",
     }
 
@@ -132,15 +132,21 @@ def main(argv: list[str]) -> int:
         type=Path,
         default=DATA_DIR,
     )
-    ap.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 10 batches")
+    ap.add_argument("--out", type=Path, default=results.RESULTS, help="folder of result files")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.batches = 10
     args.data_dir.mkdir(parents=True, exist_ok=True)
-    result = profile(args.data_dir, args.scale, args.batches)
+    envelope = results.start("w4-profile", vars(args))
+    foreign = results.ForeignCpu().start()
+    result = envelope | {"kind": "w4-profile"} | profile(args.data_dir, args.scale, args.batches)
+    result["foreign"] = foreign.stop()
+    result = results.finish(result, [result])
     for name, us in result["cpu_us_per_batch"].items():
         print(f"{name:<50} {us:9.0f} us")
     print(f"{'pinfeed, CPU per batch':<50} {result['pinfeed_cpu_us']:9.0f} us")
     print(f"{'DataLoader, CPU per batch':<50} {result['dataloader_cpu_us']:9.0f} us")
     print(f"best ratio when CPU-bound: {result['bound']:.2f}x")
-    if args.out is not None:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {results.write(result, args.out)}")
     return 0

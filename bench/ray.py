@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import shutil
 import tempfile
 import time
@@ -29,7 +28,7 @@ from typing import Any
 import numpy as np
 import psutil
 
-from bench import data
+from bench import data, results
 from bench.data import Workload
 from tests.reliability.procs import descendants, maps_ring
 
@@ -118,13 +117,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale", type=float, default=0.34, help="W3 sample count x this")
     ap.add_argument("--workers", type=int, default=2, help="num_workers (local and ray)")
     ap.add_argument("--epochs", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=Path("docs/ray.json"))
+    ap.add_argument("--out", type=Path, default=results.RESULTS, help="folder of result files")
     args = ap.parse_args(argv)
+    envelope = results.start("ray", vars(args))
+    foreign = results.ForeignCpu().start()
 
     from tests.ray.cluster import NetCluster
 
     root = Path(tempfile.mkdtemp(prefix="pinfeed-bench-ray-"))
-    result: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
+    result: dict[str, Any] = envelope | {"kind": "ray"}
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, root, True)
@@ -154,10 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         "intake_bridge_bytes_per_cpu_s": bridge_bps,
         "decode_cores_per_copy_core": result["intake"]["copy_bytes_per_s"] / per_core,
         "decode_cores_per_bridge_core": bridge_bps / per_core if per_core else 0.0,
-        "note": "shared 2-core machine under load: noisy; the Ray nodes share those cores",
+        "note": "the Ray nodes are network namespaces of this machine: they share its cores",
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    result["foreign"] = foreign.stop()
+    path = results.write(results.finish(result, [result]), args.out)
     for row in rows:
         print(
             f"{row['executor']:>5}  workers {row['num_workers']}  "
@@ -173,5 +174,5 @@ def main(argv: list[str] | None = None) -> int:
         f"{s['decode_bytes_per_core_s'] / 1e6:.0f} MB/s: {s['decode_cores_per_bridge_core']:.0f} "
         f"decode cores per bridge core ({s['decode_cores_per_copy_core']:.0f} by the bare copy)"
     )
-    print(f"wrote {args.out}")
+    print(f"wrote {path}")
     return 0

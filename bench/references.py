@@ -1,16 +1,161 @@
-"""The reference Datasets the format workloads are measured against under DataLoader:
-what a trainer uses today for the same files (``Workload.reference`` names one)."""
+"""What pinfeed is measured against: the Dataset a trainer uses today for the same files
+under ``torch.utils.data.DataLoader`` (``Workload.reference``), and what a performance
+engineer writes with DataLoader alone (``Workload.tuned``).
+
+References (plain DataLoader: per-sample ``__getitem__`` + ``default_collate``):
+
+- ``tensordataset``: ``torch.utils.data.TensorDataset`` over the tensors of the same
+  ``.pt`` (``torch.load(weights_only=True, mmap=True)``, as the ``tensors`` kind loads
+  it) or ``.safetensors`` file (``safetensors.torch.load_file``);
+- ``memmap``: :class:`MemmapArrays`, a user's ``np.memmap`` Dataset over ``.npy`` files;
+- ``imagefolder``: :class:`PilImageFolder`, torchvision's ``ImageFolder`` + ``Resize`` +
+  ``CenterCrop`` + ``PILToTensor`` written out with Pillow. torchvision itself cannot
+  run here (PyPI's torchvision does not import beside torch 2.13.0 CPU), so this stands
+  in for it: the same Pillow calls torchvision makes for those transforms;
+- ``tokens``: nanoGPT's windows over ``np.memmap`` (:class:`MemmapTokens`);
+- ``hf``: ``datasets.load_from_disk(...).with_format("torch")``;
+- ``webdataset``: ``webdataset.WebDataset(...).decode("torchrgb8").to_tuple(...)``.
+
+Tuned (``tuned_loader``): the same data, one batched read per batch where the dataset
+allows it: ``batch_size=None`` over a ``BatchSampler`` (the sampler DataLoader would
+build, on the same generator, so the batches are the same), the Dataset indexed with the
+whole index list at once (one fancy index per field); an iterable pipeline batched in
+the pipeline (WebDataset's ``.batched``). ``pin_memory`` with CUDA and the best
+``num_workers`` are the benchmark's part (``bench.trainer``). tests/datasets/
+test_references.py checks every tuned variant gives the plain reference's batches.
+"""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    RandomSampler,
+    SequentialSampler,
+    TensorDataset,
+)
 
 
-class MemmapTokens(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+def load_tensors(path: Path) -> tuple[list[torch.Tensor], list[str] | None]:
+    """The tensors of a ``.pt`` (tuple, list or dict) or ``.safetensors`` file, in file
+    order, and their keys where the file holds a dict."""
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        data: Any = load_file(str(path))
+    else:
+        data = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+    if isinstance(data, dict):
+        return list(data.values()), list(data)
+    if isinstance(data, torch.Tensor):
+        return [data], None
+    return list(data), None
+
+
+def tensordataset(root: Path, params: dict[str, Any]) -> TensorDataset:
+    tensors, _ = load_tensors(root / params["path"])
+    return TensorDataset(*tensors)
+
+
+class BatchedTensorDataset(TensorDataset):
+    """``TensorDataset`` read a batch at a time: ``index_select`` per tensor. (Indexing
+    with the list, ``t[idx]``, works too but is about 10x slower on a uint8 [N, 3, 64, 64]
+    tensor: it gathers element by element; a performance engineer measures and picks
+    this.)"""
+
+    def __getitem__(self, index: Any) -> tuple[torch.Tensor, ...]:
+        if isinstance(index, list):
+            idx = torch.as_tensor(index, dtype=torch.int64)
+            return tuple(torch.index_select(t, 0, idx) for t in self.tensors)
+        return super().__getitem__(index)
+
+
+def tensordataset_batched(root: Path, params: dict[str, Any]) -> BatchedTensorDataset:
+    tensors, _ = load_tensors(root / params["path"])
+    return BatchedTensorDataset(*tensors)
+
+
+class MemmapArrays(Dataset[tuple[torch.Tensor, ...]]):
+    """``.npy`` files memory-mapped with ``np.load(mmap_mode="r")``, one sample a row, as
+    a user writes it: each field's row copied out of the mapping, as a tensor."""
+
+    def __init__(self, paths: Sequence[Path]) -> None:
+        self.arrays = [np.load(p, mmap_mode="r") for p in paths]
+
+    def __len__(self) -> int:
+        return len(self.arrays[0])
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.from_numpy(np.array(a[i])) for a in self.arrays)
+
+
+class BatchedMemmapArrays(MemmapArrays):
+    """:class:`MemmapArrays` read a batch at a time: one fancy index per field (a
+    ``batch_size=None`` DataLoader over a ``BatchSampler`` passes the index list)."""
+
+    def __getitem__(self, i: Any) -> tuple[torch.Tensor, ...]:
+        if isinstance(i, list):
+            return tuple(torch.from_numpy(a[i]) for a in self.arrays)
+        return super().__getitem__(i)
+
+
+def memmap(root: Path, params: dict[str, Any]) -> MemmapArrays:
+    return MemmapArrays([root / p for p in params["paths"]])
+
+
+def memmap_batched(root: Path, params: dict[str, Any]) -> BatchedMemmapArrays:
+    return BatchedMemmapArrays([root / p for p in params["paths"]])
+
+
+class PilImageFolder(Dataset[tuple[torch.Tensor, int]]):
+    """The reference: torchvision's ImageFolder + Resize(size) + CenterCrop(size) +
+    PILToTensor, written out with Pillow (torchvision is not a dependency)."""
+
+    def __init__(self, root: Path, size: int) -> None:
+        classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
+        self.samples = []
+        for label, name in enumerate(classes):
+            for dirpath, _, fnames in sorted(os.walk(root / name, followlinks=True)):
+                for fname in sorted(fnames):
+                    if fname.lower().endswith((".jpg", ".jpeg", ".png")):
+                        self.samples.append((os.path.join(dirpath, fname), label))
+        self.classes = classes
+        self.size = size
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        from PIL import Image
+
+        path, label = self.samples[index]
+        with open(path, "rb") as f:
+            img = Image.open(f).convert("RGB")
+        w, h = img.size
+        short, long = (w, h) if w <= h else (h, w)
+        new_short, new_long = self.size, int(self.size * long / short)
+        new_w, new_h = (new_short, new_long) if w <= h else (new_long, new_short)
+        if (new_w, new_h) != (w, h):
+            img = img.resize((new_w, new_h), Image.Resampling.BILINEAR)
+        top = round((new_h - self.size) / 2.0)
+        left = round((new_w - self.size) / 2.0)
+        img = img.crop((left, top, left + self.size, top + self.size))
+        return torch.from_numpy(np.array(img)).permute(2, 0, 1), label
+
+
+def imagefolder(root: Path, params: dict[str, Any]) -> PilImageFolder:
+    return PilImageFolder(root / params["path"], params["size"])
+
+
+class MemmapTokens(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """nanoGPT's ``get_batch`` windows over ``np.memmap`` as a map-style Dataset."""
 
     def __init__(self, path: Path, dtype: str, seq_len: int, stride: int | None = None) -> None:
@@ -27,13 +172,63 @@ class MemmapTokens(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return x, y
 
 
-def tokens(root: Path, params: dict[str, Any]) -> Any:
+class BatchedMemmapTokens(MemmapTokens):
+    """:class:`MemmapTokens` a batch at a time: one 2-D fancy index (every window and its
+    one extra target token), widened to int64 once."""
+
+    def __getitem__(self, i: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(i, list):
+            return super().__getitem__(i)
+        starts = np.asarray(i, dtype=np.int64) * self.stride
+        rows = self.data[starts[:, None] + np.arange(self.seq_len + 1)].astype(np.int64)
+        t = torch.from_numpy(rows)
+        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+
+def tokens(root: Path, params: dict[str, Any]) -> MemmapTokens:
     return MemmapTokens(
         root / params["path"],
         params.get("dtype", "uint16"),
         params["seq_len"],
         params.get("stride"),
     )
+
+
+def tokens_batched(root: Path, params: dict[str, Any]) -> BatchedMemmapTokens:
+    return BatchedMemmapTokens(
+        root / params["path"],
+        params.get("dtype", "uint16"),
+        params["seq_len"],
+        params.get("stride"),
+    )
+
+
+class BatchedSequences(Dataset[dict[str, torch.Tensor]]):
+    """W4's variable-length sequences (``bench.tokens``), a padded batch at a time: the
+    batch's rows copied straight into one zeroed int64 array (no per-sample tensor, no
+    ``pad_sequence``); the same dict as ``bench.tokens.pad_collate``."""
+
+    def __init__(self, tokens: str, offsets: str) -> None:
+        self.tokens = np.load(tokens, mmap_mode="r")
+        self.offsets = np.load(offsets)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: list[int]) -> dict[str, torch.Tensor]:
+        idx = np.asarray(i, dtype=np.int64)
+        starts, stops = self.offsets[idx], self.offsets[idx + 1]
+        lengths = stops - starts
+        ids = np.zeros((len(idx), int(lengths.max())), dtype=self.tokens.dtype)
+        for row, (a, b) in enumerate(zip(starts.tolist(), stops.tolist(), strict=True)):
+            ids[row, : b - a] = self.tokens[a:b]
+        lens = torch.from_numpy(lengths)
+        mask = torch.arange(ids.shape[1])[None, :] < lens[:, None]
+        return {"input_ids": torch.from_numpy(ids), "attention_mask": mask, "lengths": lens}
+
+
+def sequences_batched(root: Path, params: dict[str, Any]) -> BatchedSequences:
+    return BatchedSequences(**params["kwargs"])
 
 
 def hf(root: Path, params: dict[str, Any]) -> Any:
@@ -49,8 +244,62 @@ def webdataset(root: Path, params: dict[str, Any]) -> Any:
     return ds.decode("torchrgb8").to_tuple(*params["fields"])
 
 
-REFERENCES = {"tokens": tokens, "hf": hf, "webdataset": webdataset}
+REFERENCES: dict[str, Callable[[Path, dict[str, Any]], Any]] = {
+    "tensordataset": tensordataset,
+    "memmap": memmap,
+    "imagefolder": imagefolder,
+    "tokens": tokens,
+    "hf": hf,
+    "webdataset": webdataset,
+}
 
 
 def build(name: str, root: Path, params: dict[str, Any]) -> Any:
     return REFERENCES[name](root, params)
+
+
+# --- tuned: what a performance engineer writes with DataLoader alone -----------------
+
+# Map-style datasets indexed with a whole batch's index list (batch_size=None over a
+# BatchSampler); HF's torch format takes a list index as it is.
+BATCHED: dict[str, Callable[[Path, dict[str, Any]], Any]] = {
+    "tensordataset": tensordataset_batched,
+    "memmap": memmap_batched,
+    "tokens": tokens_batched,
+    "sequences": sequences_batched,
+    "hf": hf,
+}
+
+
+def _webdataset_batched(root: Path, params: dict[str, Any], batch_size: int) -> Any:
+    from torch.utils.data import default_collate
+
+    # WebDataset's own batching, in the pipeline (each worker batches its shards), with
+    # torch's collate so the batches are DataLoader's.
+    return webdataset(root, params).batched(batch_size, collation_fn=default_collate)
+
+
+TUNED = (*BATCHED, "webdataset")
+
+
+def tuned_loader(
+    name: str,
+    root: Path,
+    params: dict[str, Any],
+    *,
+    batch_size: int,
+    shuffle: bool,
+    generator: torch.Generator,
+    **loader: Any,
+) -> DataLoader[Any]:
+    """The tuned DataLoader of reference ``name``; ``loader``: DataLoader's other
+    arguments (num_workers, pin_memory, persistent_workers, prefetch_factor)."""
+    if name == "webdataset":
+        ds = _webdataset_batched(root, params, batch_size)
+        return DataLoader(ds, batch_size=None, generator=generator, **loader)
+    ds = BATCHED[name](root, params)
+    base = RandomSampler(ds, generator=generator) if shuffle else SequentialSampler(ds)
+    batches = BatchSampler(base, batch_size, drop_last=False)
+    # The DataLoader's generator is the sampler's too, as DataLoader(shuffle=True,
+    # generator=g) has it: the same base seed, then the same permutation.
+    return DataLoader(ds, batch_size=None, sampler=batches, generator=generator, **loader)

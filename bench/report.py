@@ -1,223 +1,1117 @@
-"""``docs/bench.json``, ``docs/bench.png`` and the console tables."""
+"""``python -m bench report``: every benchmark table in README.md and ``docs/*.md``, made
+from the result files in ``docs/results/`` (``bench.results``) and nothing else.
+
+A table lives between two marker comments, which name the table and its arguments::
+
+    <!-- bench:throughput W6 W7 W8 -->
+    ... (generated: edits here are overwritten) ...
+    <!-- /bench:throughput -->
+
+``python -m bench report`` rewrites every marker's body (and ``docs/bench.png``);
+``--check`` changes nothing and exits 1 when a body differs from what the result files
+make (tests/test_bench_report.py runs that check). A table whose result file does not
+exist says so ("not yet measured") instead of showing a number. The output depends on
+the result files alone (not on the clock, the checkout or the machine), so a committed
+README either matches its committed result files or the test fails.
+
+Verdicts compare medians: pinfeed **wins** when its best is at least ``TIE`` times the
+other's best, **loses** when at most ``1 / TIE``, and **ties** between; a verdict whose two
+cells' run ranges overlap is marked "(runs overlap)". A cell measured while other
+processes took :data:`bench.results.LOADED_SHARE` or more of the machine is marked †.
+
+A new table is a function ``(Results, args) -> markdown`` in :data:`RENDERERS` and a
+marker in a doc; a new workload (W9) needs none: the suite's tables list
+``bench.data.MAKERS`` and ``bench.data.PLANNED``, and a system a workload adds
+(``Workload.extra_systems``) gets its own column in the per-``num_workers`` tables.
+"""
 
 from __future__ import annotations
 
-import json
-import math
+import argparse
+import re
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench import data, results
+
+TIE = 1.05  # the tie band: within 5% either way is a tie
 MiB = 2**20
+REPO = results.REPO
+PLOT = REPO / "docs" / "bench.png"
+SYSTEM_NAMES = {
+    "pinfeed": "pinfeed",
+    "dataloader": "DataLoader",
+    "dataloader-tuned": "tuned DataLoader",
+    "pinfeed-dataloader": "pinfeed.DataLoader",
+}
+LOADED = "†"
+ORDER = ("pinfeed", "pinfeed-dataloader", "dataloader", "dataloader-tuned")
 
 
-def write_json(result: dict[str, Any], path: Path) -> Path:
-    def clean(x: Any) -> Any:
-        if isinstance(x, float) and not math.isfinite(x):
-            return None
-        if isinstance(x, dict):
-            return {k: clean(v) for k, v in x.items()}
-        if isinstance(x, list):
-            return [clean(v) for v in x]
-        return x
-
-    path.write_text(json.dumps(clean(result), indent=1) + "\n")
-    return path
+def ordered(cells: dict[str, Any]) -> list[str]:
+    """A result's systems, pinfeed first, then DataLoader, tuned, then any other."""
+    return sorted(cells, key=lambda s: (ORDER.index(s) if s in ORDER else len(ORDER), s))
 
 
-def plot(result: dict[str, Any], path: Path) -> Path:
+MARKER = re.compile(
+    r"(<!-- bench:(?P<name>[\w-]+)(?P<args>[^>]*?) -->\n)(?P<body>.*?)(<!-- /bench:(?P=name) -->)",
+    re.S,
+)
+
+
+def docs() -> list[Path]:
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+# --- small formatters ------------------------------------------------------------------
+
+
+def num(x: float | None) -> str:
+    """Samples/s and the like: 393k, 31.7k, 595, 4.2."""
+    if x is None:
+        return "-"
+    if x >= 1e6:
+        return f"{x / 1e6:.2f}M"
+    if x >= 1e4:
+        return f"{x / 1e3:.0f}k"
+    if x >= 1e3:
+        return f"{x / 1e3:.1f}k"
+    if x >= 10:
+        return f"{x:.0f}"
+    return f"{x:.2g}"
+
+
+def ranged(c: dict[str, Any] | None, f: Callable[[float | None], str] = num) -> str:
+    """A cell's median, and its min-max when it has more than one run."""
+    if not c or c.get("median") is None:
+        return "-"
+    if c["n"] > 1 and c["min"] != c["max"]:
+        return f"{f(c['median'])} [{f(c['min'])}-{f(c['max'])}]"
+    return f(c["median"])
+
+
+def ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:,.0f}" if x >= 0.1 else f"{x * 1e3:.1f}"
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}" if x < 0.1 else f"{x:.0%}"
+
+
+def mib(x: float | None) -> str:
+    return "-" if x is None else f"{x / MiB:,.0f}"
+
+
+def flag(c: dict[str, Any] | None) -> str:
+    return LOADED if c and c.get("under_load") else ""
+
+
+def table(head: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def missing(name: str, what: str = "") -> str:
+    return (
+        f"*Not yet measured: no `docs/results/{name}.json`"
+        + (f" ({what})" if what else "")
+        + ". Run the command above to make it.*"
+    )
+
+
+def verdict(a: dict[str, Any] | None, b: dict[str, Any] | None) -> str:
+    """pinfeed's cell ``a`` against ``b`` (each a spread of samples/s)."""
+    if not a or not b or not a.get("median") or not b.get("median"):
+        return "-"
+    r = a["median"] / b["median"]
+    word = "wins" if r >= TIE else "loses" if r <= 1 / TIE else "ties"
+    text = f"**{word} {r:.2f}x**" if word != "ties" else f"ties {r:.2f}x"
+    overlap = a["min"] <= b["max"] and b["min"] <= a["max"] and (a["n"] > 1 or b["n"] > 1)
+    if word != "ties" and overlap:
+        text += " (runs overlap)"
+    return text
+
+
+# --- where a measurement comes from ------------------------------------------------------
+
+
+def _origin(res: dict[str, Any]) -> tuple[str, ...]:
+    c, m, s = res.get("commit") or {}, res.get("machine") or {}, res.get("software") or {}
+    commit = f"`{c.get('short') or '?'}`" + (" (uncommitted changes)" if c.get("dirty") else "")
+    cpu = f"{m.get('cpus')} x {m.get('cpu_model')}, {m.get('memory_gib')} GiB"
+    sw = f"torch {s.get('torch')}, Python {s.get('python')}" + (
+        f", {s['gpu']}" if s.get("gpu") else ", no GPU"
+    )
+    return commit, cpu, sw
+
+
+def provenance(files: list[dict[str, Any]]) -> str:
+    """One line per distinct (commit, machine, software): what measured which files."""
+    groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+    for res in files:
+        groups.setdefault(_origin(res), []).append(res)
+    lines = []
+    for (commit, cpu, sw), rs in groups.items():
+        names = ", ".join(f"`{r['name']}.json`" for r in rs)
+        loads = [_loads(r.get("load") or {}) for r in rs]
+        inter = [r.get("interference") or {} for r in rs]
+        runs = sum(i.get("runs") or 0 for i in inter)
+        loaded = sum(i.get("runs_under_load") or 0 for i in inter)
+        dates = sorted(r.get("started", "")[:10] for r in rs)
+        notes = "".join(f" {r['note']}" for r in rs if r.get("note"))
+        lines.append(
+            f"Measured at commit {commit} on {cpu}; {sw}; {dates[0]}; results {names}; "
+            f"load average (1 min) before-after {', '.join(loads)}; "
+            f"{loaded} of {runs} runs under load{'' if not loaded else f' ({LOADED})'}.{notes}"
+        )
+    return "\n".join(lines)
+
+
+def _loads(load: dict[str, Any]) -> str:
+    def first(x: list[float] | None) -> str:
+        return "?" if not x else f"{x[0]:.1f}"
+
+    return f"{first(load.get('before'))}-{first(load.get('after'))}"
+
+
+class Results:
+    """The result files of one folder, loaded once."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._cache: dict[str, dict[str, Any] | None] = {}
+
+    def get(self, name: str) -> dict[str, Any] | None:
+        if name not in self._cache:
+            self._cache[name] = results.load(name, self.folder)
+        return self._cache[name]
+
+
+def _workloads(args: list[str]) -> list[str]:
+    return [a.upper() for a in args] or [*data.MAKERS, *data.PLANNED]
+
+
+def _title(key: str, res: dict[str, Any] | None) -> str:
+    if res is not None:
+        return f"{key} {res['workload']['title']}"
+    return f"{key} {data.PLANNED.get(key, '')}".strip()
+
+
+def best(cells: dict[str, Any], system: str, nws: list[str] | None = None) -> tuple[str, Any]:
+    """(num_workers, cell) of a system's best median samples/s, over ``nws``."""
+    by = cells.get(system) or {}
+    options = [(nw, c) for nw, c in by.items() if (nws is None or nw in nws)]
+    options = [(nw, c) for nw, c in options if c["samples_per_s"]["median"] is not None]
+    if not options:
+        return "-", None
+    return max(options, key=lambda x: x[1]["samples_per_s"]["median"])
+
+
+def _best_text(nw: str, c: dict[str, Any] | None) -> str:
+    if c is None:
+        return "-"
+    return f"{num(c['samples_per_s']['median'])}{flag(c)} (nw {nw})"
+
+
+# --- the suite's tables ------------------------------------------------------------------
+
+
+def headline(r: Results, args: list[str]) -> str:
+    rows, files = [], []
+    for key in _workloads(args):
+        res = r.get(key)
+        if res is None:
+            rows.append([_title(key, None), "*not yet measured*", "", "", "", "", ""])
+            continue
+        files.append(res)
+        cells = res["cells"]
+        # the same CPU budget: the num_workers both systems were measured at
+        nws = sorted(set(cells.get("pinfeed", {})) & set(cells.get("dataloader", {})), key=int)
+        pn, pc = best(cells, "pinfeed", nws)
+        dn, dc = best(cells, "dataloader", nws)
+        if "dataloader-tuned" in cells:
+            tn, tc = best(cells, "dataloader-tuned", nws)
+            tuned = _best_text(tn, tc)
+        else:
+            tn, tc = dn, dc
+            tuned = f"= DataLoader (no batched read): {_best_text(dn, dc)}"
+        pick = pc["samples_per_s"] if pc else None
+        rows.append(
+            [
+                _title(key, res),
+                _best_text(pn, pc),
+                _best_text(dn, dc),
+                verdict(pick, dc["samples_per_s"] if dc else None),
+                tuned,
+                verdict(pick, tc["samples_per_s"] if tc else None),
+                data.WHY.get(key, ""),
+            ]
+        )
+    head = [
+        "workload",
+        "pinfeed, best",
+        "DataLoader, best",
+        "pinfeed vs DataLoader",
+        "tuned DataLoader, best",
+        "pinfeed vs tuned",
+        "why",
+    ]
+    out = [table(head, rows)]
+    if files:
+        out.append("")
+        out.append(provenance(files))
+    return "\n".join(out)
+
+
+BASE = ("pinfeed", "dataloader", "dataloader-tuned")
+
+
+def _systems(found: list[dict[str, Any]]) -> list[str]:
+    """The columns: pinfeed, DataLoader, tuned, and any other system a result has."""
+    names = {s for res in found for s in res["cells"]} | set(BASE)
+    return ordered(dict.fromkeys(names))
+
+
+def throughput_rows(
+    key: str, res: dict[str, Any] | None, systems: list[str] | None = None
+) -> list[list[str]]:
+    systems = systems or _systems([res] if res else [])
+    others = [s for s in systems if s != "pinfeed"]
+    width = 2 + len(systems) + len(others)
+    if res is None:
+        return [[_title(key, None), "", "*not yet measured*", *[""] * (width - 3)]]
+    cells = res["cells"]
+    rows = []
+    nws = sorted({nw for by in cells.values() for nw in by}, key=int)
+    for i, nw in enumerate(nws):
+        row = [_title(key, res) if i == 0 else "", nw]
+        for system in systems:
+            c = cells.get(system, {}).get(nw)
+            if system not in cells:
+                row.append("(none)" if system == "dataloader-tuned" else "-")
+            else:
+                row.append(ranged(c["samples_per_s"]) + flag(c) if c else "-")
+        p = cells.get("pinfeed", {}).get(nw)
+        for other in others:
+            c = cells.get(other, {}).get(nw)
+            row.append(verdict(p["samples_per_s"], c["samples_per_s"]) if p and c else "-")
+        rows.append(row)
+    return rows
+
+
+def _throughput_head(systems: list[str]) -> list[str]:
+    names = [SYSTEM_NAMES.get(s, s) for s in systems]
+    head = ["workload", "num_workers", *[f"{n} samples/s" for n in names]]
+    return head + [f"pinfeed vs {n}" for s, n in zip(systems, names, strict=True) if s != "pinfeed"]
+
+
+def throughput(r: Results, args: list[str]) -> str:
+    keys = _workloads(args)
+    found = [res for k in keys if (res := r.get(k)) is not None]
+    systems = _systems(found)
+    rows = []
+    for key in keys:
+        rows += throughput_rows(key, r.get(key), systems)
+    out = [table(_throughput_head(systems), rows)]
+    if found:
+        out += ["", provenance(found)]
+    return "\n".join(out)
+
+
+def throughput_table(res: dict[str, Any] | None) -> str:
+    """One workload's table, for the console."""
+    if res is None:
+        return "(no result)"
+    systems = _systems([res])
+    return table(_throughput_head(systems), throughput_rows(res["name"], res, systems))
+
+
+def costs(r: Results, args: list[str]) -> str:
+    """Each system at its best num_workers: what it spends for its samples/s."""
+    rows, files = [], []
+    for key in _workloads(args):
+        res = r.get(key)
+        if res is None:
+            rows.append([_title(key, None), "*not yet measured*", "", "", "", "", ""])
+            continue
+        files.append(res)
+        for i, system in enumerate(ordered(res["cells"])):
+            nw, c = best(res["cells"], system)
+            if c is None:
+                continue
+            rows.append(
+                [
+                    _title(key, res) if i == 0 else "",
+                    SYSTEM_NAMES.get(system, system),
+                    nw,
+                    num(c["samples_per_s"]["median"]) + flag(c),
+                    ranged(c["cpu_ms_per_ksample"], lambda x: "-" if x is None else f"{x:.1f}"),
+                    mib(c["peak_pss_bytes"]["median"]),
+                    ms(c["ttfb_s"]["median"]),
+                ]
+            )
+    head = [
+        "workload",
+        "system",
+        "best num_workers",
+        "samples/s",
+        "CPU ms per 1k samples (all processes)",
+        "peak PSS MiB",
+        "time to first batch ms",
+    ]
+    out = [table(head, rows)]
+    if files:
+        out += ["", provenance(files)]
+    return "\n".join(out)
+
+
+def roofline(r: Results, args: list[str]) -> str:
+    rows, files = [], []
+    for key in _workloads(args):
+        res = r.get(key)
+        if res is None:
+            rows.append([_title(key, None), "*not yet measured*", "", "", ""])
+            continue
+        files.append(res)
+        roof = res["roofline"]["cell"]["samples_per_s"]
+        share = []
+        for system in ("pinfeed", "dataloader", "dataloader-tuned"):
+            nw, c = best(res["cells"], system)
+            if c is None or not roof["median"]:
+                share.append("-")
+            else:
+                share.append(f"{c['samples_per_s']['median'] / roof['median']:.0%} (nw {nw})")
+        rows.append([_title(key, res), ranged(roof) + flag(res["roofline"]["cell"]), *share])
+    head = [
+        "workload",
+        "roofline samples/s (1 process)",
+        "pinfeed best, share",
+        "DataLoader best",
+        "tuned DataLoader best",
+    ]
+    out = [table(head, rows)]
+    if files:
+        out += ["", provenance(files)]
+    return "\n".join(out)
+
+
+def handoff(r: Results, args: list[str]) -> str:
+    res = r.get("W1")
+    if res is None or "handoff" not in res:
+        return missing("W1", "python -m bench W1")
+    h = res["handoff"]
+    rows = []
+    for system in ordered(h["cells"]):
+        c = h["cells"][system]
+
+        def us(x: float | None) -> str:
+            return "-" if x is None else f"{x:,.0f}"
+
+        rows.append(
+            [
+                SYSTEM_NAMES.get(system, system) + flag(c),
+                ranged(c["p50_us"], us),
+                ranged(c["p90_us"], us),
+                ranged(c["p99_us"], us),
+                ranged(c["floor_after_step_p50_us"], us),
+            ]
+        )
+    warm = results.spread(
+        [x["ttfb_s"] for x in h["runs"] if x["system"] == "pinfeed" and x.get("ttfb_s")]
+    )
+    head = ["system", "p50 µs", "p90 µs", "p99 µs", "floor p50 µs (same ops, no IPC)"]
+    return "\n".join(
+        [
+            table(head, rows),
+            "",
+            f"W1, num_workers {h['num_workers']}, a {h['step_s'] * 1e3:.0f} ms busy step before "
+            f"each `next()`. pinfeed attaching to a loader created ahead (its ring full) and "
+            f"taking its first batch: {ranged(warm, ms)} ms.",
+            provenance([res]),
+        ]
+    )
+
+
+def scaling(r: Results, args: list[str]) -> str:
+    res = r.get("scaling")
+    if res is None:
+        return missing("scaling", "python -m bench scaling")
+    cells = res["cells"]
+    systems = ordered(cells)
+    counts = sorted({n for by in cells.values() for n in by}, key=int)
+    rows = []
+    for n in counts:
+        c = {s: cells[s].get(n) for s in systems}
+        row = [n]
+        row += [
+            ranged(c[s]["aggregate_samples_per_s"]) + flag(c[s]) if c[s] else "-" for s in systems
+        ]
+        for other in systems[1:]:
+            row.append(
+                verdict(
+                    c["pinfeed"]["aggregate_samples_per_s"], c[other]["aggregate_samples_per_s"]
+                )
+                if c.get("pinfeed") and c.get(other)
+                else "-"
+            )
+        row.append(
+            " / ".join(mib(c[s]["peak_pss_bytes"]["median"]) if c[s] else "-" for s in systems)
+        )
+        rows.append(row)
+    names = [SYSTEM_NAMES.get(s, s) for s in systems]
+    head = ["trainers", *[f"{n} aggregate samples/s" for n in names]]
+    head += [f"pinfeed vs {n}" for n in names[1:]]
+    head.append("peak PSS MiB (" + " / ".join(names) + ")")
+    return "\n".join(
+        [
+            table(head, rows),
+            "",
+            f"W1, one loader of num_workers {res['num_workers']} per trainer, one epoch each.",
+            provenance([res]),
+        ]
+    )
+
+
+def scaling_table(res: dict[str, Any] | None) -> str:
+    r = Results(Path("/nonexistent"))
+    r._cache["scaling"] = res
+    return scaling(r, [])
+
+
+# --- what a trainer gets -----------------------------------------------------------------
+
+
+def _training_rows(res: dict[str, Any], key: str, all_nw: bool) -> list[list[str]]:
+    sec = res["workloads"][key]
+    rows = []
+    first = True
+    for system in ordered(sec["cells"]):
+        picks = list(sec["cells"][system].items())
+        if not all_nw:
+            # the setting a user would pick: least stall, then least trainer CPU
+            picks = [
+                min(
+                    picks,
+                    key=lambda x: (
+                        round(x[1]["stall_share"]["median"] or 0, 3),
+                        x[1]["trainer_cpu_ms_per_batch"]["median"] or 0,
+                    ),
+                )
+            ]
+        for nw, c in picks:
+
+            def f2(x: float | None) -> str:
+                return "-" if x is None else f"{x:.2f}"
+
+            rows.append(
+                [
+                    f"{key} (step {sec['step_ms']:.0f} ms, {sec['step_kind']})" if first else "",
+                    SYSTEM_NAMES.get(system, system) + flag(c),
+                    nw,
+                    ranged(c["stall_share"], pct),
+                    num(c["samples_per_s"]["median"]),
+                    ranged(c["trainer_cpu_ms_per_batch"], f2),
+                    f2(c["trainer_children_cpu_ms_per_batch"]["median"]),
+                    f2(c["server_cpu_ms_per_batch"]["median"]),
+                    f2(c["total_cpu_ms_per_batch"]["median"]),
+                ]
+            )
+            first = False
+    return rows
+
+
+def training(r: Results, args: list[str]) -> str:
+    """``training`` (each system at its least-stall setting) or ``training all``."""
+    res = r.get("training")
+    all_nw = "all" in args
+    keys = [a.upper() for a in args if a != "all"] or list(data.STEP_MS)
+    if res is None:
+        return missing("training", "python -m bench training")
+    rows = []
+    for key in keys:
+        if key not in res["workloads"]:
+            rows.append([key, "*not yet measured*", "", "", "", "", "", "", ""])
+            continue
+        rows += _training_rows(res, key, all_nw)
+    head = [
+        "workload",
+        "system",
+        "num_workers",
+        "stall share",
+        "samples/s",
+        "trainer CPU ms/batch (own process)",
+        "its children (DataLoader workers)",
+        "server tree",
+        "all",
+    ]
+    return "\n".join([table(head, rows), "", provenance([res])])
+
+
+def training_table(res: dict[str, Any] | None) -> str:
+    r = Results(Path("/nonexistent"))
+    r._cache["training"] = res
+    return training(r, ["all", *(res or {}).get("workloads", {})])
+
+
+# --- autotune, W4's profile, scale, control, ray, soak, gpu -----------------------------
+
+
+def autotune(r: Results, args: list[str]) -> str:
+    res = r.get("autotune")
+    if res is None:
+        return missing("autotune", "python -m bench autotune")
+    rows = []
+    for w in res["workloads"]:
+        key = w["workload"]["key"]
+        settings = [(f"num_workers={n}", f) for n, f in w["fixed"].items()]
+        a = w["autotune"]
+        settings.append((f"autotune from 1 (max {a['max_workers']})", a))
+        for i, (label, s) in enumerate(settings):
+            is_tune = s is a
+            rows.append(
+                [
+                    key if i == 0 else "",
+                    label + (LOADED if s.get("under_load") else ""),
+                    ranged(s["steady"]),
+                    ranged(s["whole_run"]),
+                    (ranged(s["settled_after_s"], lambda x: "-" if x is None else f"{x:.1f} s"))
+                    if is_tune
+                    else "",
+                    ", ".join(s["final"]) if is_tune else "",
+                    f"{w['autotune_vs_best']:.0%} of the best fixed (num_workers="
+                    f"{w['best_fixed']['num_workers']})"
+                    if is_tune and w.get("autotune_vs_best")
+                    else "",
+                ]
+            )
+    p = res["params"]
+    head = [
+        "workload",
+        "setting",
+        f"samples/s from {float(p['warmup']):.0f} s to {float(p['seconds']):.0f} s",
+        "whole run",
+        "autotune settled after",
+        "final workers x prefetch",
+        "",
+    ]
+    return "\n".join(
+        [
+            table(head, rows),
+            "",
+            f"Batch {p['batch_size']}, a {float(p['step_ms']):.0f} ms sleep per batch, "
+            f"{p['rounds']} rounds (median [min-max]).",
+            provenance([res]),
+        ]
+    )
+
+
+def autotune_table(res: dict[str, Any] | None) -> str:
+    r = Results(Path("/nonexistent"))
+    r._cache["autotune"] = res
+    return autotune(r, [])
+
+
+def w4_profile(r: Results, args: list[str]) -> str:
+    res = r.get("w4-profile")
+    if res is None:
+        return missing("w4-profile", "python -m bench w4-profile")
+    rows = [[k, f"{v:,.0f}"] for k, v in res["cpu_us_per_batch"].items()]
+    rows.append(["pinfeed, CPU per batch", f"{res['pinfeed_cpu_us']:,.0f}"])
+    rows.append(["DataLoader, CPU per batch", f"{res['dataloader_cpu_us']:,.0f}"])
+    return "\n".join(
+        [
+            table(["W4, one process, one thread", "CPU µs per batch"], rows),
+            "",
+            f"With CPU-bound workers pinfeed's ratio over DataLoader is at most "
+            f"{res['bound']:.2f}x ({res['batches']} batches).",
+            provenance([res]),
+        ]
+    )
+
+
+def scale(r: Results, args: list[str]) -> str:
+    res = r.get("scale")
+    if res is None:
+        return missing("scale", "python -m bench scale")
+    workers = res["workers"]
+    hi = max(workers)
+    rows = []
+    for s in res["sizes"]:
+        ours, theirs = s["pinfeed"], s["dataloader"]
+        o, t = ours.get(f"w{hi}", {}), theirs.get(f"w{hi}")
+        warm = ours.get(f"warm{hi}", {})
+        sl, pw = ours["second_loader"], s["per_worker_mib"]
+        spread_o = o.get("first_batch_spread")
+        rows.append(
+            [
+                f"{s['files']:,}",
+                f"{ours['register_s']:.2f} s",
+                f"{ranged(spread_o, lambda x: '-' if x is None else f'{x:.2f}')} s",
+                f"{warm.get('first_batch_s', 0):.2f} s",
+                f"{t['first_batch_s']:.2f} s" if t else "-",
+                f"{pw['pinfeed']:.1f} MiB ({pw['dataloader']:.1f})",
+                f"{sl['pss_added'] / MiB:.1f} MiB ({sl['ring_bytes'] / MiB:.1f})",
+            ]
+        )
+    head = [
+        "files",
+        "register",
+        f"{hi} workers: create -> 1st batch, cold (a new dataset's first loader)",
+        "warm (its next loader)",
+        "DataLoader `iter`+`next`",
+        "PSS per extra worker (DataLoader)",
+        "a second loader adds (its ring)",
+    ]
+    return "\n".join([table(head, rows), "", provenance([res])])
+
+
+def scale_detail(r: Results, args: list[str]) -> str:
+    res = r.get("scale")
+    if res is None:
+        return missing("scale", "python -m bench scale")
+
+    def sec(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
+    def pss(row: dict[str, Any] | None) -> str:
+        if not row:
+            return "-"
+        text = f"{row['pss'] / MiB:.0f} MiB"
+        if row.get("pss_epoch"):
+            text += f" ({row['pss_epoch'] / MiB:.0f} after an epoch)"
+        return text
+
+    rows = []
+    for s in res["sizes"]:
+        ours, theirs = s["pinfeed"], s["dataloader"]
+        for i, nw in enumerate(res["workers"]):
+            o, t, w = ours.get(f"w{nw}"), theirs.get(f"w{nw}"), ours.get(f"warm{nw}")
+            if o is None:
+                continue
+            rows.append(
+                [
+                    f"{s['files']:,}" if i == 0 else "",
+                    str(nw),
+                    f"{sec(ours['register_s'])} s" if i == 0 else "",
+                    ranged(o.get("first_batch_spread"), sec) + " s",
+                    ranged((w or {}).get("first_batch_spread"), sec) + " s",
+                    f"{sec(theirs['scan_s'])} s" if i == 0 else "",
+                    (ranged(t.get("first_batch_spread"), sec) + " s") if t else "-",
+                    pss(o),
+                    pss(t),
+                ]
+            )
+    head = [
+        "files",
+        "workers",
+        "pinfeed register",
+        "create -> 1st batch, cold",
+        "warm",
+        "DataLoader scan",
+        "DataLoader iter+next",
+        "pinfeed server tree PSS",
+        "DataLoader tree PSS",
+    ]
+    rows2 = []
+    for s in res["sizes"]:
+        pw, sl = s["per_worker_mib"], s["pinfeed"]["second_loader"]
+        p, tp = s.get("pinfeed_paths"), s["dataloader"].get("paths")
+        rows2.append(
+            [
+                f"{s['files']:,}",
+                f"{pw['pinfeed']:.1f} MiB",
+                f"{pw['dataloader']:.1f} MiB",
+                f"{sl['pss_added'] / MiB:.1f} MiB ({sl['ring_bytes'] / MiB:.1f}), created in "
+                f"{sl['create_s']:.2f} s",
+                f"{p['growth'] / MiB:.1f} MiB" if p else "-",
+                f"{tp['growth'] / MiB:.1f} MiB" if tp else "-",
+            ]
+        )
+    head2 = [
+        "files",
+        "PSS per extra worker: pinfeed",
+        "DataLoader",
+        "a second loader adds (its ring)",
+        "a Python list of paths, 4 workers, PSS growth over an epoch: pinfeed",
+        "DataLoader",
+    ]
+    return "\n".join([table(head, rows), "", table(head2, rows2), "", provenance([res])])
+
+
+def scale_table(res: dict[str, Any] | None) -> str:
+    r = Results(Path("/nonexistent"))
+    r._cache["scale"] = res
+    return scale(r, [])
+
+
+CONTROL_GROUPS = [
+    ("`/metrics` 1 / 10 / 50 per s", ["/metrics 1/s", "/metrics 10/s", "/metrics 50/s"]),
+    (
+        "16 connections flooding `/healthz`, `/stats`, `/metrics`",
+        ["flood 16 /healthz", "flood 16 /v1/loaders/train/stats", "flood 16 /metrics"],
+    ),
+]
+
+
+def _control_summary(res: dict[str, Any], loaders: int) -> list[str]:
+    rows = {r["traffic"]: r for r in res["rows"] if r["loaders"] == loaders}
+    out = []
+    for _, traffic in CONTROL_GROUPS:
+        shares = [rows[t].get("share") for t in traffic if t in rows]
+        out.append(" / ".join("-" if s is None else f"{s:.2f}" for s in shares) + "x")
+    probes = rows.get("probes /healthz /readyz /metrics", {}).get("http", {})
+
+    def p(path: str, k: str) -> str:
+        v = (probes.get(path) or {}).get(k)
+        return "-" if v is None else f"{v:.1f}"
+
+    out.append(f"{p('/healthz', 'p99_ms')} / {p('/readyz', 'p99_ms')} ms")
+    out.append(f"{p('/metrics', 'p50_ms')} ms (p99 {p('/metrics', 'p99_ms')})")
+    return out
+
+
+def control(r: Results, args: list[str]) -> str:
+    now, before = r.get("control"), r.get("control-before")
+    if now is None and before is None:
+        return missing("control", "python -m bench control")
+    labels = [g for g, _ in CONTROL_GROUPS] + [
+        "`/healthz`, `/readyz` p99 under full load",
+        "one `/metrics` scrape, p50 under full load",
+    ]
+    counts = sorted({r["loaders"] for x in (now, before) if x for r in x["rows"]})
+    rows = []
+    for n in counts:
+        b = _control_summary(before, n) if before else ["-"] * len(labels)
+        a = _control_summary(now, n) if now else ["*not yet measured*"] + [""] * (len(labels) - 1)
+        for i, label in enumerate(labels):
+            rows.append([str(n) if i == 0 else "", label, b[i], a[i]])
+    head = ["loaders", "HTTP traffic (trainer's share of its samples/s alone)", "before", "now"]
+    files = [x for x in (before, now) if x]
+    return "\n".join([table(head, rows), "", provenance(files)])
+
+
+def control_detail(r: Results, args: list[str]) -> str:
+    now, before = r.get("control"), r.get("control-before")
+    if now is None:
+        return missing("control", "python -m bench control")
+    bef = {(x["loaders"], x["traffic"]): x for x in (before or {}).get("rows", [])}
+
+    def share(row: dict[str, Any]) -> str:
+        if not row:
+            return ""
+        if "share" not in row:
+            return f"{row['samples_per_s']:,.0f} samples/s (alone)"
+        return f"{row['share']:.2f}x"
+
+    def http(h: dict[str, Any] | None) -> str:
+        return "" if not h else f"{h['p50_ms']:.1f} / {h['p99_ms']:.1f}"
+
+    rows = []
+    for x in now["rows"]:
+        b = bef.get((x["loaders"], x["traffic"]), {})
+        paths = list(x.get("http", {})) or [""]
+        for i, path in enumerate(paths):
+            h, hb = x.get("http", {}).get(path), b.get("http", {}).get(path)
+            bad = "" if not h else str(h["errors_5xx"] + h["hangs"] + h["conn_errors"])
+            label = x["traffic"] + (f": {path}" if len(paths) > 1 else "")
+            rows.append(
+                [
+                    str(x["loaders"]) if i == 0 else "",
+                    label if i == 0 else path,
+                    share(b) if i == 0 else "",
+                    http(hb),
+                    share(x) if i == 0 else "",
+                    "" if not h else f"{h['per_s']:.0f}",
+                    http(h),
+                    bad,
+                ]
+            )
+    head = [
+        "loaders",
+        "HTTP traffic on the same server",
+        "before: share",
+        "before: HTTP p50 / p99 ms",
+        "now: share",
+        "now: req/s served",
+        "now: HTTP p50 / p99 ms",
+        "now: 5xx + hangs",
+    ]
+    return "\n".join([table(head, rows), "", provenance([y for y in (before, now) if y])])
+
+
+def control_targets(r: Results, args: list[str]) -> str:
+    now = r.get("control")
+    if now is None:
+        return missing("control", "python -m bench control")
+    rows = [
+        [
+            t["target"],
+            "-" if t["value"] is None else f"{t['value']:.2f}",
+            t["goal"],
+            "met" if t["ok"] else "**missed**",
+        ]
+        for t in now.get("targets", [])
+    ]
+    return table(["target", "value", "goal", ""], rows)
+
+
+def ray(r: Results, args: list[str]) -> str:
+    res = r.get("ray")
+    if res is None:
+        return missing("ray", "python -m bench ray: needs root and network namespaces")
+    local, remote = res["runs"]
+
+    def f(x: float | None) -> str:
+        return "-" if x is None else f"{x:,.1f} ms"
+
+    keys = [
+        ("wall time", "wall_ms_per_batch"),
+        ("server process CPU", "server_cpu_ms_per_batch"),
+        ("bridge CPU (object store -> ring slot)", "bridge_cpu_ms_per_batch"),
+        ("decode CPU (workers / actors)", "decode_cpu_ms_per_batch"),
+    ]
+    rows = [[label, f(local.get(k)), f(remote.get(k))] for label, k in keys]
+    s = res["summary"]
+    return "\n".join(
+        [
+            table(["per batch", "local workers", "ray actors"], rows),
+            "",
+            f"Intake: a bare copy into a ring slot {s['intake_copy_bytes_per_s'] / 1e9:.2f} GB/s "
+            f"on one core ({s['decode_cores_per_copy_core']:.0f} decode cores' output); the "
+            f"bridge's measured CPU {s['intake_bridge_bytes_per_cpu_s'] / 1e9:.2f} GB per CPU "
+            f"second ({s['decode_cores_per_bridge_core']:.0f} decode cores).",
+            provenance([res]),
+        ]
+    )
+
+
+def gpu(r: Results, args: list[str]) -> str:
+    res = r.get("gpu")
+    if res is None:
+        return missing("gpu", "python -m bench gpu, on a CUDA machine")
+    h = res["h2d"]
+    rows = [
+        ["pageable tensor", f"{h['pageable_gbps']:.1f}"],
+        ["pinned tensor", f"{h['pinned_gbps']:.1f}"],
+        ["pinfeed ring view", f"{h['ring_gbps']:.1f} ({h['ring_vs_pinned']:.0%} of pinned)"],
+        [
+            "`Loader(device='cuda')`",
+            f"{h['loader_device_gbps']:.1f} ({h['loader_device_vs_pinned']:.0%} of pinned)",
+        ],
+    ]
+    out = [table(["H2D copy of one batch", "GB/s"], rows), ""]
+    trows = [
+        [feed, f"{t['gpu_idle_share']:.0%}", num(t["samples_per_s"])]
+        for feed, t in res["training"].items()
+    ]
+    out += [table(["feed", "GPU idle share", "samples/s"], trows), "", provenance([res])]
+    return "\n".join(out)
+
+
+def soak(r: Results, args: list[str]) -> str:
+    res = r.get("soak")
+    if res is None:
+        return missing("soak", "python -m bench soak")
+    loaders = res["loaders"]
+    verified = sum(lo["batches_verified"] for lo in loaders)
+    wrong = sum(lo["mismatches"] for lo in loaders)
+    gaps = sum(lo["discontinuities"] for lo in loaders)
+    tkills = sum(lo["trainer_kills"] for lo in loaders)
+    wkills = sum(lo["worker_kills"] for lo in loaders)
+    restarts = sum(lo["worker_restarts"] for lo in loaders)
+    g, b, q = res["growth"], res["baseline"], res["quiesced"]
+    fds = [s["fds"] for s in res["samples"]]
+    rows = [
+        ["seconds; loaders", f"{res['config']['seconds']:.0f}; {res['config']['loaders']}"],
+        ["batches verified", f"{verified:,}; {wrong} wrong, {gaps} out of sequence"],
+        ["trainer SIGKILLs", f"{tkills}"],
+        ["worker SIGKILLs = `worker_restarts`", f"{wkills} = {restarts}"],
+        [
+            "server fds: no trainer, running, after",
+            f"{b['fds']}, {min(fds)}-{max(fds)}, {q['fds']}",
+        ],
+        ["memfds; server processes, growth", f"{g['memfds']}; {g['processes']}"],
+        [
+            "server RSS, warm to end",
+            f"{b['rss_server'] / MiB:.1f} to {q['rss_server'] / MiB:.1f} MiB "
+            f"({g['rss_server'] / MiB:+.1f} MiB)",
+        ],
+        ["bounds held", "yes" if res["ok"] else f"no: {res['problems']}"],
+    ]
+    return "\n".join([table(["", "result"], rows), "", provenance([res])])
+
+
+def plot_ref(r: Results, args: list[str]) -> str:
+    if not any(r.get(k) for k in data.MAKERS):
+        return missing("W1", "python -m bench")
+    return "![benchmark](docs/bench.png)"
+
+
+RENDERERS: dict[str, Callable[[Results, list[str]], str]] = {
+    "headline": headline,
+    "throughput": throughput,
+    "costs": costs,
+    "roofline": roofline,
+    "handoff": handoff,
+    "scaling": scaling,
+    "training": training,
+    "autotune": autotune,
+    "w4-profile": w4_profile,
+    "scale": scale,
+    "scale-detail": scale_detail,
+    "control": control,
+    "control-detail": control_detail,
+    "control-targets": control_targets,
+    "ray": ray,
+    "gpu": gpu,
+    "soak": soak,
+    "plot": plot_ref,
+}
+
+
+def render(text: str, r: Results) -> str:
+    def one(m: re.Match[str]) -> str:
+        name = m.group("name")
+        if name not in RENDERERS:
+            raise KeyError(f"unknown bench table {name!r}")
+        body = RENDERERS[name](r, m.group("args").split())
+        return m.group(1) + body.rstrip("\n") + "\n" + m.group(5)
+
+    return MARKER.sub(one, text)
+
+
+def check(folder: Path | None = None) -> list[str]:
+    """What differs between the docs and what the result files make, and result files
+    that do not name their commit: one line per problem."""
+    r = Results(folder if folder is not None else results.RESULTS)
+    problems = []
+    for path in docs():
+        text = path.read_text()
+        if render(text, r) != text:
+            problems.append(f"{path.relative_to(REPO)}: tables differ from the result files")
+    for path in sorted(r.folder.glob("*.json")):
+        res = results.load(path.stem, r.folder) or {}
+        if not (res.get("commit") or {}).get("sha"):
+            problems.append(f"{_rel(path)}: names no commit")
+    return problems
+
+
+def _rel(path: Path) -> str:
+    try:
+        return str(path.relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
+def plot(r: Results, path: Path) -> Path | None:
+    """Samples/s per workload, system and num_workers (median, min-max whiskers)."""
+    keys = [k for k in [*data.MAKERS, *data.PLANNED] if r.get(k)]
+    if not keys:
+        return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    summary = result["summary"]
-    rows = summary["throughput"]
-    workloads = sorted({r["workload"] for r in rows})
-    colors = {"pinfeed": "#1f77b4", "dataloader": "#ff7f0e"}
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
-    meta = result["meta"]
-    fig.suptitle(
-        f"pinfeed vs torch DataLoader — {meta['cpus']} CPUs, torch {meta['torch']}, "
-        f"CUDA {'yes' if meta['cuda'] else 'no'}, median of {meta['runs']} runs, "
-        f"scale {meta['scale']}",
-        fontsize=12,
-    )
-    for ax, wl in zip(axes[0], workloads + [None] * (3 - len(workloads)), strict=False):
-        if wl is None:
+    colors = {"pinfeed": "#1f77b4", "dataloader": "#ff7f0e", "dataloader-tuned": "#2ca02c"}
+    cols = 3
+    rows = -(-len(keys) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(15, 4 * rows), squeeze=False)
+    for ax, key in zip(axes.flat, keys + [None] * (rows * cols - len(keys)), strict=True):
+        if key is None:
             ax.axis("off")
             continue
-        rs = [r for r in rows if r["workload"] == wl]
-        xs = range(len(rs))
-        width = 0.38
-        for k, system in enumerate(("pinfeed", "dataloader")):
-            vals = [r[system]["samples_per_s"] for r in rs]
-            bars = ax.bar(
-                [x + (k - 0.5) * width for x in xs],
-                vals,
+        res = r.get(key)
+        assert res is not None
+        cells = res["cells"]
+        systems = ordered(cells)
+        nws = sorted({nw for by in cells.values() for nw in by}, key=int)
+        width = 0.8 / max(1, len(systems))
+        for k, system in enumerate(systems):
+            xs, ys, lo, hi = [], [], [], []
+            for j, nw in enumerate(nws):
+                c = cells[system].get(nw)
+                if not c or c["samples_per_s"]["median"] is None:
+                    continue
+                s = c["samples_per_s"]
+                xs.append(j + (k - (len(systems) - 1) / 2) * width)
+                ys.append(s["median"])
+                lo.append(s["median"] - s["min"])
+                hi.append(s["max"] - s["median"])
+            ax.bar(
+                xs,
+                ys,
                 width,
-                label="pinfeed" if system == "pinfeed" else "DataLoader",
-                color=colors[system],
+                yerr=[lo, hi],
+                label=SYSTEM_NAMES.get(system, system),
+                color=colors.get(system),
             )
-            if system == "pinfeed":
-                for b, r in zip(bars, rs, strict=True):
-                    ax.annotate(
-                        f"{r['ratio']:.2f}x",
-                        (b.get_x() + b.get_width(), b.get_height()),
-                        ha="center",
-                        va="bottom",
-                        fontsize=9,
-                    )
-        roof = summary["roofline_samples_per_s"].get(wl)
+        roof = res["roofline"]["cell"]["samples_per_s"]["median"]
         if roof:
             ax.axhline(roof, color="gray", ls="--", lw=1, label="roofline (1 process)")
-        ax.set_xticks(list(xs), [f"nw={r['num_workers']}" for r in rs])
-        w = result["workloads"].get(wl, {})
-        ax.set_title(f"{wl}: {w.get('title', '')}\n{w.get('samples', '?')} samples", fontsize=10)
+        ax.set_xticks(range(len(nws)), [f"nw={nw}" for nw in nws])
+        ax.set_title(_title(key, res), fontsize=9)
         ax.set_ylabel("samples/s")
-        ax.legend(fontsize=8, loc="upper left")
-
-    # Time to first batch and peak memory, at the largest num_workers measured.
-    nw_max = max((r["num_workers"] for r in rows), default=0)
-    at = [r for r in rows if r["num_workers"] == nw_max]
-    ax = axes[1][0]
-    xs = range(len(at))
-    for k, system in enumerate(("pinfeed", "dataloader")):
-        ax.bar(
-            [x + (k - 0.5) * 0.38 for x in xs],
-            [r[system]["ttfb_s"] * 1e3 for r in at],
-            0.38,
-            color=colors[system],
-            label=system,
-        )
-    ax.set_xticks(list(xs), [r["workload"] for r in at])
-    ax.set_ylabel("ms")
-    ax.set_title(f"time to first batch (cold, num_workers={nw_max})", fontsize=10)
-    ax.legend(fontsize=8)
-    ax = axes[1][1]
-    for k, system in enumerate(("pinfeed", "dataloader")):
-        ax.bar(
-            [x + (k - 0.5) * 0.38 for x in xs],
-            [r[system]["peak_pss_bytes"] / MiB for r in at],
-            0.38,
-            color=colors[system],
-            label=system,
-        )
-    ax.set_xticks(list(xs), [r["workload"] for r in at])
-    ax.set_ylabel("MiB")
-    h = summary.get("handoff", {})
-    hp, hd = h.get("pinfeed"), h.get("dataloader")
-    sub = ""
-    if hp and hd:
-        sub = (
-            f"\nhandoff of a ready batch p50/p99: pinfeed {hp['p50_us']:.0f}/"
-            f"{hp['p99_us']:.0f} us, DataLoader {hd['p50_us']:.0f}/{hd['p99_us']:.0f} us"
-        )
-    ax.set_title(f"peak PSS, all processes (num_workers={nw_max}){sub}", fontsize=10)
-    ax.legend(fontsize=8)
-    ax = axes[1][2]
-    scaling = summary.get("scaling", [])
-    if scaling:
-        ns = [s["trainers"] for s in scaling]
-        for system in ("pinfeed", "dataloader"):
-            ax.plot(
-                ns,
-                [s[system]["aggregate_samples_per_s"] for s in scaling],
-                "o-",
-                color=colors[system],
-                label=system,
-            )
-        ax.set_xticks(ns)
-        ax.set_xlabel("trainers (one loader each)")
-        ax.set_ylabel("aggregate samples/s")
-        nw = result["scaling_runs"][0]["num_workers"] if result["scaling_runs"] else "?"
-        ax.set_title(f"scaling on one server: W1, num_workers={nw} per loader", fontsize=10)
-        ax.set_ylim(bottom=0)
-        ax.legend(fontsize=8)
-    else:
-        ax.axis("off")
+        ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 
 
-def print_tables(result: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console()
-    summary = result["summary"]
-    t = Table(
-        "workload",
-        "nw",
-        "pinfeed /s",
-        "DataLoader /s",
-        "ratio",
-        "roofline share",
-        "TTFB pf / DL ms",
-        "peak PSS pf / DL MiB",
-        title="throughput (median)",
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench report", description=__doc__.split("\n\n")[0]
     )
-    for r in summary["throughput"]:
-        p, d = r["pinfeed"], r["dataloader"]
-        share = r.get("pinfeed_roofline_share")
-        t.add_row(
-            r["workload"],
-            str(r["num_workers"]),
-            f"{p['samples_per_s']:,.0f}",
-            f"{d['samples_per_s']:,.0f}",
-            f"{r['ratio']:.2f}x",
-            "-" if share is None else f"{share:.0%}",
-            f"{p['ttfb_s'] * 1e3:,.0f} / {d['ttfb_s'] * 1e3:,.0f}",
-            f"{p['peak_pss_bytes'] / MiB:,.0f} / {d['peak_pss_bytes'] / MiB:,.0f}",
-        )
-    console.print(t)
-    h = summary.get("handoff", {})
-    if h:
-        t = Table(
-            "system",
-            "p50 us",
-            "p90 us",
-            "p99 us",
-            "mean us",
-            "n",
-            "floor p50 (same ops, no IPC)",
-            title="handoff of a ready batch (W1, num_workers 2)",
-        )
-        for system, v in h.items():
-            t.add_row(
-                system,
-                f"{v['p50_us']:.1f}",
-                f"{v['p90_us']:.1f}",
-                f"{v['p99_us']:.1f}",
-                f"{v['mean_us']:.1f}",
-                str(v["n"]),
-                f"{v['floor_after_step_p50_us']:.1f}",
+    ap.add_argument("--check", action="store_true", help="change nothing; exit 1 on a difference")
+    ap.add_argument("--results", type=Path, default=results.RESULTS, help="folder of result files")
+    ap.add_argument("--no-plot", action="store_true")
+    args = ap.parse_args(argv)
+    if args.check:
+        problems = check(args.results)
+        for p in problems:
+            print(p, file=sys.stderr)
+        return 1 if problems else 0
+    r = Results(args.results)
+    for path in docs():
+        text = path.read_text()
+        new = render(text, r)
+        if new != text:
+            path.write_text(new)
+            print(f"updated {path.relative_to(REPO)}")
+    if not args.no_plot:
+        try:
+            made = plot(r, PLOT)
+        except ImportError as exc:  # the tables need nothing beyond the standard library
+            print(
+                f"warning: {PLOT.relative_to(REPO)} not remade ({exc.name} is missing: "
+                "pip install -e '.[bench]')",
+                file=sys.stderr,
             )
-        console.print(t)
-    if summary.get("scaling"):
-        t = Table(
-            "trainers",
-            "pinfeed /s",
-            "DataLoader /s",
-            "ratio",
-            title="scaling (aggregate samples/s, median)",
-        )
-        for s in summary["scaling"]:
-            t.add_row(
-                str(s["trainers"]),
-                f"{s['pinfeed']['aggregate_samples_per_s']:,.0f}",
-                f"{s['dataloader']['aggregate_samples_per_s']:,.0f}",
-                f"{s['ratio']:.2f}x",
+        else:
+            if made:
+                print(f"wrote {made.relative_to(REPO)}")
+    _stale(r)
+    return 0
+
+
+def _stale(r: Results) -> None:
+    """Say (on the console, never in the docs) which result files were made before the
+    code last changed."""
+    head = results.commit()
+    for path in sorted(r.folder.glob("*.json")):
+        res = results.load(path.stem, r.folder) or {}
+        sha = (res.get("commit") or {}).get("sha")
+        if not sha or sha == head["sha"]:
+            continue
+        changed = results._git("diff", "--name-only", sha, "HEAD", "--", "src", "bench")
+        if changed is None:
+            print(f"note: {path.name} is from {sha[:7]}, not in this checkout's history")
+        elif changed.strip():
+            n = len(changed.split())
+            print(
+                f"note: {path.name} is from {sha[:7]}; {n} files of src/ and bench/ changed since"
             )
-        console.print(t)
-    t = Table("target", "value", "goal", "met", title="issue targets")
-    for x in summary["targets"]:
-        v = x["value"]
-        t.add_row(
-            x["target"],
-            "-" if v is None else f"{v:.3g}",
-            x["goal"],
-            {True: "[green]yes", False: "[red]no", None: "-"}[x["met"]],
-        )
-    console.print(t)

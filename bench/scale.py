@@ -10,8 +10,15 @@ loader over the same dataset (``num_workers=0``: its ring and threads), and, at
 Python list of that many paths (``tests.fixtures.datasets:PathList``): both trees'
 PSS at the first batch and after the epoch.
 
-The per-worker figure is ``(PSS at max workers - PSS at 1 worker) / (max - 1)``; a
-``--baseline`` folder (1,000 files) gives the floor it is compared with.
+Cold and warm: every measured pinfeed loader is cold, over a dataset registered for it
+alone (so the loader starts the dataset's zygote, the process its workers fork from, as
+the first loader of a dataset does); then a second loader with the same ``num_workers``
+over that dataset is timed warm (its zygote already running), and the dataset deleted.
+DataLoader has no such state: each ``iter()`` starts its workers anew. ``--runs`` times
+each (median, min/max).
+
+The per-worker figure is ``(PSS at max workers - PSS at 1 worker) / (max - 1)``.
+Writes ``docs/results/scale.json``.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from typing import Any
 import numpy as np
 import psutil
 
+from bench import results
 from bench.server import REPO, BenchServer
 
 MiB = 1 << 20
@@ -99,29 +107,65 @@ def dataloader(spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def _first_batch(
+    srv: BenchServer, admin: Any, name: str, dataset: str, nw: int, batch: int, epoch: bool
+) -> dict[str, Any]:
+    """Create a loader, attach, take the first batch: its time, the tree's PSS then (and
+    after the epoch with ``epoch``); the loader deleted."""
+    from pinfeed import Loader
+
+    t0 = time.perf_counter()
+    admin.create_loader(
+        name, dataset=dataset, batch_size=batch, shuffle=True, seed=1, num_workers=nw
+    )
+    with Loader(name, socket=srv.socket) as loader:
+        it = iter(loader)
+        next(it)
+        row = {"first_batch_s": time.perf_counter() - t0, "pss": tree_pss(srv.pid)}
+        if epoch:
+            row["pss_epoch"] = epoch_pss(it, len(loader) - 1, srv.pid)
+    admin.delete_loader(name)
+    return row
+
+
+def _median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median of each figure over runs, the runs' first-batch spread beside it."""
+    keys = sorted({k for r in rows for k in r})
+    out: dict[str, Any] = {k: results.spread([r.get(k) for r in rows])["median"] for k in keys}
+    out["first_batch_spread"] = results.spread([r["first_batch_s"] for r in rows])
+    out["runs"] = rows
+    return out
+
+
 def pinfeed_images(
-    srv: BenchServer, rel: str, workers: list[int], batch: int, epoch: bool
+    srv: BenchServer, rel: str, workers: list[int], batch: int, epoch: bool, runs: int
 ) -> dict[str, Any]:
     from pinfeed import Client, Loader
 
     admin = Client(srv.url, timeout=600)  # a 1.28M scan on a loaded machine: > 30 s
     t0 = time.perf_counter()
     admin.create_dataset("imgs", "images", {"path": rel, "size": 16})
-    out: dict[str, Any] = {"register_s": time.perf_counter() - t0, "pss_idle": tree_pss(srv.pid)}
+    registers = [time.perf_counter() - t0]
+    out: dict[str, Any] = {"pss_idle": tree_pss(srv.pid)}
     out["describe_bytes"] = len(json.dumps(admin.dataset("imgs")))
+    admin.delete_dataset("imgs")
     for nw in workers:
-        t0 = time.perf_counter()
-        admin.create_loader(
-            f"l{nw}", dataset="imgs", batch_size=batch, shuffle=True, seed=1, num_workers=nw
-        )
-        with Loader(f"l{nw}", socket=srv.socket) as loader:
-            it = iter(loader)
-            next(it)
-            row = {"first_batch_s": time.perf_counter() - t0, "pss": tree_pss(srv.pid)}
-            if epoch:
-                row["pss_epoch"] = epoch_pss(it, len(loader) - 1, srv.pid)
-        admin.delete_loader(f"l{nw}")
-        out[f"w{nw}"] = row
+        cold, warm = [], []
+        for run in range(runs):
+            # Cold: a dataset of its own, so this loader starts the dataset's zygote.
+            ds = f"imgs-{nw}-{run}"
+            t0 = time.perf_counter()
+            admin.create_dataset(ds, "images", {"path": rel, "size": 16})
+            registers.append(time.perf_counter() - t0)
+            cold.append(_first_batch(srv, admin, f"c{nw}-{run}", ds, nw, batch, epoch))
+            # Warm: the same dataset's next loader (its zygote running).
+            warm.append(_first_batch(srv, admin, f"w{nw}-{run}", ds, nw, batch, False))
+            admin.delete_dataset(ds)
+        out[f"w{nw}"] = _median_row(cold)
+        out[f"warm{nw}"] = _median_row(warm)
+    out["register_s"] = results.spread(registers)["median"]
+    out["register_spread"] = results.spread(registers)
+    admin.create_dataset("imgs", "images", {"path": rel, "size": 16})
     # A second loader over the same dataset: no scan, its ring.
     admin.create_loader("a", dataset="imgs", batch_size=batch, num_workers=0)
     with Loader("a", socket=srv.socket) as a:
@@ -173,7 +217,7 @@ def run_size(files: int, args: argparse.Namespace, workers: list[int]) -> dict[s
         made_s = time.perf_counter() - t0
         epoch = files <= args.epoch_max
         with BenchServer(tmp) as srv:
-            ours = pinfeed_images(srv, "train", workers, args.batch_size, epoch)
+            ours = pinfeed_images(srv, "train", workers, args.batch_size, epoch, args.runs)
             paths = pinfeed_paths(srv, files, 256) if files in args.epoch_sizes else None
         dl_workers = workers if files <= args.full_max else [min(workers), max(workers)]
         theirs = dataloader(
@@ -183,6 +227,7 @@ def run_size(files: int, args: argparse.Namespace, workers: list[int]) -> dict[s
                 "batch_size": args.batch_size,
                 "epoch": epoch,
                 "paths": files if paths else 0,
+                "runs": args.runs,
             }
         )
         result = {
@@ -201,55 +246,9 @@ def run_size(files: int, args: argparse.Namespace, workers: list[int]) -> dict[s
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def table(results: list[dict[str, Any]], workers: list[int]) -> str:
-    lines = [
-        "| files | workers | pinfeed register | pinfeed create->1st batch | DataLoader scan | "
-        "DataLoader iter+next | pinfeed server tree PSS | DataLoader tree PSS |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        ours, theirs = r["pinfeed"], r["dataloader"]
-        for nw in workers:
-            o, t = ours.get(f"w{nw}"), theirs.get(f"w{nw}")
-            if o is None:
-                continue
-            tt = f"{t['first_batch_s']:.2f} s" if t else "-"
-            tp = f"{t['pss'] / MiB:.0f} MiB" if t else "-"
-            if t and "pss_epoch" in t:
-                tp += f" ({t['pss_epoch'] / MiB:.0f} after an epoch)"
-            op = f"{o['pss'] / MiB:.0f} MiB"
-            if "pss_epoch" in o:
-                op += f" ({o['pss_epoch'] / MiB:.0f} after an epoch)"
-            lines.append(
-                f"| {r['files']:,} | {nw} | {ours['register_s']:.2f} s | "
-                f"{o['first_batch_s']:.2f} s | {theirs['scan_s']:.2f} s | {tt} | {op} | {tp} |"
-            )
-    lines.append("")
-    lines.append(
-        "| files | PSS per extra worker: pinfeed | DataLoader | second loader adds (its ring) | "
-        "python list of paths, 4 workers, PSS growth over an epoch: pinfeed | DataLoader |"
-    )
-    lines.append("|---|---|---|---|---|---|")
-    for r in results:
-        pw, sl = r["per_worker_mib"], r["pinfeed"]["second_loader"]
-        p = r["pinfeed_paths"]
-        tp = r["dataloader"].get("paths")
-        lines.append(
-            f"| {r['files']:,} | {pw['pinfeed']:.1f} MiB | {pw['dataloader']:.1f} MiB | "
-            f"{sl['pss_added'] / MiB:.1f} MiB ({sl['ring_bytes'] / MiB:.1f}), "
-            f"created in {sl['create_s']:.2f} s | "
-            + (
-                f"{p['growth'] / MiB:.1f} MiB | {tp['growth'] / MiB:.1f} MiB |"
-                if p and tp
-                else "- | - |"
-            )
-        )
-    return "\n".join(lines)
-
-
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench scale", description=__doc__)
-    ap.add_argument("--sizes", default="1000,100000,400000,1280000")
+    ap.add_argument("--sizes", default="1000,400000,1280000")
     ap.add_argument("--workers", default="1,4,8")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument(
@@ -264,17 +263,27 @@ def main(argv: list[str]) -> int:
         default=400000,
         help="DataLoader at every worker count up to this size",
     )
+    ap.add_argument("--runs", type=int, default=3, help="runs of each loader (median, spread)")
     ap.add_argument("--tmp", default="/tmp")
-    ap.add_argument("--out", default="", help="write the results as JSON here")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 1,000 and 10,000 files")
+    ap.add_argument("--out", type=Path, default=results.RESULTS, help="folder of result files")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.sizes, args.epoch_sizes, args.runs = "1000,10000", "10000", 1
     sizes = [int(s) for s in args.sizes.split(",") if s]
     workers = [int(w) for w in args.workers.split(",") if w]
     args.epoch_sizes = {int(s) for s in args.epoch_sizes.split(",") if s}
-    results = []
+    from bench import report
+
+    result = results.start("scale", vars(args))
+    result |= {"kind": "scale", "workers": workers, "sizes": []}
     for files in sizes:
-        results.append(run_size(files, args, workers))
-        print(json.dumps(results[-1]), file=sys.stderr, flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
-    print(table(results, workers))
+        foreign = results.ForeignCpu().start()
+        row = run_size(files, args, workers)
+        row["foreign"] = foreign.stop()
+        result["sizes"].append(row)
+        print(f"  {files:,} files done in {row['foreign']['wall_s']:.0f} s", flush=True)
+    path = results.write(results.finish(result, result["sizes"]), args.out)
+    print(report.scale_table(results.load("scale", args.out)))
+    print(f"wrote {path}")
     return 0

@@ -10,14 +10,13 @@ where the server says the loader is; the gap across a kill (batches handed to th
 trainer: the one it was reading and the one it had asked for ahead) is measured too.
 Meanwhile the server's open fds, memfds, threads, processes and RSS are sampled.
 
-Prints a summary and writes ``docs/soak.json``; exits 1 if a batch was wrong or a
+Prints a summary and writes ``docs/results/soak.json``; exits 1 if a batch was wrong or a
 resource grew past its bound. Not part of the test suite (it runs for minutes).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import random
@@ -35,8 +34,9 @@ import psutil
 import torch
 from torch.utils.data import DataLoader
 
+from bench import results
 from pinfeed import Client, Loader
-from tests.launcher import REPO, Server
+from tests.launcher import Server
 
 LENGTH = 512
 WIDTH = 16
@@ -558,11 +558,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sample-every", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-level", default="warning", help="the server's (kept on failure)")
-    ap.add_argument("--out", type=Path, default=REPO / "docs" / "soak.json")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 30 s")
+    ap.add_argument("--out", type=Path, default=results.RESULTS, help="folder of result files")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.seconds = 30.0
     soak = Soak(args)
+    envelope = results.start("soak", vars(args))
+    foreign = results.ForeignCpu().start()
     try:
-        result = soak.run()
+        result = envelope | {"kind": "soak"} | soak.run()
     except BaseException:
         print(f"soak failed; the server's log and state are in {soak.root}", file=sys.stderr)
         raise
@@ -571,9 +576,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"the server's log and state are kept in {soak.root}")
     print_summary(result)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    result["foreign"] = foreign.stop()
+    print(f"wrote {results.write(results.finish(result, [result]), args.out)}")
     return 0 if result["ok"] else 1
 
 

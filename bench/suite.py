@@ -1,10 +1,16 @@
-"""The benchmark suite: pinfeed against ``torch.utils.data.DataLoader``, side by side.
+"""The throughput suite: pinfeed against DataLoader as usually written and against a
+tuned DataLoader, side by side, per workload and ``num_workers``.
 
-For every workload (``bench.data``) and num_workers, pinfeed and DataLoader runs
-alternate (ABBA order) in fresh trainer processes, ``--runs`` times each; the median
-is reported. Then the single-process roofline, handoff latency of a ready batch,
-and scaling with 1, 2 and 4 trainers on one server. Writes ``docs/bench.json`` and
-``docs/bench.png``.
+    python -m bench suite [--workloads W1,W3] [--runs 3] [--quick]
+    python -m bench W4 [--runs ...]            # one workload
+    python -m bench scaling                    # 1, 2, 4 trainers on one server (W1)
+
+For every workload (``bench.data``) and num_workers, the workload's systems
+(``Workload.systems``: pinfeed, dataloader, dataloader-tuned where it has a batched
+read) run in fresh trainer processes, ``--runs`` times each, the order rotated every run
+(ABC, CBA, ...: drift weighs on every system alike); medians and spreads per cell. Then
+the single-process roofline and, for W1, the handoff latency of a ready batch. Each
+workload writes ``docs/results/<W>.json``; ``scaling`` writes ``docs/results/scaling.json``.
 """
 
 from __future__ import annotations
@@ -13,205 +19,88 @@ import argparse
 import contextlib
 import itertools
 import os
-import platform
-import statistics
-import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import data
+from bench import data, results
 from bench.procs import BenchError, run_trainers
-from bench.server import REPO, BenchServer
+from bench.server import BenchServer
 
-SYSTEMS = ("pinfeed", "dataloader")
+METHOD = (
+    "Each run is a fresh trainer process. pinfeed: the trainer creates a loader over HTTP "
+    "on a server started for the workload and iterates pinfeed.Loader (zero-copy views). "
+    "dataloader: torch.utils.data.DataLoader as usually written (per-sample __getitem__ "
+    "and default_collate) over the workload's reference Dataset (bench.references) or, for "
+    "a python dataset, the very object the server builds. dataloader-tuned: one batched "
+    "read a batch (batch_size=None over a BatchSampler on the same generator, or a "
+    "pipeline's own batching). Both DataLoaders: persistent_workers when num_workers > 0, "
+    "pin_memory only with CUDA, prefetch_factor 2; every system seed 0 (the same batches). "
+    "Time to first batch: from creating the loader (pinfeed: POST /v1/loaders + attach; "
+    "DataLoader: DataLoader() + iter) to the first batch. Throughput: after the first "
+    "batch, the rest of the first epoch and the workload's further epochs, samples / wall "
+    "seconds. CPU: the trainer tree's and the server tree's CPU seconds in that window. "
+    "Memory: peak summed PSS of the server tree plus the trainer tree (pinfeed) or of the "
+    "trainer tree (DataLoader: main process and workers). Roofline: the same gather into "
+    "one preallocated buffer, one process, torch threads 1. Handoff (W1): latency of "
+    "next() on a batch already prepared, num_workers 2, after a 20 ms busy step. A pinfeed "
+    "run registers the dataset for itself and deletes it afterwards, so the server holds "
+    "no data pages during DataLoader runs; the server's one-time costs (its start, the "
+    "first loader with workers) are paid once before the runs (cold_start)."
+)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench",
-        description="pinfeed vs torch.utils.data.DataLoader: throughput, roofline, handoff "
-        "latency, time to first batch, peak memory, scaling. Writes docs/bench.json and "
-        "docs/bench.png.",
-    )
-    ap.add_argument(
-        "--scale",
-        type=float,
-        default=1.0,
-        help="multiply every workload's sample count (default 1.0)",
-    )
-    ap.add_argument("--runs", type=int, default=3, help="runs per configuration (median)")
-    ap.add_argument(
-        "--workloads", default=",".join(data.MAKERS), help="comma-separated subset (default: all)"
-    )
+def parse_args(argv: list[str] | None, prog: str = "python -m bench suite") -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply every sample count")
+    ap.add_argument("--runs", type=int, default=3, help="runs per cell (median, spread)")
+    ap.add_argument("--workloads", default=",".join(data.MAKERS), help="comma-separated subset")
     ap.add_argument("--workers", default="0,1,2", help="num_workers values")
-    ap.add_argument(
-        "--trainers", default="1,2,4", help="trainer counts for the scaling section ('' skips it)"
-    )
-    ap.add_argument(
-        "--scaling-workers",
-        type=int,
-        default=1,
-        help="num_workers of each loader in the scaling section",
-    )
+    ap.add_argument("--systems", default="", help="only these systems (default: each workload's)")
     ap.add_argument("--handoff-batches", type=int, default=150)
+    ap.add_argument("--trainers", default="1,2,4", help="scaling: trainer counts")
+    ap.add_argument("--scaling-workers", type=int, default=1, help="scaling: num_workers each")
     ap.add_argument(
-        "--quick", action="store_true", help="a smoke run: --scale 0.1 --runs 1 --trainers 1,2"
+        "--quick",
+        action="store_true",
+        help="a smoke run: the smallest files, 1 run, num_workers 2 (W1 also 0), trainers 1, 2",
     )
-    ap.add_argument(
-        "--data-dir",
-        type=Path,
-        default=data.DATA_DIR,
-        help="where generated workload files are cached",
-    )
-    ap.add_argument(
-        "--out", type=Path, default=REPO / "docs", help="directory for bench.json and bench.png"
-    )
-    ap.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    ap.add_argument("--data-dir", type=Path, default=data.DATA_DIR, help="generated files' cache")
+    ap.add_argument("--out", type=Path, default=results.RESULTS, help="folder of result files")
     args = ap.parse_args(argv)
     if args.quick:
-        args.scale, args.runs, args.trainers = 0.1, 1, "1,2"
+        args.scale, args.runs, args.trainers = min(args.scale, 0.05), 1, "1,2"
+        args.workers, args.handoff_batches = "2", 20
     args.workload_keys = [w.strip().upper() for w in args.workloads.split(",") if w.strip()]
     unknown = set(args.workload_keys) - set(data.MAKERS)
     if unknown:
         ap.error(f"unknown workloads {sorted(unknown)}; choose from {sorted(data.MAKERS)}")
     args.worker_counts = [int(x) for x in args.workers.split(",") if x.strip()]
+    # A smoke run takes W1 at 0 workers too: the server's own producer, DataLoader in the
+    # trainer's process.
+    args.w1_worker_counts = [0, *args.worker_counts] if args.quick else args.worker_counts
     args.trainer_counts = [int(x) for x in args.trainers.split(",") if x.strip()]
+    args.only_systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if args.runs < 1:
         ap.error("--runs must be >= 1")
     return args
 
 
-def _median(xs: list[float]) -> float:
-    return float(statistics.median(xs)) if xs else float("nan")
-
-
-def _git_commit() -> str | None:
-    if os.environ.get("PINFEED_BENCH_COMMIT"):  # a tree exported without .git
-        return os.environ["PINFEED_BENCH_COMMIT"]
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "src"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if out.returncode != 0:
-        return None
-    return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-
-
-def _meta(args: argparse.Namespace) -> dict[str, Any]:
-    import torch
-
-    return {
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command": " ".join(["python -m bench", *sys.argv[1:]]),
-        "commit": _git_commit(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.cuda.is_available(),
-        "cpus": os.cpu_count(),
-        "machine": platform.machine(),
-        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-        "scale": args.scale,
-        "runs": args.runs,
-        "method": (
-            "Each run is a fresh trainer process. pinfeed: the trainer creates a loader over "
-            "HTTP on a server started for the section and iterates pinfeed.Loader (zero-copy "
-            "views). DataLoader: the same Dataset class built by "
-            "pinfeed_server.datasets.build_dataset from the same kind and params, "
-            "persistent_workers when num_workers > 0, "
-            "pin_memory only with CUDA, prefetch_factor 2 for both. Both use seed 0 (the "
-            "same batches). Time to first batch: from creating the loader (pinfeed: POST "
-            "/v1/loaders + attach; DataLoader: DataLoader() + iter) to the first batch. "
-            "Throughput: after the first batch, the rest of the first epoch and the "
-            "workload's further epochs, samples / wall seconds; runs of the two systems "
-            "alternate (ABBA) and the median is reported. Memory: peak over the run of the "
-            "summed RSS and PSS of the server tree (server, forkserver, workers) plus the "
-            "trainer tree (pinfeed), or the trainer tree (DataLoader main + workers), "
-            "RSS sampled every 0.1 s, PSS every 1 s and at the end (reading PSS stalls the "
-            "process it reads, so it is read rarely). Roofline: the same gather "
-            "(fetch_into) into one preallocated buffer, one process, torch threads 1. "
-            "Handoff: latency of next() when the batch is already prepared, num_workers "
-            "2: the trainer keeps its CPU busy for 20 ms (a stand-in for a training step, "
-            "long enough for both systems to refill) before each next(); "
-            "floor_after_step: what this machine charges after the same step for one "
-            "socket send/recv and two tensor views in one process. Each section has a "
-            "fresh server; "
-            "its one-time costs (server start, the first loader with workers, which starts "
-            "the forkserver) are paid and reported once (cold_start) before the runs. A "
-            "pinfeed run registers the dataset for itself and deletes it afterwards, so the "
-            "server holds no data pages during DataLoader runs. loadavg_1m_before records "
-            "other load on the machine."
-        ),
-    }
-
-
-class Progress:
-    """A rich progress bar over the planned steps (plain lines when not a terminal)."""
-
-    def __init__(self, total: int) -> None:
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
-        from rich.progress import Progress as RichProgress
-
-        self._bar = RichProgress(
-            TextColumn("[bold]{task.description:<44}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            TimeRemainingColumn(),
-            transient=False,
-        )
-        self._task = self._bar.add_task("starting", total=total)
-
-    def __enter__(self) -> Progress:
-        self._bar.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._bar.__exit__(None, None, None)
-
-    def step(self, description: str) -> None:
-        self._bar.update(self._task, description=description)
-
-    def done(self, note: str = "") -> None:
-        self._bar.advance(self._task)
-        if note:
-            self._bar.console.print(note, highlight=False)
-
-
 def _spec(
-    workload: data.Workload, system: str, srv: BenchServer | None, root: Path, **extra: Any
+    w: data.Workload, system: str, srv: BenchServer | None, root: Path, **extra: Any
 ) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "system": system,
-        "kind": workload.kind,
-        "params": workload.params,
+        "kind": w.kind,
+        "params": w.params,
         "data_root": str(root),
-        "batch_size": workload.batch_size,
-        "shuffle": workload.shuffle,
-        "epochs": workload.epochs,
-        "collate_fn": workload.collate_fn,
-        "reference": workload.reference,
+        "batch_size": w.batch_size,
+        "shuffle": w.shuffle,
+        "epochs": w.epochs,
+        "collate_fn": w.collate_fn,
+        "reference": w.reference,
+        "tuned": w.tuned,
         **extra,
     }
     if srv is not None:
@@ -219,72 +108,34 @@ def _spec(
     return spec
 
 
-_loader_ids = itertools.count()
+_ids = itertools.count()
 
 
-def _loader_name(tag: str) -> str:
-    return f"bench-{tag}-{os.getpid()}-{next(_loader_ids)}"
+def loader_name(tag: str) -> str:
+    return f"bench-{tag}-{os.getpid()}-{next(_ids)}"
 
 
-def _order(run: int) -> tuple[str, ...]:
-    """ABBA: alternate which system goes first, so drift hits both alike."""
-    return SYSTEMS if run % 2 == 0 else SYSTEMS[::-1]
+def order(systems: tuple[str, ...], run: int) -> tuple[str, ...]:
+    """ABC, CBA, ...: which system goes first alternates, so drift hits all alike."""
+    return systems if run % 2 == 0 else systems[::-1]
 
 
-def _fmt(x: float) -> str:
+def fmt(x: float | None) -> str:
+    if x is None:
+        return "-"
     return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
 
 
-def run_suite(args: argparse.Namespace) -> dict[str, Any]:
-    root = args.data_dir
-    root.mkdir(parents=True, exist_ok=True)
-    steps = 0
-    for key in args.workload_keys:
-        steps += 1 + len(args.worker_counts) * args.runs * 2 + args.runs
-        if key == "W1":
-            steps += 2
-    steps += len(args.trainer_counts) * args.runs * 2
-    result: dict[str, Any] = {
-        "meta": _meta(args),
-        "workloads": {},
-        "runs": [],
-        "roofline_runs": [],
-        "handoff": {},
-        "scaling_runs": [],
-        "cold_start": {},
-    }
-    with Progress(steps) as progress:
-        workloads = {}
-        for key in args.workload_keys:
-            progress.step(f"{key}: generating files")
-            w = data.MAKERS[key](root, args.scale)
-            workloads[key] = w
-            result["workloads"][key] = w.describe()
-            progress.done()
-            with BenchServer(root) as srv:
-                _section(args, w, srv, root, progress, result)
-        if args.trainer_counts:
-            w1 = workloads.get("W1") or data.make_w1(root, args.scale)
-            result["workloads"].setdefault("W1", w1.describe())
-            with BenchServer(root) as srv:
-                _scaling(args, w1, srv, root, progress, result)
-    result["summary"] = summarize(result)
-    return result
-
-
-_dataset_ids = itertools.count()
-
-
-def _register(srv: BenchServer, w: data.Workload) -> str:
+def register(srv: BenchServer, w: data.Workload) -> str:
     from pinfeed import Client
 
-    name = f"{w.key.lower()}-{next(_dataset_ids)}"
+    name = f"{w.key.lower()}-{next(_ids)}"
     with Client(srv.url, timeout=300) as c:
         c.create_dataset(name, w.kind, w.params)
     return name
 
 
-def _unregister(srv: BenchServer, dataset: str, loaders: list[str]) -> None:
+def unregister(srv: BenchServer, dataset: str, loaders: list[str]) -> None:
     from pinfeed import Client, NotFound
 
     with Client(srv.url, timeout=300) as c:
@@ -294,34 +145,35 @@ def _unregister(srv: BenchServer, dataset: str, loaders: list[str]) -> None:
         c.delete_dataset(dataset)
 
 
-def _run(
+def measure(
     srv: BenchServer, w: data.Workload, system: str, specs: list[dict[str, Any]]
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """One measurement. A pinfeed run gets the dataset registered for it alone and deleted
     after it, so between pinfeed runs the server maps none of the data set's pages: pages
     it kept mapped would be shared with, and so lower the PSS of, the DataLoader runs."""
     load = os.getloadavg()[0]
-    if system != "pinfeed":
-        results, mem = run_trainers(specs, server_pid=None)
+    if not system.startswith("pinfeed"):
+        res, mem = run_trainers(specs, server_pid=None)
     else:
-        dataset = _register(srv, w)
+        dataset = register(srv, w)
         for spec in specs:
             spec["dataset"] = dataset
         try:
-            results, mem = run_trainers(specs, server_pid=srv.pid)
+            res, mem = run_trainers(specs, server_pid=srv.pid)
         finally:
-            _unregister(srv, dataset, [spec["loader"] for spec in specs])
+            unregister(srv, dataset, [spec["loader"] for spec in specs])
     mem["loadavg_1m_before"] = load
-    return results, mem
+    return res, mem
 
 
-def _cold_start(srv: BenchServer, w: data.Workload) -> dict[str, float]:
+def cold_start(srv: BenchServer, w: data.Workload) -> dict[str, float]:
     """The one-time costs a fresh server pays: its own start, then the first loader with
-    workers (which starts the forkserver). Paid once here, so runs see a warm server."""
+    workers (which starts the dataset's zygote). Paid once here, so runs see a warm
+    server."""
     from pinfeed import Client
 
-    dataset = _register(srv, w)
-    name = _loader_name("coldstart")
+    dataset = register(srv, w)
+    name = loader_name("coldstart")
     with Client(srv.url, timeout=300) as c:
         t0 = time.perf_counter()
         extra = {"collate_fn": w.collate_fn} if w.collate_fn else {}
@@ -330,275 +182,207 @@ def _cold_start(srv: BenchServer, w: data.Workload) -> dict[str, float]:
         while c.loader(name)["state"] == "starting" and time.monotonic() < deadline:
             time.sleep(0.01)
         ready = time.perf_counter() - t0
-    _unregister(srv, dataset, [name])
+    unregister(srv, dataset, [name])
     return {"server_start_s": srv.start_s, "first_loader_with_workers_ready_s": ready}
 
 
-def _section(
-    args: argparse.Namespace,
-    w: data.Workload,
-    srv: BenchServer,
-    root: Path,
-    progress: Progress,
-    result: dict[str, Any],
-) -> None:
-    data.warm_page_cache(root, w)
-    result["cold_start"][w.key] = _cold_start(srv, w)
-    for nw in args.worker_counts:
-        for run in range(args.runs):
-            for system in _order(run):
-                progress.step(f"{w.key} nw={nw} {system} run {run + 1}/{args.runs}")
-                spec = _spec(
-                    w,
-                    system,
-                    srv,
-                    root,
-                    num_workers=nw,
-                    loader=_loader_name(f"{w.key.lower()}-{nw}"),
-                )
-                (res,), mem = _run(srv, w, system, [spec])
-                result["runs"].append(
-                    {
-                        "workload": w.key,
-                        "num_workers": nw,
-                        "system": system,
-                        "run": run,
-                        **res,
-                        **mem,
-                    }
-                )
-                progress.done(
-                    f"  {w.key} nw={nw} {system:<10} {_fmt(res['samples_per_s']):>9}"
-                    f" samples/s  ttfb {res['ttfb_s'] * 1e3:6.0f} ms  peak PSS "
-                    f"{mem['peak_pss_bytes'] / 2**20:6.0f} MiB"
-                )
-    for run in range(args.runs):
-        progress.step(f"{w.key} roofline run {run + 1}/{args.runs}")
-        (res,), mem = _run(srv, w, "roofline", [_spec(w, "roofline", None, root, num_workers=0)])
-        result["roofline_runs"].append({"workload": w.key, "run": run, **res, **mem})
-        progress.done(f"  {w.key} roofline        {_fmt(res['samples_per_s']):>9} samples/s")
-    if w.key == "W1":
-        for system in SYSTEMS:
-            progress.step(f"W1 handoff latency {system}")
-            spec = _spec(
-                w,
-                system,
-                srv,
-                root,
-                num_workers=2,
-                mode="handoff",
-                handoff_batches=min(args.handoff_batches, max(10, w.samples // w.batch_size - 2)),
-                handoff_step_s=0.02,
-                loader=_loader_name("handoff"),
-            )
-            (res,), mem = _run(srv, w, system, [spec])
-            result["handoff"][system] = {**res, "workload": "W1", "num_workers": 2}
-            progress.done(
-                f"  handoff {system:<10} p50 {res['p50_us']:7.1f} us  p99 {res['p99_us']:7.1f} us"
-            )
+def _run_record(res: dict[str, Any], mem: dict[str, Any], **key: Any) -> dict[str, Any]:
+    cpu = res.get("trainer_tree_cpu_s", 0.0) + mem.get("server_tree_cpu_s", 0.0)
+    samples = res.get("samples") or 0
+    return {
+        **key,
+        **res,
+        **mem,
+        "cpu_s": cpu,
+        "cpu_ms_per_ksample": cpu / samples * 1e6 if samples else None,
+    }
 
 
-def _scaling(
-    args: argparse.Namespace,
-    w: data.Workload,
-    srv: BenchServer,
-    root: Path,
-    progress: Progress,
-    result: dict[str, Any],
-) -> None:
+CELL_METRICS = ("samples_per_s", "ttfb_s", "peak_pss_bytes", "peak_rss_bytes", "cpu_ms_per_ksample")
+
+
+def cell(runs: list[dict[str, Any]], metrics: tuple[str, ...] = CELL_METRICS) -> dict[str, Any]:
+    """Median and spread of each metric over a cell's runs, and whether any ran under load."""
+    out: dict[str, Any] = {m: results.spread([r.get(m) for r in runs]) for m in metrics}
+    out["under_load"] = results.under_load(runs)
+    out["foreign_share_max"] = max(
+        ((r.get("foreign") or {}).get("share", 0.0) for r in runs), default=None
+    )
+    return out
+
+
+def cells(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``{system: {str(num_workers): cell}}``."""
+    by: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in runs:
+        by.setdefault((r["system"], r["num_workers"]), []).append(r)
+    out: dict[str, dict[str, Any]] = {}
+    for (system, nw), rs in sorted(by.items()):
+        out.setdefault(system, {})[str(nw)] = cell(rs)
+    return out
+
+
+def bench_workload(args: argparse.Namespace, w: data.Workload) -> dict[str, Any]:
+    root = args.data_dir
+    systems = tuple(s for s in w.systems if not args.only_systems or s in args.only_systems)
+    result = results.start(
+        w.key,
+        {
+            "scale": args.scale,
+            "runs": args.runs,
+            "workers": args.workers,
+            "systems": ",".join(systems),
+        },
+    )
+    result |= {"kind": "throughput", "method": METHOD, "workload": w.describe()}
+    runs: list[dict[str, Any]] = []
+    roof: list[dict[str, Any]] = []
+    handoff: list[dict[str, Any]] = []
     data.warm_page_cache(root, w)
-    result["cold_start"].setdefault("scaling", _cold_start(srv, w))
-    nw = args.scaling_workers
-    for n in args.trainer_counts:
+    with BenchServer(root) as srv:
+        result["cold_start"] = cold_start(srv, w)
+        for nw in args.w1_worker_counts if w.key == "W1" else args.worker_counts:
+            for run in range(args.runs):
+                for system in order(systems, run):
+                    spec = _spec(
+                        w, system, srv, root, num_workers=nw, loader=loader_name(w.key.lower())
+                    )
+                    (res,), mem = measure(srv, w, system, [spec])
+                    runs.append(_run_record(res, mem, system=system, num_workers=nw, run=run))
+                    print(
+                        f"  {w.key} nw={nw} {system:<17} {fmt(res['samples_per_s']):>9} "
+                        f"samples/s  ttfb {res['ttfb_s'] * 1e3:6.0f} ms  peak PSS "
+                        f"{mem['peak_pss_bytes'] / 2**20:6.0f} MiB  other load "
+                        f"{mem['foreign']['share']:.0%}",
+                        flush=True,
+                    )
         for run in range(args.runs):
-            for system in _order(run):
-                progress.step(f"scaling {n} trainer(s) {system} run {run + 1}/{args.runs}")
-                # One epoch each: n trainers share 2 cores, so each runs ~n times longer.
-                specs = [
-                    _spec(
+            (res,), mem = measure(
+                srv, w, "roofline", [_spec(w, "roofline", None, root, num_workers=0)]
+            )
+            roof.append(_run_record(res, mem, system="roofline", num_workers=0, run=run))
+            print(f"  {w.key} roofline          {fmt(res['samples_per_s']):>9} samples/s")
+        if w.key == "W1":
+            batches = min(args.handoff_batches, max(10, w.samples // w.batch_size - 2))
+            for run in range(args.runs):
+                for system in order(systems, run):
+                    spec = _spec(
                         w,
                         system,
                         srv,
                         root,
-                        num_workers=nw,
-                        loader=_loader_name(f"scale{n}"),
-                        epochs=1,
+                        num_workers=2,
+                        mode="handoff",
+                        handoff_batches=batches,
+                        handoff_step_s=0.02,
+                        loader=loader_name("handoff"),
                     )
-                    for _ in range(n)
-                ]
-                results, mem = _run(srv, w, system, specs)
-                agg = sum(r["samples_per_s"] for r in results)
-                result["scaling_runs"].append(
-                    {
-                        "trainers": n,
-                        "num_workers": nw,
-                        "system": system,
-                        "run": run,
-                        "aggregate_samples_per_s": agg,
-                        "per_trainer_samples_per_s": [r["samples_per_s"] for r in results],
-                        "ttfb_s": [r["ttfb_s"] for r in results],
-                        **mem,
-                    }
-                )
-                progress.done(
-                    f"  scaling n={n} {system:<10} {_fmt(agg):>9} samples/s "
-                    f"aggregate  peak PSS {mem['peak_pss_bytes'] / 2**20:6.0f} MiB"
-                )
-
-
-def summarize(result: dict[str, Any]) -> dict[str, Any]:
-    """Medians per configuration, ratios, roofline shares and the issue's targets."""
-    by: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
-    for r in result["runs"]:
-        by.setdefault((r["workload"], r["num_workers"], r["system"]), []).append(r)
-    roof = {}
-    for key in {r["workload"] for r in result["roofline_runs"]}:
-        roof[key] = _median(
-            [r["samples_per_s"] for r in result["roofline_runs"] if r["workload"] == key]
-        )
-    rows = []
-    for wl, nw in sorted({(k[0], k[1]) for k in by}):
-        p, d = by.get((wl, nw, "pinfeed"), []), by.get((wl, nw, "dataloader"), [])
-        row: dict[str, Any] = {"workload": wl, "num_workers": nw}
-        for name, rs in (("pinfeed", p), ("dataloader", d)):
-            row[name] = {
-                "samples_per_s": _median([r["samples_per_s"] for r in rs]),
-                "samples_per_s_runs": [r["samples_per_s"] for r in rs],
-                "ttfb_s": _median([r["ttfb_s"] for r in rs]),
-                "peak_pss_bytes": _median([r["peak_pss_bytes"] for r in rs]),
-                "peak_rss_bytes": _median([r["peak_rss_bytes"] for r in rs]),
-                "peak_pss_by_process": {
-                    label: _median([r["peak_pss_by_group"].get(label, 0) for r in rs])
-                    for label in sorted({k for r in rs for k in r["peak_pss_by_group"]})
-                },
+                    (res,), mem = measure(srv, w, system, [spec])
+                    handoff.append(_run_record(res, mem, system=system, num_workers=2, run=run))
+                    print(
+                        f"  handoff {system:<17} p50 {res['p50_us']:7.1f} us  "
+                        f"p99 {res['p99_us']:7.1f} us",
+                        flush=True,
+                    )
+    result["runs"] = runs
+    result["cells"] = cells(runs)
+    result["roofline"] = {"runs": roof, "cell": cell(roof)}
+    if handoff:
+        hcells = {}
+        for system in systems:
+            rs = [r for r in handoff if r["system"] == system]
+            floors = [r["floor_after_step"]["p50_us"] for r in rs]
+            hcells[system] = cell(rs, ("p50_us", "p90_us", "p99_us", "mean_us")) | {
+                "floor_after_step_p50_us": results.spread(floors)
             }
-        row["ratio"] = row["pinfeed"]["samples_per_s"] / row["dataloader"]["samples_per_s"]
-        row["ttfb_ratio"] = row["pinfeed"]["ttfb_s"] / row["dataloader"]["ttfb_s"]
-        row["pss_ratio"] = row["pinfeed"]["peak_pss_bytes"] / row["dataloader"]["peak_pss_bytes"]
-        row["rss_ratio"] = row["pinfeed"]["peak_rss_bytes"] / row["dataloader"]["peak_rss_bytes"]
-        if wl in roof:
-            row["roofline_samples_per_s"] = roof[wl]
-            row["pinfeed_roofline_share"] = row["pinfeed"]["samples_per_s"] / roof[wl]
-            row["dataloader_roofline_share"] = row["dataloader"]["samples_per_s"] / roof[wl]
-        rows.append(row)
-    scaling = []
-    sc: dict[tuple[int, str], list[dict[str, Any]]] = {}
-    for r in result["scaling_runs"]:
-        sc.setdefault((r["trainers"], r["system"]), []).append(r)
-    for n in sorted({k[0] for k in sc}):
-        entry: dict[str, Any] = {"trainers": n}
-        for system in SYSTEMS:
-            rs = sc.get((n, system), [])
-            entry[system] = {
-                "aggregate_samples_per_s": _median([r["aggregate_samples_per_s"] for r in rs]),
-                "peak_pss_bytes": _median([r["peak_pss_bytes"] for r in rs]),
-            }
-        entry["ratio"] = (
-            entry["pinfeed"]["aggregate_samples_per_s"]
-            / entry["dataloader"]["aggregate_samples_per_s"]
-        )
-        scaling.append(entry)
-    return {
-        "throughput": rows,
-        "roofline_samples_per_s": roof,
-        "scaling": scaling,
-        "handoff": {
-            k: {
-                **{m: v[m] for m in ("p50_us", "p90_us", "p99_us", "mean_us", "min_us", "n")},
-                "floor_after_step_p50_us": v["floor_after_step"]["p50_us"],
-            }
-            for k, v in result["handoff"].items()
-        },
-        # pinfeed: attach + first batch of a loader created ahead (its ring full).
-        "warm_attach_ttfb_s": result["handoff"].get("pinfeed", {}).get("ttfb_s"),
-        "cold_start": result["cold_start"],
-        "targets": targets(rows, result["handoff"]),
-    }
+        result["handoff"] = {"runs": handoff, "cells": hcells, "num_workers": 2, "step_s": 0.02}
+    return results.finish(result, runs + roof + handoff)
 
 
-def targets(rows: list[dict[str, Any]], handoff: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue's targets that this machine can check (the GPU one is bench/gpu.py's)."""
-    out: list[dict[str, Any]] = []
-
-    def add(name: str, value: float | None, goal: str, ok: Callable[[float], bool]) -> None:
-        out.append(
-            {
-                "target": name,
-                "value": value,
-                "goal": goal,
-                "met": None if value is None else bool(ok(value)),
-            }
-        )
-
-    get = {(r["workload"], r["num_workers"]): r for r in rows}
-    for wl in ("W1", "W2", "W4", "W6"):
-        r = get.get((wl, 2))
-        add(
-            f"{wl} samples/s vs DataLoader, num_workers 2",
-            r["ratio"] if r else None,
-            ">= 3.0x",
-            lambda v: v >= 3.0,
-        )
-    for (wl, nw), r in sorted(get.items()):
-        if wl in ("W3", "W5", "W7", "W8"):
-            add(
-                f"{wl} samples/s vs DataLoader, num_workers {nw}",
-                r["ratio"],
-                ">= 1.0x",
-                lambda v: v >= 1.0,
+def bench_scaling(args: argparse.Namespace) -> dict[str, Any]:
+    """1, 2, 4 trainers on one server, one loader each (W1, ``--scaling-workers``), one
+    epoch each, against as many DataLoaders (plain and tuned)."""
+    root = args.data_dir
+    w = data.make_w1(root, args.scale)
+    systems = tuple(s for s in w.systems if not args.only_systems or s in args.only_systems)
+    nw = args.scaling_workers
+    result = results.start(
+        "scaling",
+        {"scale": args.scale, "runs": args.runs, "trainers": args.trainers, "num_workers": nw},
+    )
+    result |= {"kind": "scaling", "workload": w.describe(), "num_workers": nw}
+    runs: list[dict[str, Any]] = []
+    data.warm_page_cache(root, w)
+    with BenchServer(root) as srv:
+        result["cold_start"] = cold_start(srv, w)
+        for n in args.trainer_counts:
+            for run in range(args.runs):
+                for system in order(systems, run):
+                    # One epoch each: n trainers share the cores, so each runs ~n times longer.
+                    specs = [
+                        _spec(
+                            w, system, srv, root, num_workers=nw, epochs=1, loader=loader_name("s")
+                        )
+                        for _ in range(n)
+                    ]
+                    res, mem = measure(srv, w, system, specs)
+                    agg = sum(r["samples_per_s"] for r in res)
+                    runs.append(
+                        {
+                            "trainers": n,
+                            "num_workers": nw,
+                            "system": system,
+                            "run": run,
+                            "aggregate_samples_per_s": agg,
+                            "per_trainer_samples_per_s": [r["samples_per_s"] for r in res],
+                            "ttfb_s": [r["ttfb_s"] for r in res],
+                            **mem,
+                        }
+                    )
+                    print(
+                        f"  scaling n={n} {system:<17} {fmt(agg):>9} samples/s aggregate  "
+                        f"peak PSS {mem['peak_pss_bytes'] / 2**20:6.0f} MiB",
+                        flush=True,
+                    )
+    by: dict[str, dict[str, Any]] = {}
+    for system in systems:
+        for n in args.trainer_counts:
+            rs = [r for r in runs if r["system"] == system and r["trainers"] == n]
+            by.setdefault(system, {})[str(n)] = cell(
+                rs, ("aggregate_samples_per_s", "peak_pss_bytes")
             )
-    r = get.get(("W1", 1))
-    add(
-        "W1 num_workers 1, share of the single-process roofline",
-        r.get("pinfeed_roofline_share") if r else None,
-        ">= 0.70",
-        lambda v: v >= 0.70,
-    )
-    h = handoff.get("pinfeed")
-    add(
-        "handoff p50 of a ready batch (us)",
-        h["p50_us"] if h else None,
-        "<= 30 us",
-        lambda v: v <= 30,
-    )
-    for (wl, nw), r in sorted(get.items()):
-        add(
-            f"{wl} num_workers {nw}: peak PSS vs DataLoader",
-            r["pss_ratio"],
-            "<= 1.0x",
-            lambda v: v <= 1.0,
-        )
-    return out
+    result["runs"], result["cells"] = runs, by
+    return results.finish(result, runs)
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        import matplotlib  # noqa: F401
-        import psutil  # noqa: F401
-    except ImportError as exc:
-        print(
-            f"the benchmarks need the 'bench' extra ({exc.name} is missing): "
-            "pip install -e '.[bench]'",
-            file=sys.stderr,
-        )
-        return 2
+    args = parse_args(argv)
     from bench import report
 
-    args = parse_args(argv)
-    t0 = time.monotonic()
+    args.data_dir.mkdir(parents=True, exist_ok=True)
     try:
-        result = run_suite(args)
+        for key in args.workload_keys:
+            print(f"{key}: generating files", flush=True)
+            w = data.MAKERS[key](args.data_dir, args.scale)
+            path = results.write(bench_workload(args, w), args.out)
+            print(f"wrote {path}")
+            print(report.throughput_table(results.load(key, args.out)))
     except BenchError as exc:
         print(f"benchmark failed: {exc}", file=sys.stderr)
         return 1
-    result["meta"]["wall_s"] = round(time.monotonic() - t0, 1)
-    args.out.mkdir(parents=True, exist_ok=True)
-    json_path = report.write_json(result, args.out / "bench.json")
-    png_path = None if args.no_plot else report.plot(result, args.out / "bench.png")
-    report.print_tables(result)
-    print(
-        f"wrote {json_path}"
-        + (f" and {png_path}" if png_path else "")
-        + f" in {result['meta']['wall_s']:.0f} s"
-    )
+    return 0
+
+
+def scaling_main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv, "python -m bench scaling")
+    from bench import report
+
+    args.data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        path = results.write(bench_scaling(args), args.out)
+    except BenchError as exc:
+        print(f"benchmark failed: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {path}")
+    print(report.scaling_table(results.load("scaling", args.out)))
     return 0

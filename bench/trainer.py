@@ -8,16 +8,24 @@ Each run is a fresh process, so its memory and start-up are its own. The parent
     trainer -> {"event": "result", ...}             timed window done
     parent  -> EOF                                  memory sampled: clean up and exit
 
-Systems: ``pinfeed`` (``pinfeed.Loader`` over a loader created here through
-``client.Client``), ``dataloader`` (``torch.utils.data.DataLoader`` over the same Dataset
-class, built by ``pinfeed_server.datasets.build_dataset`` from the same kind and params) and
-``roofline`` (the same gather into a preallocated buffer, in this one process).
+Systems (``SYSTEMS``): ``pinfeed`` (``pinfeed.Loader`` over a loader created here
+through ``pinfeed.Client``), ``dataloader`` (``torch.utils.data.DataLoader`` as usually
+written, over the workload's reference Dataset, ``bench.references``, or the very object
+the server builds), ``dataloader-tuned`` (``bench.references.tuned_loader``: one batched
+read a batch) and ``roofline`` (the same gather into a preallocated buffer, in this one
+process). Both DataLoaders: ``persistent_workers`` with workers, ``pin_memory`` with
+CUDA, ``prefetch_factor`` 2, seed 0 (the same batches as pinfeed's).
+
+Modes (``MODES``): ``throughput`` (samples/s over all but the first batch),
+``handoff`` (latency of ``next()`` on a ready batch) and ``training`` (a fixed step per
+batch standing for the GPU: the trainer's stall share and its own CPU per batch).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import socket
 import sys
 import time
@@ -129,22 +137,50 @@ def _pinfeed(spec: dict[str, Any], warm: bool = False) -> tuple[Run, float]:
     return run, time.perf_counter() - t0
 
 
+def _dataloader_args(spec: dict[str, Any]) -> dict[str, Any]:
+    """What both DataLoaders share: workers, pinning, prefetch, the seed."""
+    nw = spec["num_workers"]
+    return {
+        "num_workers": nw,
+        "pin_memory": torch.cuda.is_available(),
+        "persistent_workers": nw > 0,
+        "prefetch_factor": 2 if nw > 0 else None,
+        "generator": torch.Generator().manual_seed(0),
+    }
+
+
 def _dataloader(spec: dict[str, Any]) -> tuple[Run, float]:
     from torch.utils.data import DataLoader
 
     ds = _reference(spec) if spec.get("reference") else _dataset(spec)
-    nw = spec["num_workers"]
     t0 = time.perf_counter()
     dl = DataLoader(
         ds,
         batch_size=spec["batch_size"],
         shuffle=spec["shuffle"],
-        num_workers=nw,
-        pin_memory=torch.cuda.is_available(),
-        persistent_workers=nw > 0,
-        prefetch_factor=2 if nw > 0 else None,
-        generator=torch.Generator().manual_seed(0),
         collate_fn=_collate_fn(spec),
+        **_dataloader_args(spec),
+    )
+    run = Run(lambda: iter(dl), lambda: None)
+    run.start()
+    return run, time.perf_counter() - t0
+
+
+def _dataloader_tuned(spec: dict[str, Any]) -> tuple[Run, float]:
+    """What a performance engineer writes with DataLoader alone: one batched read a
+    batch (``bench.references.tuned_loader``), pinned with CUDA."""
+    from pathlib import Path
+
+    from bench.references import tuned_loader
+
+    t0 = time.perf_counter()
+    dl = tuned_loader(
+        spec["tuned"],
+        Path(spec["data_root"]),
+        spec["params"],
+        batch_size=spec["batch_size"],
+        shuffle=spec["shuffle"],
+        **_dataloader_args(spec),
     )
     run = Run(lambda: iter(dl), lambda: None)
     run.start()
@@ -290,24 +326,96 @@ def handoff(run: Run, batches: int, step_s: float) -> dict[str, Any]:
     }
 
 
+def _cpu_self_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _cpu_children_s() -> float:
+    """CPU seconds of this process's descendants: the live ones (DataLoader's workers
+    live as long as the loader) and those already reaped."""
+    import psutil
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = r.ru_utime + r.ru_stime
+    for p in psutil.Process().children(recursive=True):
+        try:
+            t = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system
+    return total
+
+
+def training(run: Run, batches: int, step_s: float, step_kind: str) -> dict[str, Any]:
+    """A training loop whose step takes ``step_s`` per batch: ``sleep`` (the GPU's time:
+    the trainer's CPU idle, as while it waits on a CUDA stream) or ``spin`` (the CPU
+    busy). Reported: the stall share (time blocked in ``next()``, epoch ends included,
+    over the loop's wall time), and the CPU seconds of this process (``RUSAGE_SELF``:
+    the trainer itself, DataLoader's pin thread included) and of its children
+    (DataLoader's workers) per batch."""
+    step = time.sleep if step_kind == "sleep" else _step
+    wait = 0.0
+    rows = n = 0
+    self0, kids0 = _cpu_self_s(), _cpu_children_s()
+    t0 = time.perf_counter()
+    while n < batches:
+        t = time.perf_counter()
+        try:
+            batch = next(run.it)
+        except StopIteration:
+            wait += time.perf_counter() - t
+            run.it = run.new_epoch()
+            continue
+        wait += time.perf_counter() - t
+        rows += _rows(batch)
+        n += 1
+        del batch
+        step(step_s)
+    total = time.perf_counter() - t0
+    self_s, kids_s = _cpu_self_s() - self0, _cpu_children_s() - kids0
+    return {
+        "batches": n,
+        "samples": rows,
+        "seconds": total,
+        "samples_per_s": rows / total,
+        "step_s": step_s,
+        "step_kind": step_kind,
+        "stall_s": wait,
+        "stall_share": wait / total,
+        "trainer_cpu_s": self_s,
+        "trainer_children_cpu_s": kids_s,
+        "trainer_cpu_ms_per_batch": self_s / n * 1e3,
+        "trainer_children_cpu_ms_per_batch": kids_s / n * 1e3,
+    }
+
+
+# A system makes a Run (its first batch already taken) and its time to first batch.
+SYSTEMS: dict[str, Callable[[dict[str, Any]], tuple[Run, float]]] = {
+    "pinfeed": lambda spec: _pinfeed(spec, warm=spec.get("mode") == "handoff"),
+    "dataloader": _dataloader,
+    "dataloader-tuned": _dataloader_tuned,
+    "roofline": _roofline,
+}
+MODES: dict[str, Callable[[Run, dict[str, Any]], dict[str, Any]]] = {
+    "throughput": lambda run, spec: throughput(run, spec["epochs"]),
+    "handoff": lambda run, spec: handoff(run, spec["handoff_batches"], spec["handoff_step_s"]),
+    "training": lambda run, spec: training(
+        run, spec["train_batches"], spec["step_ms"] / 1e3, spec.get("step_kind", "sleep")
+    ),
+}
+
+
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
     try:
         system, mode = spec["system"], spec.get("mode", "throughput")
-        if system == "pinfeed":
-            run, ttfb = _pinfeed(spec, warm=mode == "handoff")
-        elif system == "dataloader":
-            run, ttfb = _dataloader(spec)
-        elif system == "roofline":
-            run, ttfb = _roofline(spec)
-        else:
+        if system not in SYSTEMS:
             raise ValueError(f"unknown system {system!r}")
+        run, ttfb = SYSTEMS[system](spec)
         _emit("ready", ttfb_s=ttfb, pid=os.getpid())
         _wait_go()
-        if mode == "throughput":
-            result = throughput(run, spec["epochs"])
-        else:
-            result = handoff(run, spec["handoff_batches"], spec["handoff_step_s"])
+        result = MODES[mode](run, spec)
         _emit("result", ttfb_s=ttfb, cuda=torch.cuda.is_available(), **result)
         sys.stdin.read()  # the parent closes stdin once it has sampled memory
         run.it = iter(())

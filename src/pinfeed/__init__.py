@@ -3,8 +3,8 @@ and ``Transformed`` (a dataset and its per-loader transform, the reference of a 
 dataset's loader)."""
 
 from pinfeed._admin import Client
+from pinfeed._dataloader import DataLoader
 from pinfeed._loader import Loader
-from pinfeed._transformed import Transformed
 from pinfeed.errors import (
     BatchTooLarge,
     Conflict,
@@ -32,6 +32,7 @@ from pinfeed.errors import (
     UnsupportedMediaType,
     WorkerLimit,
 )
+from pinfeed.transformed import Transformed
 
 __version__ = "0.1.0"  # the distribution's version (pyproject reads it from here)
 
@@ -39,6 +40,7 @@ __all__ = [
     "BatchTooLarge",
     "Client",
     "Conflict",
+    "DataLoader",
     "DataPlaneError",
     "GroupMemberLost",
     "InsufficientMemory",

@@ -1,7 +1,8 @@
 """The epoch state machine of a ``Loader``: which epoch its iterators walk, the one
 NEXT kept in flight, skipping an abandoned epoch, seeking for ``set_epoch`` and
-``load_state_dict``. It talks through a ``Transport`` and leaves connecting, views
-and delivery to others, so it runs in tests against an in-process fake server.
+``load_state_dict``, and coming back after a server restart. It decides what to send
+when; its ``Connection`` (``pinfeed._connection``) sends, receives and builds the
+batches, over a ``Transport`` that tests replace with an in-process fake server.
 
 States (``State``): IDLE between epochs; EPOCH inside one with nothing in flight;
 AHEAD inside one with a NEXT in flight; CLOSED. An iterator (``Epoch``) starts its
@@ -11,15 +12,14 @@ of an unfinished epoch, or after a SEEK when ``set_epoch`` asked for another epo
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import time
 from typing import Any, NoReturn
 
 from pinfeed import protocol as p
-from pinfeed._info import RemoteSampler
-from pinfeed._transport import Transport
-from pinfeed._views import BatchViews, Delivery
-from pinfeed.errors import DataPlaneError, ServerUnavailable, error_from_info
+from pinfeed._connection import Connection
+from pinfeed.errors import ServerUnavailable, error_from_info
 
 
 class State(enum.Enum):
@@ -29,76 +29,52 @@ class State(enum.Enum):
     CLOSED = "closed"
 
 
+# What the per-batch path uses, bound once: a global each, not a global and an attribute.
+_IDLE, _EPOCH, _AHEAD = State.IDLE, State.EPOCH, State.AHEAD
+_NEXT, _RELEASE, _BATCH, _END = p.NEXT, p.RELEASE, p.BATCH, p.END
+_BATCH_HEAD, _END_BODY = p.BATCH_HEAD, p.END_BODY
+_now_ns = time.perf_counter_ns
+
+
 class Epochs:
-    """The iteration half of ``Loader`` (its base class)."""
+    """The epochs of a loader attached through ``conn``. ``reconnect``: if the server
+    restarts, re-attach (retrying for up to ``reconnect_timeout`` seconds) and go on
+    from where this loader was; else a lost server is a ``ServerUnavailable``."""
 
-    name: str
-    reconnect: bool
-    _t: Transport
-    _buf: bytearray
-    _info: p.Attached
-    _sampler: RemoteSampler
-    _views: BatchViews
-    _delivery: Delivery
-    _state: State
-    _pos: tuple[int, int]  # (epoch, index) of the next batch this loader will yield
-    _want_epoch: int | None  # set_epoch's, applied at an epoch's first next()
-    _loaded_epoch: int | None  # load_state_dict placed us inside this epoch
-    _epoch_id: int  # which Epoch iterator is current; older ones are exhausted
-    _epoch_batches: int  # batches received in the epoch being iterated
-    _wait_us: int  # how long the last batch kept the trainer waiting
+    def __init__(self, conn: Connection, reconnect: bool, reconnect_timeout: float) -> None:
+        self.reconnect = reconnect
+        self.reconnect_timeout = reconnect_timeout
+        self._conn = conn
+        self._state = State.IDLE
+        self._pos = (0, 0)  # (epoch, index) of the next batch this loader will yield
+        self._ends_at: int | None = None  # an epoch's batches (None: its END says)
+        self._want_epoch: int | None = None  # set_epoch's, applied at an epoch's first next()
+        self._loaded_epoch: int | None = None  # load_state_dict placed us inside this epoch
+        self._epoch_id = 0  # which Epoch iterator is current; older ones are exhausted
+        self._epoch_batches = 0  # batches received in the epoch being iterated
+        self._attached()
 
-    def _reconnect(self) -> None:
-        raise NotImplementedError
+    def _attached(self) -> None:
+        """Take the position and the epoch length from the connection's ATTACHED."""
+        info = self._conn.info
+        self._pos = (info.epoch, info.position)
+        # A map-style epoch ends after its last batch; an iterable's only at its END.
+        self._ends_at = info.batches_per_epoch if info.sampler_length is not None else None
 
-    def _segment(self, n: int) -> None:
-        """A SEGMENT: the ring grew or shrank (``Loader`` maps or unmaps it)."""
-        raise NotImplementedError
-
-    # -- receiving: SEGMENT messages come ahead of the item that may use them -----------
-    def _recv(self) -> int:
-        n = self._t.recv()
-        while self._buf[0] == p.SEGMENT:
-            self._segment(n)
-            n = self._t.recv()
-        return n
-
-    def _try_recv(self) -> int | None:
-        n = self._t.try_recv()
-        if n is not None and self._buf[0] == p.SEGMENT:
-            self._segment(n)
-            return self._recv()  # the item it came ahead of is right behind it
-        return n
-
-    # -- replies that are errors --------------------------------------------------------
-    def _is_batch_error(self, n: int) -> bool:
-        """An ERROR about one batch (the connection goes on), not a fatal one."""
-        if self._buf[0] != p.ERROR:
-            return False
-        return p.ErrorInfo.decode(memoryview(self._buf)[:n]).batch_index is not None
-
-    def _raise(self, n: int) -> NoReturn:
-        if self._buf[0] == p.ERROR:
-            info = p.ErrorInfo.decode(memoryview(self._buf)[:n])
-            if info.epoch is not None and info.batch_index is not None:
-                # A failed batch counts as consumed, as in DataLoader.
-                self._advance(info.epoch, info.batch_index)
-            raise error_from_info(info)
-        raise DataPlaneError(f"unexpected message kind {self._buf[0]} from the server")
-
-    def _advance(self, epoch: int, index: int) -> None:
-        """Batch ``index`` of ``epoch`` was consumed (an iterable's epoch ends at its END)."""
-        n = self._info.batches_per_epoch
-        last = self._info.sampler_length is not None and n is not None and index + 1 >= n
-        self._pos = (epoch + 1, 0) if last else (epoch, index + 1)
+    @property
+    def state(self) -> str:
+        """idle (between epochs), epoch / ahead (inside one), or closed."""
+        return self._state.value
 
     # -- iteration ---------------------------------------------------------------------
     def __len__(self) -> int:
         """Batches per epoch: DataLoader's ``len()``, which raises TypeError for an
         IterableDataset without ``__len__``."""
-        n = self._info.batches_per_epoch
+        n = self._conn.info.batches_per_epoch
         if n is None:
-            raise TypeError(f"loader {self.name!r} iterates an IterableDataset that has no len()")
+            raise TypeError(
+                f"loader {self._conn.name!r} iterates an IterableDataset that has no len()"
+            )
         return n
 
     def __iter__(self) -> Epoch:
@@ -115,7 +91,7 @@ class Epochs:
         self._epoch_id += 1
         return Epoch(self, self._epoch_id)
 
-    def _begin_epoch(self, epoch_id: int) -> None:
+    def _begin(self, epoch_id: int) -> None:
         """An iterator's first ``next()``: move to the epoch it iterates."""
         if self._state is State.CLOSED:
             raise RuntimeError("this Loader is closed")
@@ -126,7 +102,7 @@ class Epochs:
         except ServerUnavailable:
             if not self.reconnect:
                 raise
-            self._reconnect()
+            self._recover()
             self._start_epoch()
         self._loaded_epoch = None
         self._state = State.EPOCH
@@ -141,104 +117,123 @@ class Epochs:
         elif self._state is not State.IDLE:
             self._skip_epoch()
 
-    def _next_in_epoch(self, epoch_id: int) -> Any:
-        if self._state not in (State.EPOCH, State.AHEAD) or epoch_id != self._epoch_id:
-            raise StopIteration
-        batch = self._next()
-        if batch is None:
-            self._state = State.IDLE
-            raise StopIteration
-        return batch
-
-    def _next(self) -> Any:
-        """The next batch, or None at the end of the epoch.
+    def _next(self, epoch_id: int) -> Any:
+        """The next batch of iterator ``epoch_id``; StopIteration at the end of its
+        epoch, or once a newer iterator exists.
 
         One NEXT is kept in flight (state AHEAD): it is sent as soon as a batch
         arrives, so while the trainer works on batch k the server already announces
         k+1, and a ready batch is in this socket's buffer when the trainer asks (no
         server wake-up on the critical path). Still one send and one recv per batch.
         """
-        asked = time.perf_counter_ns()
+        state = self._state
+        if (state is not _AHEAD and state is not _EPOCH) or epoch_id != self._epoch_id:
+            raise StopIteration
+        conn = self._conn
+        buf = conn.buf
+        asked = _now_ns()
         try:
-            if self._state is State.AHEAD:
+            if state is _AHEAD:
                 # Fast path: the batch asked for last time is already here. Otherwise we
                 # are about to wait: hand back the last view's slot first, so the server
                 # can produce into it (a group member must never hold and wait).
-                n = self._try_recv()
+                n = conn.try_recv()
                 if n is None:
-                    if self._delivery.release or self._delivery.pending:
-                        self._send(p.RELEASE)
-                    n = self._recv()
+                    if conn.holds_slots():
+                        conn.send(_RELEASE)
+                    n = conn.recv()
             else:
-                self._send(p.NEXT)
-                n = self._recv()
-            self._wait_us = (time.perf_counter_ns() - asked) // 1000
-            self._state = State.EPOCH
-            kind = self._buf[0]
-            if kind == p.BATCH or self._is_batch_error(n):
+                conn.send(_NEXT)
+                n = conn.recv()
+            conn.wait_us = (_now_ns() - asked) // 1000
+            self._state = _EPOCH
+            kind = buf[0]
+            if kind == _BATCH or self._is_batch_error(n):
                 # Ask for the following item now; this releases the previous view's slot.
-                self._send(p.NEXT)
-                self._state = State.AHEAD
+                conn.send(_NEXT)
+                self._state = _AHEAD
         except ServerUnavailable:
             if not self.reconnect:
                 raise
-            self._reconnect()
+            self._recover()
             if self._epoch_batches and self._pos[1] == 0:
-                return None  # the epoch's last batch came before the crash; its END did not
-            return self._next()
-        if kind == p.END:
-            self._pos = (p.END_BODY.unpack_from(self._buf)[1] + 1, 0)
-            return None
-        if kind != p.BATCH:
+                # The epoch's last batch came before the crash; its END did not.
+                self._state = _IDLE
+                raise StopIteration from None
+            return self._next(epoch_id)
+        if kind == _END:
+            self._pos = (_END_BODY.unpack_from(buf)[1] + 1, 0)
+            self._state = _IDLE
+            raise StopIteration
+        if kind != _BATCH:
             self._raise(n)
-        _, slot, _seq, epoch, index, nstr = p.BATCH_HEAD.unpack_from(self._buf)
+        _, slot, _seq, epoch, index, nstr = _BATCH_HEAD.unpack_from(buf)
         self._epoch_batches += 1
         self._advance(epoch, index)
-        return self._delivery.deliver(slot, self._views.batch(self._buf, slot, nstr))
+        return conn.delivery.deliver(slot, conn.views.batch(buf, slot, nstr))
 
-    def _send(self, kind: int, message: bytes | None = None) -> None:
-        """Send ``message`` (or a ``kind`` release message); the slots waiting to go
-        back, and the trainer's last wait, ride along."""
-        delivery = self._delivery
-        if delivery.pending:
-            delivery.collect_copies()
-        release = delivery.release
-        if message is None:
-            message = p.encode_release(kind, release, self._wait_us)
-            self._wait_us = 0
-        elif release:
-            self._t.send(p.encode_release(p.RELEASE, release))
-        self._t.send(message)
-        release.clear()
+    def _advance(self, epoch: int, index: int) -> None:
+        """Batch ``index`` of ``epoch`` was consumed."""
+        ends_at = self._ends_at
+        last = ends_at is not None and index + 1 >= ends_at
+        self._pos = (epoch + 1, 0) if last else (epoch, index + 1)
 
+    # -- replies that are errors --------------------------------------------------------
+    def _is_batch_error(self, n: int) -> bool:
+        """An ERROR about one batch (the connection goes on), not a fatal one."""
+        info = self._conn.error(n)
+        return info is not None and info.batch_index is not None
+
+    def _raise(self, n: int) -> NoReturn:
+        info = self._conn.error(n)
+        if info is None:
+            raise self._conn.failure(n)
+        if info.epoch is not None and info.batch_index is not None:
+            # A failed batch counts as consumed, as in DataLoader.
+            self._advance(info.epoch, info.batch_index)
+        raise error_from_info(info)
+
+    # -- leaving an epoch ----------------------------------------------------------------
     def _drain(self) -> bool:
         """Read the reply to the NEXT in flight; True if it ended the epoch."""
         if self._state is not State.AHEAD:
             return False
         self._state = State.EPOCH
-        self._recv()
-        kind = self._buf[0]
+        conn = self._conn
+        conn.recv()
+        kind = conn.buf[0]
         if kind == p.BATCH:
-            self._delivery.release.append(p.BATCH_HEAD.unpack_from(self._buf)[1])  # unseen
+            conn.hand_back(p.BATCH_HEAD.unpack_from(conn.buf)[1])  # a batch never seen
         elif kind == p.END:
-            self._pos = (p.END_BODY.unpack_from(self._buf)[1] + 1, 0)
+            self._pos = (p.END_BODY.unpack_from(conn.buf)[1] + 1, 0)
             return True
         return False
 
     def _skip_epoch(self) -> None:
         if not self._drain():
-            self._send(p.SKIP)
-            n = self._recv()
-            if self._buf[0] != p.END:
+            conn = self._conn
+            conn.send(p.SKIP)
+            n = conn.recv()
+            if conn.buf[0] != p.END:
                 self._raise(n)
-            self._pos = (p.END_BODY.unpack_from(self._buf)[1] + 1, 0)
+            self._pos = (p.END_BODY.unpack_from(conn.buf)[1] + 1, 0)
         self._state = State.IDLE
+
+    def _recover(self) -> None:
+        """Re-attach after a server restart and seek to where this loader was."""
+        position, in_epoch = self._pos, self._state is not State.IDLE
+        self._state = State.IDLE  # the NEXT in flight, if any, went with the connection
+        self._conn.reconnect(self.reconnect_timeout)
+        self._attached()
+        self._seek(*position)
+        if in_epoch:
+            self._state = State.EPOCH
 
     # -- epochs and resume ---------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """The next epoch to start iterates ``epoch`` (as ``DistributedSampler.set_epoch``):
         called before or after ``iter(loader)``, it applies to that iterator if its first
-        ``next()`` has not come yet. ``loader.sampler.set_epoch`` is the same call.
+        ``next()`` has not come yet.
 
         Free when the loader is already there (the usual loop): prefetched batches stay.
         After ``load_state_dict`` into epoch e, ``set_epoch(e)`` keeps the loaded
@@ -247,7 +242,6 @@ class Epochs:
         if epoch < 0:
             raise ValueError("epoch must be >= 0")
         self._want_epoch = None if epoch == self._loaded_epoch else epoch
-        self._sampler.epoch = epoch
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader is: a new Loader that loads it yields the next batch on.
@@ -259,19 +253,21 @@ class Epochs:
         """
         self._check_resumable()
         epoch, index = self._pos
-        return {"version": 1, "loader": self.name, "epoch": epoch, "index": index}
+        return {"version": 1, "loader": self._conn.name, "epoch": epoch, "index": index}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``: the next ``for`` loop yields the rest of that epoch."""
         self._check_resumable()
-        if state.get("loader") not in (None, self.name):
-            raise ValueError(f"state is for loader {state.get('loader')!r}, not {self.name!r}")
+        name = self._conn.name
+        if state.get("loader") not in (None, name):
+            raise ValueError(f"state is for loader {state.get('loader')!r}, not {name!r}")
         self._seek(int(state["epoch"]), int(state["index"]))
         self._loaded_epoch = self._pos[0]
         self._want_epoch = None
 
     def _check_resumable(self) -> None:
-        if self._info.group_mode == "split" and self._info.group_size > 1:
+        config = self._conn.info.config
+        if config.group_mode == "split" and config.group_size > 1:
             raise RuntimeError(
                 "state_dict/load_state_dict need a plain or broadcast loader; split groups "
                 "resume at epoch boundaries with set_epoch"
@@ -279,13 +275,28 @@ class Epochs:
 
     def _seek(self, epoch: int, index: int) -> None:
         self._drain()
-        self._send(p.SEEK, p.POSITION_BODY.pack(p.SEEK, epoch, index))
-        n = self._recv()
-        if self._buf[0] != p.POSITION:
+        conn = self._conn
+        conn.send_message(p.encode_position(p.SEEK, epoch, index))
+        n = conn.recv()
+        if conn.buf[0] != p.POSITION:
             self._raise(n)
-        _, e, i = p.POSITION_BODY.unpack_from(self._buf)
+        _, e, i = p.POSITION_BODY.unpack_from(conn.buf)
         self._pos = (e, i)
         self._state = State.IDLE
+
+    def close(self) -> None:
+        """Detach (idempotent): the connection hands back every slot and closes."""
+        if self._state is State.CLOSED:
+            return
+        self._state = State.CLOSED
+        self._conn.close()
+
+    def __del__(self) -> None:
+        # Here, not in Loader: an iterator holds these epochs and not its Loader, so a
+        # loop over a Loader that is gone (``for b in Loader(name)``) goes on to the end.
+        if getattr(self, "_state", State.CLOSED) is not State.CLOSED:
+            with contextlib.suppress(Exception):
+                self.close()
 
 
 class Epoch:
@@ -293,11 +304,12 @@ class Epoch:
     itself (the iterator protocol); it starts its epoch at its first ``next()`` and ends
     at the epoch's end, or once a newer ``iter(loader)`` exists."""
 
-    __slots__ = ("_id", "_loader", "_started")
+    __slots__ = ("_epochs", "_id", "_next", "_started")
 
-    def __init__(self, loader: Epochs, epoch_id: int) -> None:
-        self._loader = loader
+    def __init__(self, epochs: Epochs, epoch_id: int) -> None:
+        self._epochs = epochs
         self._id = epoch_id
+        self._next = epochs._next  # bound once: no bound method made per batch
         self._started = False
 
     def __iter__(self) -> Epoch:
@@ -305,9 +317,9 @@ class Epoch:
 
     def __next__(self) -> Any:
         if not self._started:
-            self._loader._begin_epoch(self._id)
+            self._epochs._begin(self._id)
             self._started = True
-        return self._loader._next_in_epoch(self._id)
+        return self._next(self._id)
 
     def __len__(self) -> int:
-        return len(self._loader)
+        return len(self._epochs)

@@ -1,6 +1,6 @@
-"""What a trainer knows about its loader (the ATTACHED reply,
-``pinfeed.protocol.Attached``) as DataLoader's attributes, and the objects that stand
-for DataLoader's ``dataset``, ``sampler`` and ``batch_sampler``.
+"""The objects that stand for DataLoader's ``dataset``, ``sampler`` and
+``batch_sampler`` on a ``Loader``, made from what the server said at attach (the
+ATTACHED reply, ``pinfeed.protocol.Attached``).
 
 The dataset and the sampler live in the server; these objects report what they are
 (name, lengths, shuffle, seed, sharding, epoch) with DataLoader's meaning, and
@@ -12,15 +12,15 @@ trainer's process has neither.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
-import torch
 from torch.utils.data import Dataset, Sampler
 
 from pinfeed.protocol import Attached
 
 
-def _server_side(what: str) -> NoReturn:
+def server_side(what: str) -> NoReturn:
+    """Refuse what only the server can do (it has the dataset and the sampler)."""
     raise TypeError(
         f"pinfeed's {what} lives in the server: a trainer cannot read it here. Iterate "
         "the Loader; to start an epoch at batch n (what skip_first_batches does), call "
@@ -42,7 +42,7 @@ class RemoteDataset(Dataset[Any]):
         return self._length
 
     def __getitem__(self, index: int) -> NoReturn:
-        _server_side(f"dataset {self.name!r}")
+        server_side(f"dataset {self.name!r}")
 
     def __repr__(self) -> str:
         return f"RemoteDataset(name={self.name!r}, length={self._length}, sample={self.sample})"
@@ -56,11 +56,11 @@ class RemoteSampler(Sampler[int]):
 
     def __init__(self, info: Attached, set_epoch: Callable[[int], None]) -> None:
         config = info.config
-        self.shuffle = bool(config["shuffle"])
-        self.seed = int(config["seed"])
-        self.drop_last = bool(config["drop_last"])
-        self.num_replicas: int | None = config["world_size"]
-        self.rank = int(config["rank"])
+        self.shuffle = config.shuffle
+        self.seed = config.seed
+        self.drop_last = config.drop_last
+        self.num_replicas = config.world_size
+        self.rank = config.rank
         self.epoch = info.epoch
         self.num_samples: int | None = info.sampler_length
         self._set_epoch = set_epoch
@@ -74,7 +74,7 @@ class RemoteSampler(Sampler[int]):
         return self.num_samples
 
     def __iter__(self) -> Iterator[int]:
-        _server_side("sampler")
+        server_side("sampler")
 
     def __repr__(self) -> str:
         kind = "Random" if self.shuffle else "Sequential"
@@ -98,90 +98,4 @@ class RemoteBatchSampler(Sampler[list[int]]):
         return self._batches
 
     def __iter__(self) -> Iterator[list[int]]:
-        _server_side("batch sampler")
-
-
-def _seeded_generator(config: dict[str, Any]) -> torch.Generator | None:
-    """The generator that makes DataLoader shuffle as this loader does (a new one each
-    call: drawing from it changes nothing in the server), or None where DataLoader
-    would have none (no shuffle, or DistributedSampler's seed)."""
-    if not config["shuffle"] or config["world_size"] is not None:
-        return None
-    return torch.Generator().manual_seed(int(config["seed"]))
-
-
-class DataLoaderAttributes:
-    """DataLoader's attributes, read-only, from the config the server sent at attach."""
-
-    _info: Attached
-    _sampler: RemoteSampler
-    _timeout: float | None
-
-    if TYPE_CHECKING:
-
-        def __len__(self) -> int: ...
-
-    @property
-    def batch_size(self) -> int | None:
-        """None under a ``batch_sampler``, as DataLoader's (it is the batch sampler's)."""
-        if self._info.config.get("batch_sampler") is not None:
-            return None
-        return int(self._info.config["batch_size"])
-
-    @property
-    def drop_last(self) -> bool:
-        return bool(self._info.config["drop_last"])
-
-    @property
-    def num_workers(self) -> int:
-        """The server's worker processes for this loader (at attach)."""
-        return int(self._info.config["num_workers"])
-
-    @property
-    def prefetch_factor(self) -> int | None:
-        """Batches ahead per worker; None without workers, as with DataLoader."""
-        return int(self._info.config["prefetch_factor"]) if self.num_workers else None
-
-    @property
-    def persistent_workers(self) -> bool:
-        """The loader's ``persistent_workers``: one base seed, worker RNGs carried across
-        epochs (the server's worker processes outlive every epoch either way)."""
-        return bool(self._info.config.get("persistent_workers", False))
-
-    @property
-    def pin_memory(self) -> bool:
-        return bool(self._info.config["pin_memory"])
-
-    @property
-    def timeout(self) -> float:
-        """Seconds to wait for a batch before TimeoutError (0: forever, as DataLoader)."""
-        return 0.0 if self._timeout is None else float(self._timeout)
-
-    @property
-    def dataset(self) -> RemoteDataset:
-        info = self._info
-        return RemoteDataset(str(info.config["dataset"]), info.dataset_length, info.sample)
-
-    @property
-    def sampler(self) -> RemoteSampler:
-        return self._sampler
-
-    @property
-    def batch_sampler(self) -> RemoteBatchSampler:
-        batch_size = int(self._info.config["batch_size"])
-        return RemoteBatchSampler(self._sampler, batch_size, self._info.batches_per_epoch)
-
-    @property
-    def collate_fn(self) -> Callable[[list[Any]], Any]:
-        """What the server applies (collating straight into the slot): default_collate,
-        or a stand-in for the loader's own ``collate_fn``, which runs in the server."""
-        spec = self._info.config.get("collate_fn")
-        if spec is None:
-            return torch.utils.data.default_collate
-        return lambda samples: _server_side(f"collate_fn {spec!r}")
-
-    @property
-    def generator(self) -> torch.Generator | None:
-        """A generator that makes DataLoader shuffle as this loader does (a new one each
-        time); None where DataLoader's would not matter."""
-        return _seeded_generator(self._info.config)
+        server_side("batch sampler")

@@ -10,41 +10,30 @@ Without ``copy`` or ``device`` the tensors are zero-copy views into the server's
 ``copy=True`` (owned CPU tensors) or ``device="cuda"`` (a non_blocking copy on a
 side stream; the slot is released once that copy's CUDA event has completed).
 
-Its epochs are a small state machine (``pinfeed._epochs``) over a ``Transport``
-(``pinfeed._transport``); ``pinfeed._views`` turns BATCH messages into batches and
-``pinfeed._info`` reads the ATTACHED reply and stands in for DataLoader's attributes.
+``Loader`` is the façade over two parts it holds: a ``Connection``
+(``pinfeed._connection``: the attached link, the ring, views and delivery) and the
+``Epochs`` over it (``pinfeed._epochs``: the epoch state machine). DataLoader's
+attributes are its own properties, read from the ATTACHED reply's config; the
+``dataset``, ``sampler`` and ``batch_sampler`` stand-ins are ``pinfeed._info``'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import time
-import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from pinfeed import protocol as p
-from pinfeed._epochs import Epochs, State
-from pinfeed._info import DataLoaderAttributes, RemoteSampler
-from pinfeed._ring import RingMapping, RingSegments
-from pinfeed._transport import SocketTransport, Transport, close_fds
-from pinfeed._views import BatchViews, Delivery
-from pinfeed.errors import (
-    LoaderBusy,
-    LoaderFailed,
-    NotFound,
-    ServerUnavailable,
-)
-
-PIN_WARNING = (
-    "'pin_memory' argument is set as true but no accelerator is found, "
-    "then device pinned memory won't be used."
-)
+from pinfeed._connection import Connection
+from pinfeed._epochs import Epoch, Epochs
+from pinfeed._info import RemoteBatchSampler, RemoteDataset, RemoteSampler, server_side
+from pinfeed._transport import SocketTransport, Transport
 
 
-class Loader(Epochs, DataLoaderAttributes):
+class Loader:
     """Attach to loader ``name`` on the node's pinfeed server.
 
     ``socket`` defaults to ``PINFEED_SOCKET``, then the server's default path.
@@ -78,130 +67,185 @@ class Loader(Epochs, DataLoaderAttributes):
         reconnect_timeout: float = 60.0,
         transport: Transport | None = None,
     ) -> None:
-        self.name = name
         self.socket_path = Path(socket) if socket is not None else p.default_socket_path()
-        self.device = torch.device(device) if device is not None else None
-        if self.device is not None and self.device.type == "cuda" and not torch.cuda.is_available():
+        target = torch.device(device) if device is not None else None
+        if target is not None and target.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"device={device!r} was asked for, but CUDA is not available")
-        self.copy = copy
-        self.member = member
-        self.reconnect = reconnect
-        self.reconnect_timeout = reconnect_timeout
         self._timeout = timeout
-        self._state = State.IDLE
-        self._pos = (0, 0)  # (epoch, index) of the next batch this loader will yield
-        self._want_epoch: int | None = None  # set_epoch's, applied at an epoch's first next()
-        self._loaded_epoch: int | None = None  # load_state_dict placed us inside this epoch
-        self._epoch_id = 0  # which Epoch iterator is current; older ones are exhausted
-        self._epoch_batches = 0  # batches received in the epoch being iterated
-        self._wait_us = 0  # how long the last batch kept the trainer waiting
-        self._t = transport or SocketTransport(self.socket_path, timeout, name)
-        self._buf = self._t.buf
-        self._ring: RingMapping | None = None
-        try:
-            self._attach()
-        except BaseException:
-            self._state = State.CLOSED
-            self._t.close()
-            raise
+        transport = transport or SocketTransport(self.socket_path, timeout, name)
+        self._conn = Connection(transport, name, member, target, copy)  # attaches
+        self._epochs = Epochs(self._conn, reconnect, reconnect_timeout)
+        # One sampler for the loader's life: tools keep it and call its set_epoch.
+        self._sampler = RemoteSampler(self._conn.info, self.set_epoch)
+
+    # -- what it was made with, and what the server said -----------------------------------
+    @property
+    def name(self) -> str:
+        return self._conn.name
+
+    @property
+    def device(self) -> torch.device | None:
+        return self._conn.device
+
+    @property
+    def copy(self) -> bool:
+        return self._conn.copy
+
+    @property
+    def member(self) -> int | None:
+        """This process's index in the loader's consumer group (the server's, once attached)."""
+        return self._conn.member
+
+    @property
+    def reconnect(self) -> bool:
+        return self._epochs.reconnect
+
+    @property
+    def reconnect_timeout(self) -> float:
+        return self._epochs.reconnect_timeout
+
+    @property
+    def meta(self) -> p.Attached:
+        """The server's ATTACHED reply (of the latest attach)."""
+        return self._conn.info
+
+    @property
+    def nslots(self) -> int:
+        return self._conn.info.nslots
+
+    @property
+    def slot_bytes(self) -> int:
+        return self._conn.info.slot_bytes
 
     @property
     def state(self) -> str:
         """idle (between epochs), epoch / ahead (inside one), or closed."""
-        return self._state.value
+        return self._epochs.state
 
-    # -- attach ----------------------------------------------------------------------
-    def _attach(self) -> None:
-        n, fds = self._t.attach(p.Attach(self.name, self.member).encode())
-        if self._buf[0] != p.ATTACHED or len(fds) != 1:
-            close_fds(fds)
-            self._t.close()
-            self._raise(n)
-        info = self.meta = self._info = p.Attached.decode(memoryview(self._buf)[:n])
-        self.member = info.member
-        self._pos = (info.epoch, info.position)
-        self._ring = RingMapping(fds[0], info.ring_bytes)
-        self._segments = RingSegments(self._ring, info.nslots, info.slot_bytes)
-        self.nslots = info.nslots
-        self.slot_bytes = info.slot_bytes
-        self._sampler = RemoteSampler(info, self.set_epoch)
-        self._views = BatchViews(self._segments, info.layout, info.nslots, info.slot_bytes)
-        self._delivery = Delivery(self.device, self.copy, info.nslots)
-        if self.pin_memory:
-            if torch.cuda.is_available():
-                self._ring.register_cuda()
-                self._segments.cuda = True
-                self._t.send(bytes([p.CUDA]))
-            else:
-                warnings.warn(PIN_WARNING, stacklevel=3)
-
-    def _segment(self, n: int) -> None:
-        _, segment, first, nslots = p.SEGMENT_BODY.unpack_from(self._buf)
-        self._views.clear()  # cached views of a closed segment's slots must go
-        self._segments.update(segment, first, nslots, self._t.take_fds())
-
-    def _reconnect(self) -> None:
-        """Re-attach after a server restart and seek to where this loader was."""
-        self._delivery.finish_copies()
-        self._drop_connection()
-        position, in_epoch = self._pos, self._state is not State.IDLE
-        self._state = State.IDLE  # the NEXT in flight, if any, went with the connection
-        deadline = time.monotonic() + self.reconnect_timeout
-        delay = 0.05
-        while True:
-            try:
-                self._attach()
-                break
-            except (ServerUnavailable, NotFound, LoaderFailed, LoaderBusy) as exc:
-                if time.monotonic() + delay > deadline:
-                    raise ServerUnavailable(
-                        f"the pinfeed server restarted and loader {self.name!r} could not be "
-                        f"re-attached within {self.reconnect_timeout} s: {exc}"
-                    ) from None
-                time.sleep(delay)  # the server is restarting: nothing to wait on but time
-                delay = min(delay * 2, 1.0)
-        self._seek(*position)
-        if in_epoch:
-            self._state = State.EPOCH
-
-    # -- lifecycle -----------------------------------------------------------------------
     @property
     def cuda_registered(self) -> bool:
-        return bool(self._ring and self._ring.cuda_registered)
+        return self._conn.cuda_registered
 
     def ring_contains(self, t: torch.Tensor) -> bool:
         """True if ``t``'s memory lies inside this loader's ring (a zero-copy view)."""
-        return bool(self._ring and self._segments.contains(t))
+        return self._conn.contains(t)
 
+    # -- iteration, epochs and resume (``Epochs``) -----------------------------------------
+    def __len__(self) -> int:
+        """Batches per epoch: DataLoader's ``len()``, which raises TypeError for an
+        IterableDataset without ``__len__``."""
+        return len(self._epochs)
+
+    def __iter__(self) -> Epoch:
+        """An iterator over the next epoch, started at its first ``next()`` (see
+        ``Epochs.__iter__``)."""
+        return iter(self._epochs)
+
+    def set_epoch(self, epoch: int) -> None:
+        """The next epoch to start iterates ``epoch`` (as ``DistributedSampler.set_epoch``):
+        called before or after ``iter(loader)``, it applies to that iterator if its first
+        ``next()`` has not come yet. ``loader.sampler.set_epoch`` is the same call.
+
+        Free when the loader is already there (the usual loop): prefetched batches stay.
+        After ``load_state_dict`` into epoch e, ``set_epoch(e)`` keeps the loaded
+        position (Lightning and Accelerate call it after restoring a checkpoint).
+        """
+        self._epochs.set_epoch(epoch)
+        self._sampler.epoch = epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader is: a new Loader that loads it yields the next batch on.
+
+        Same meaning as StatefulDataLoader's: after k batches of an epoch, the
+        resumed loader's first batch is batch k (0-based) of that epoch. (An
+        IterableDataset's ``index`` counts DataLoader's round-robin turns: k until a
+        worker runs out, more after.)
+        """
+        return self._epochs.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``: the next ``for`` loop yields the rest of that epoch."""
+        self._epochs.load_state_dict(state)
+
+    # -- DataLoader's attributes, read-only, from the config the server sent at attach ----
+    @property
+    def batch_size(self) -> int | None:
+        """None under a ``batch_sampler``, as DataLoader's (it is the batch sampler's)."""
+        config = self._conn.info.config
+        return None if config.batch_sampler is not None else config.batch_size
+
+    @property
+    def drop_last(self) -> bool:
+        return self._conn.info.config.drop_last
+
+    @property
+    def num_workers(self) -> int:
+        """The server's worker processes for this loader (at attach)."""
+        return self._conn.info.config.num_workers
+
+    @property
+    def prefetch_factor(self) -> int | None:
+        """Batches ahead per worker; None without workers, as with DataLoader."""
+        config = self._conn.info.config
+        return config.prefetch_factor if config.num_workers else None
+
+    @property
+    def persistent_workers(self) -> bool:
+        """The loader's ``persistent_workers``: one base seed, worker RNGs carried across
+        epochs (the server's worker processes outlive every epoch either way)."""
+        return self._conn.info.config.persistent_workers
+
+    @property
+    def pin_memory(self) -> bool:
+        return self._conn.info.config.pin_memory
+
+    @property
+    def timeout(self) -> float:
+        """Seconds to wait for a batch before TimeoutError (0: forever, as DataLoader)."""
+        return 0.0 if self._timeout is None else float(self._timeout)
+
+    @property
+    def dataset(self) -> RemoteDataset:
+        info = self._conn.info
+        return RemoteDataset(info.config.dataset, info.dataset_length, info.sample)
+
+    @property
+    def sampler(self) -> RemoteSampler:
+        return self._sampler
+
+    @property
+    def batch_sampler(self) -> RemoteBatchSampler:
+        info = self._conn.info
+        return RemoteBatchSampler(self._sampler, info.config.batch_size, info.batches_per_epoch)
+
+    @property
+    def collate_fn(self) -> Callable[[list[Any]], Any]:
+        """What the server applies (collating straight into the slot): default_collate,
+        or a stand-in for the loader's own ``collate_fn``, which runs in the server."""
+        spec = self._conn.info.config.collate_fn
+        if spec is None:
+            return torch.utils.data.default_collate
+        return lambda samples: server_side(f"collate_fn {spec!r}")
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        """A generator that makes DataLoader shuffle as this loader does (a new one each
+        time: drawing from it changes nothing in the server); None where DataLoader
+        would have none (no shuffle, or DistributedSampler's seed)."""
+        config = self._conn.info.config
+        if not config.shuffle or config.world_size is not None:
+            return None
+        return torch.Generator().manual_seed(config.seed)
+
+    # -- lifecycle -----------------------------------------------------------------------
     def close(self) -> None:
-        """Detach: hand back every slot, close the socket, unmap once no view is alive."""
-        if self._state is State.CLOSED:
-            return
-        self._state = State.CLOSED
-        self._delivery.finish_copies()
-        with contextlib.suppress(ServerUnavailable):
-            if self._delivery.release:
-                self._t.send(p.encode_release(p.RELEASE, self._delivery.release))
-        self._drop_connection()
-
-    def _drop_connection(self) -> None:
-        """Forget unsent releases, close the socket, and unmap the ring (parked until
-        the trainer's last view of it is gone)."""
-        self._delivery.release.clear()
-        self._t.close()
-        if self._ring is not None:
-            self._views.clear()
-            self._segments.close_extra()
-            self._ring.close()
-            self._ring = None
+        """Detach: hand back every slot, close the socket, unmap once no view is alive.
+        (A Loader dropped unclosed detaches once neither it nor an iterator of it is
+        left: ``Epochs.__del__``.)"""
+        self._epochs.close()
 
     def __enter__(self) -> Loader:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        if getattr(self, "_state", State.CLOSED) is not State.CLOSED:
-            with contextlib.suppress(Exception):
-                self.close()

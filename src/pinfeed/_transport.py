@@ -1,9 +1,10 @@
-"""The data-plane connection a ``Loader`` talks through: one Unix socket to the server.
+"""The socket under a ``Loader``'s ``Connection`` (``pinfeed._connection``): one Unix
+socket to the server's data plane.
 
 ``Transport`` is the seam: ``Loader(name, transport=...)`` takes any object with these
-methods, so the loader's state machine runs in tests against an in-process fake
-(as httpx clients take a mock transport). Every reply lands in ``buf``; a method
-returns its length.
+methods, so the loader's connection and state machine run in tests against an
+in-process fake (as httpx clients take a mock transport). Every reply lands in
+``buf``; a method returns its length.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import select
 import socket
 import struct
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -23,9 +25,9 @@ from pinfeed.errors import ServerUnavailable
 class Transport(Protocol):
     buf: bytearray  # the last reply; p.MAX_MESSAGE bytes
 
-    def attach(self, request: bytes) -> tuple[int, list[int]]:
-        """Connect (again, after ``close``), send ATTACH, and wait for the reply:
-        (length, fds it carried)."""
+    def attach(self, request: bytes, fds: Sequence[int] = ()) -> tuple[int, list[int]]:
+        """Connect (again, after ``close``), send ``request`` (an ATTACH, or a CREATE and
+        its payload's fd), and wait for the reply: (length, fds it carried)."""
 
     def send(self, message: bytes) -> None: ...
 
@@ -70,7 +72,7 @@ class SocketTransport:
         self._readable = select.poll()
         self._fds: list[int] = []
 
-    def attach(self, request: bytes) -> tuple[int, list[int]]:
+    def attach(self, request: bytes, fds: Sequence[int] = ()) -> tuple[int, list[int]]:
         self.close()
         sock = self._sock = p.new_socket()
         try:
@@ -85,7 +87,11 @@ class SocketTransport:
         self._readable = select.poll()
         self._readable.register(sock, select.POLLIN)
         try:
-            self.send(request)
+            if fds:
+                rights = (socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))
+                sock.sendmsg([request], [rights])
+            else:
+                self.send(request)
             self._wait()
             n, fds = p.recv_message(sock, self.buf)
         except OSError as exc:

@@ -57,6 +57,7 @@ server's worker processes and its HTTP layer import it alike.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, ClassVar
 
 from pinfeed.protocol import ErrorInfo
@@ -327,11 +328,42 @@ DATA_PLANE_ERRORS: dict[str, type[PinfeedError]] = {
 
 
 def error_from_info(info: ErrorInfo) -> PinfeedError:
-    """The typed exception for a data-plane ERROR (unknown slugs: DataPlaneError)."""
+    """The typed exception for a data-plane ERROR (unknown slugs: DataPlaneError). A
+    sample error is also an instance of the exception the dataset raised, where the
+    trainer has that class (``except ValueError`` catches it, as it catches DataLoader's
+    re-raise), besides ``SampleError``."""
     extra = dict(info.extra)
     if info.batch_index is not None:
         extra |= {"epoch": info.epoch, "batch_index": info.batch_index}
-    return DATA_PLANE_ERRORS.get(info.slug, DataPlaneError)(info.detail, **extra)
+    cls = DATA_PLANE_ERRORS.get(info.slug, DataPlaneError)
+    if cls is SampleError:
+        cls = _as_raised(extra.get("error_module"), extra.get("error_type"))
+    return cls(info.detail, **extra)
+
+
+_RAISED: dict[tuple[str, str], type[PinfeedError]] = {}
+
+
+def _as_raised(module: Any, name: Any) -> type[PinfeedError]:
+    """``SampleError`` joined with the dataset's own exception class ``module.name``, if
+    this process has it and it can be joined (an Exception subclass); else SampleError."""
+    if not isinstance(module, str) or not isinstance(name, str):
+        return SampleError
+    key = (module, name)
+    if key not in _RAISED:
+        joined: type[PinfeedError] = SampleError
+        original = getattr(sys.modules.get(module), name, None)
+        if (
+            isinstance(original, type)
+            and issubclass(original, Exception)
+            and not issubclass(original, PinfeedError)
+        ):
+            try:
+                joined = type(f"SampleError[{name}]", (SampleError, original), {})
+            except TypeError:  # a layout conflict (some builtins): SampleError alone
+                joined = SampleError
+        _RAISED[key] = joined
+    return _RAISED[key]
 
 
 def error_from_slug(slug: str, detail: str, **extra: Any) -> PinfeedError:

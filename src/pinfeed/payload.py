@@ -19,11 +19,13 @@ format both sides share.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
 import os
 import pickle
 import struct
+import weakref
 from typing import Any
 
 import numpy as np
@@ -71,26 +73,52 @@ def write(data: bytes, buffers: list[memoryview], name: str = "pinfeed-payload")
     return fd
 
 
-def read(fd: int) -> tuple[Any, mmap.mmap]:
-    """The objects in memfd ``fd``, and the private mapping their buffers live in
-    (keep it while they are used; it is unmapped once they and it are gone). A
+def read(fd: int) -> tuple[Any, Any]:
+    """The objects in memfd ``fd``, and the mapping their buffers live in (it goes, with
+    the pages, once they and it are gone; it holds no fd: the caller's is theirs). A
     ValueError names what is wrong with a payload that is not one; what unpickling
     raises (a module the server cannot import) is raised as it is."""
     size = os.fstat(fd).st_size
     if size < len(MAGIC) + _LEN.size:
         raise ValueError("not a pinfeed payload (too short)")
-    mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    if mm[: len(MAGIC)] != MAGIC:
-        mm.close()
+    mapping = _map_private(fd, size)
+    view = memoryview(mapping).cast("B")
+    if view[: len(MAGIC)] != MAGIC:
         raise ValueError("not a pinfeed payload (bad magic): trainer and server versions differ?")
-    (n,) = _LEN.unpack_from(mm, len(MAGIC))
+    (n,) = _LEN.unpack_from(view, len(MAGIC))
     at = len(MAGIC) + _LEN.size
-    header = json.loads(bytes(mm[at : at + n]))
+    header = json.loads(bytes(view[at : at + n]))
     start, length = header["pickle"]
-    view = memoryview(mm)
     buffers = [view[o : o + size_] for o, size_ in header["buffers"]]
     obj = pickle.loads(view[start : start + length], buffers=buffers)
-    return obj, mm
+    return obj, mapping
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = (
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+)
+_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _map_private(fd: int, size: int) -> Any:
+    """``size`` bytes of ``fd`` mapped copy-on-write, as a ctypes array that unmaps them
+    when it goes. Not ``mmap.mmap``: that keeps a duplicate of the fd open for as long
+    as the mapping lives, and a payload's memfd must close with its loader."""
+    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, 0)
+    if addr in (None, _MAP_FAILED):
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of the payload failed: {os.strerror(err)}")
+    array = (ctypes.c_ubyte * size).from_address(addr)
+    weakref.finalize(array, _libc.munmap, addr, size)
+    return array
 
 
 def tensor_from_buffer(

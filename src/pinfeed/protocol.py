@@ -2,9 +2,9 @@
 ``pinfeed_server.engine.dataplane``. Its complete table is ``docs/protocol.md``.
 
 One ``SOCK_SEQPACKET`` Unix socket per consumer; the first byte of a message is its
-kind. Control messages carry one JSON object, typed here (``Attach``, ``Attached``,
-``ErrorInfo``); per-batch messages are fixed ``struct`` layouts, so the hot path
-neither pickles nor parses JSON::
+kind. Control messages carry one JSON object, typed here (``Attach``, ``Attached`` and
+its ``AttachedConfig``, ``ErrorInfo``); per-batch messages are fixed ``struct`` layouts,
+so the hot path neither pickles nor parses JSON::
 
     client -> server                         server -> client
     ATTACH  A  JSON Attach                   ATTACHED a  JSON Attached + ring memfd
@@ -14,6 +14,14 @@ neither pickles nor parses JSON::
     SKIP    S  as NEXT; reply END            POSITION P  POSITION_BODY (after SEEK)
     SEEK    K  POSITION_BODY                 ERROR    X  JSON ErrorInfo
     CUDA    C  (no body, no reply)           SEGMENT  G  SEGMENT_BODY (+ memfd: ring grew)
+    CREATE  O  JSON Create + payload memfd   RNG      Y  RNG_HEAD + the trainer's RNG
+    EPOCH   H  EPOCH_BODY (base seed)                    states, ahead of its BATCH
+    FEED    F  FEED_HEAD, int64 indices, RNG
+
+CREATE, EPOCH, FEED and RNG are ``pinfeed.DataLoader``'s: the trainer ships its objects
+(``pinfeed.payload``) and gets a loader of its own (the reply is ATTACHED), then, per
+epoch, sends the base seed its iterator drew and the index batches its sampler made,
+ahead of the batches it asks for, as DataLoader's iterator hands them to its workers.
 
 An ERROR's slug names a class of ``pinfeed.errors``, which this module does not import:
 it imports neither pinfeed nor torch (a stdlib-only trainer loads it by path)."""
@@ -30,14 +38,16 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 ATTACH, NEXT, RELEASE, SKIP, SEEK, CUDA = map(ord, "ANRSKC")  # client -> server
-ATTACHED, BATCH, END, POSITION, ERROR, SEGMENT = map(ord, "aBEPXG")  # server -> client
+CREATE, EPOCH, FEED = map(ord, "OHF")  # client -> server: pinfeed.DataLoader's
+ATTACHED, BATCH, END, POSITION, ERROR, SEGMENT, RNG = map(ord, "aBEPXGY")  # server -> client
 KIND_NAMES = {
     ATTACH: "ATTACH", NEXT: "NEXT", RELEASE: "RELEASE", SKIP: "SKIP", SEEK: "SEEK",
-    CUDA: "CUDA", ATTACHED: "ATTACHED", BATCH: "BATCH", END: "END", POSITION: "POSITION",
-    ERROR: "ERROR", SEGMENT: "SEGMENT",
+    CUDA: "CUDA", CREATE: "CREATE", EPOCH: "EPOCH", FEED: "FEED", ATTACHED: "ATTACHED",
+    BATCH: "BATCH", END: "END", POSITION: "POSITION", ERROR: "ERROR", SEGMENT: "SEGMENT",
+    RNG: "RNG",
 }  # fmt: skip
 
 # kind | flags << 8, slot, seq, epoch, index in epoch, length of the trailing body
@@ -50,6 +60,11 @@ END_BODY = struct.Struct("<B3xIQ")  # kind, epoch, seq
 POSITION_BODY = struct.Struct("<B3xII")  # kind, epoch, index
 SEGMENT_BODY = struct.Struct("<B3xIII")  # kind, segment id, first slot, slots (0: closed)
 RELEASE_HEAD = struct.Struct("<BxH")  # kind, count
+EPOCH_BODY = struct.Struct("<B3xIq")  # kind, epoch, base seed
+# kind, epoch, index, indices (FEED_END: the sampler ran out), RNG state bytes after them
+FEED_HEAD = struct.Struct("<B3xIIII")
+FEED_END = 0xFFFFFFFF
+RNG_HEAD = struct.Struct("<B3xI")  # kind, bytes of the pickled (torch, random, numpy) states
 SLOT = struct.Struct("<I")
 WAIT = struct.Struct("<I")
 _ONE_RELEASE = struct.Struct("<BxHII")  # kind, count=1, slot, wait_us
@@ -210,6 +225,121 @@ class Attach:
 
 
 @dataclass(frozen=True)
+class Create:
+    """``pinfeed.DataLoader``'s first message: a loader of its own over the objects in the
+    payload memfd that travels with it (``pinfeed.payload``). DataLoader's arguments that
+    the server acts on; the sampler stays in the trainer (FEED). ``name``: a named loader
+    that stays warm for the next trainer asking for it with an equal config and payload
+    (``digest``); None: the loader goes with this connection."""
+
+    name: str | None
+    digest: str  # sha256 of the payload and these fields: "an equal config"
+    max_rows: int  # the largest batch a slot holds (batch_size; a batch_sampler's)
+    num_workers: int
+    prefetch_factor: int
+    pin_memory: bool
+    persistent_workers: bool
+    iterable: bool
+    length: int | None  # len(dataset), None for an iterable without one
+    batches_per_epoch: int | None  # len(DataLoader), where it has one
+    samples: int | None  # len(sampler), where it has one
+    drop_last: bool = False  # an IterableDataset's batches (its workers batch it)
+    executor: str = "local"
+    version: int = PROTOCOL_VERSION
+
+    def encode(self) -> bytes:
+        return _encode_json(CREATE, asdict(self))
+
+    @classmethod
+    def decode(cls, data: Buffer) -> Create:
+        """ValueError if malformed; any peer may send anything, so types are checked."""
+        obj = _decode_json(CREATE, data)
+        if type(obj.get("version")) is not int:
+            raise ValueError("CREATE needs the protocol version (an int)")
+        kinds = {f.name: f.type for f in fields(cls)}
+        unknown = set(obj) - set(kinds)
+        if unknown:
+            raise ValueError(f"CREATE has unknown fields {sorted(unknown)}")
+        try:
+            out = cls(**obj)
+        except TypeError as exc:
+            raise ValueError(f"CREATE: {exc}") from None
+        for name in ("max_rows", "num_workers", "prefetch_factor"):
+            value = getattr(out, name)
+            if type(value) is not int or value < (1 if name != "num_workers" else 0):
+                raise ValueError(f"CREATE {name} must be a positive int, not {value!r}")
+        return out
+
+
+def encode_epoch(epoch: int, base_seed: int) -> bytes:
+    return EPOCH_BODY.pack(EPOCH, epoch, base_seed)
+
+
+def decode_epoch(data: Buffer) -> tuple[int, int]:
+    if len(data) != EPOCH_BODY.size:
+        raise ValueError("an EPOCH is kind, epoch, base seed")
+    _, epoch, seed = EPOCH_BODY.unpack_from(data)
+    return epoch, seed
+
+
+def encode_feed(epoch: int, index: int, indices: list[int] | None, rng: bytes = b"") -> bytes:
+    """Batch ``index`` of ``epoch`` (None: the sampler ran out), and the trainer's RNG
+    states to make it on (a loader without workers: DataLoader makes its batches in the
+    trainer, on the trainer's RNGs)."""
+    if indices is None:
+        return FEED_HEAD.pack(FEED, epoch, index, FEED_END, 0)
+    head = FEED_HEAD.pack(FEED, epoch, index, len(indices), len(rng))
+    return head + struct.pack(f"<{len(indices)}q", *indices) + rng
+
+
+def decode_feed(data: Buffer) -> tuple[int, int, list[int] | None, bytes]:
+    """(epoch, index, indices or None at the end, RNG states or b"")."""
+    if len(data) < FEED_HEAD.size:
+        raise ValueError("short FEED")
+    _, epoch, index, count, nrng = FEED_HEAD.unpack_from(data)
+    if count == FEED_END:
+        return epoch, index, None, b""
+    end = FEED_HEAD.size + 8 * count
+    if len(data) != end + nrng:
+        raise ValueError("a FEED's length does not match its counts")
+    indices = list(struct.unpack_from(f"<{count}q", data, FEED_HEAD.size))
+    return epoch, index, indices, bytes(data[end:])
+
+
+@dataclass(frozen=True)
+class AttachedConfig:
+    """The loader's configuration as a trainer sees it (``Attached.config``): the
+    fields ``pinfeed.Loader`` reports as DataLoader's attributes and acts on, with the
+    meaning of the loader's HTTP fields (its name is ``Attached.loader``). The rest
+    (autotune, executor, ...) is in ``GET /v1/loaders/{name}``. A decoder ignores keys
+    it does not know."""
+
+    dataset: str
+    batch_size: int  # under a batch_sampler, the field's value (DataLoader's is None)
+    shuffle: bool
+    seed: int
+    drop_last: bool
+    num_workers: int  # the loader's worker processes when the trainer attached
+    prefetch_factor: int
+    pin_memory: bool
+    persistent_workers: bool
+    rank: int
+    world_size: int | None  # None: no sharding (DistributedSampler's otherwise)
+    group_size: int  # trainer processes attached as one consumer group
+    group_mode: str  # "broadcast" or "split"
+    collate_fn: str | None  # 'module:callable' run in the server; None: default_collate
+    sampler: str | None  # a sampler's factory 'module:callable'; None: DataLoader's own
+    batch_sampler: str | None  # a batch sampler's factory; None: none
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> AttachedConfig:
+        try:
+            return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+        except TypeError as exc:  # a field missing
+            raise ValueError(f"ATTACHED config: {exc}") from None
+
+
+@dataclass(frozen=True)
 class Attached:
     """The server's reply to ATTACH; ring segment 0's memfd travels with it (SCM_RIGHTS).
     ``epoch``/``position``: the member's next batch. A decoder ignores unknown keys."""
@@ -221,25 +351,30 @@ class Attached:
     slot_bytes: int
     layout: Layout
     batches_per_epoch: int | None  # None: an iterable without __len__
-    group_size: int
-    group_mode: str
     epoch: int
     position: int
-    config: dict[str, Any]  # the loader's config: DataLoader's attributes (pinfeed._info)
+    config: AttachedConfig
     dataset_length: int | None
     sampler_length: int | None  # None: an IterableDataset's (no sampler)
     sample: Any
     version: int = PROTOCOL_VERSION
 
     def encode(self) -> bytes:
-        body = {f.name: getattr(self, f.name) for f in fields(self)}
-        return _encode_json(ATTACHED, body | {"layout": self.layout.to_json()})
+        return _encode_json(ATTACHED, asdict(self))  # layout and config as JSON objects
 
     @classmethod
     def decode(cls, data: Buffer) -> Attached:
+        """ValueError if a field is missing; fields it does not know are left out."""
         obj = _decode_json(ATTACHED, data)
         known = {f.name: obj[f.name] for f in fields(cls) if f.name in obj}
-        return cls(**(known | {"layout": Layout.from_json(obj["layout"])}))
+        try:
+            known |= {
+                "layout": Layout.from_json(obj["layout"]),
+                "config": AttachedConfig.from_json(obj["config"]),
+            }
+            return cls(**known)
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"ATTACHED lacks a field: {exc}") from None
 
 
 @dataclass(frozen=True)

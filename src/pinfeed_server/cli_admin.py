@@ -240,6 +240,10 @@ def _ms(seconds: float | None) -> str:
 
 def status(url: UrlOpt = None, token: TokenOpt = None, as_json: JsonOpt = False) -> None:
     """A table of loaders: state, queue fill, throughput, consumer wait share and p99."""
+    # The same types the server renders: the JSON parsed back, read by attribute.
+    from pinfeed_server.engine.stats import StatsSnapshot
+    from pinfeed_server.engine.status import LoaderStatus
+
     with _client(url, token) as c:
         rows = [(lo, c.loader_stats(lo["name"])) for lo in c.loaders()]
     if as_json:
@@ -258,20 +262,21 @@ def status(url: UrlOpt = None, token: TokenOpt = None, as_json: JsonOpt = False)
         "workers",
         "autotune",
     )
-    for lo, st in rows:
+    for lo, body in rows:
+        live, st = LoaderStatus.model_validate(lo), StatsSnapshot.model_validate(body)
         table.add_row(
             lo["name"],
             lo["dataset"],
-            lo["state"],
-            f"{lo['slots']['ready']}/{lo['slots']['total']}",
-            f"{lo['epoch']}.{lo['position']}/{lo['batches_per_epoch']}",
-            f"{st['samples_per_s']:.0f}",
-            _mb(int(st["bytes_per_s"])),
-            f"{st['consumer_wait_share']:.0%}",
-            _ms(st["consumer_wait_p99_s"]),
-            "attached" if lo["consumer_attached"] else "-",
+            live.state,
+            f"{live.slots.ready}/{live.slots.total}",
+            f"{live.epoch}.{live.position}/{live.batches_per_epoch}",
+            f"{st.samples_per_s:.0f}",
+            _mb(int(st.bytes_per_s)),
+            f"{st.consumer_wait_share:.0%}",
+            _ms(st.consumer_wait_p99_s),
+            "attached" if live.consumer_attached else "-",
             f"{lo['num_workers']}x{lo['prefetch_factor']}",
-            _autotune(st.get("autotune")),
+            _autotune(st.autotune),
         )
     console.print(table)
 

@@ -17,6 +17,7 @@ from pinfeed_server.engine.config import (
     LoaderFields,
     Name,
 )
+from pinfeed_server.engine.stats import StatsSnapshot
 from pinfeed_server.engine.status import LoaderStatus
 
 DEMO_PARAMS: dict[str, Any] = {
@@ -172,6 +173,15 @@ class LoaderPatch(BaseModel):
     )
 
 
+class LoaderOwner(BaseModel):
+    """The trainer process a ``pinfeed.DataLoader`` loader belongs to."""
+
+    pid: int
+    uid: int
+    attached: bool = Field(description="its trainer is connected")
+    keep: bool = Field(description="named: stays warm for the next trainer asking for it")
+
+
 class LoaderPublic(LoaderStatus, LoaderConfig):
     """A loader's config and live status."""
 
@@ -209,9 +219,17 @@ class LoaderPublic(LoaderStatus, LoaderConfig):
     )
     created_at: float = Field(description="Unix time")
     batch: Any = Field(None, description="one batch's structure with shapes and dtypes")
+    owner: LoaderOwner | None = Field(
+        None,
+        description="the trainer whose pinfeed.DataLoader made this loader (its objects, "
+        "its sampler); null: a loader made over HTTP",
+    )
 
 
-class LoaderStatsPublic(BaseModel):
+# The engine's StatsSnapshot as it is, named for the API and given its examples here:
+# it declares no field of its own (no docstring either: it would become the schema's
+# description).
+class LoaderStatsPublic(StatsSnapshot):
     model_config = ConfigDict(
         json_schema_extra={
             "examples": [
@@ -233,32 +251,6 @@ class LoaderStatsPublic(BaseModel):
                 }
             ]
         }
-    )
-    name: str
-    batches_produced: int
-    batches_consumed: int
-    samples_consumed: int
-    errors: int = Field(description="batches that failed (a sample raised)")
-    skipped: int = Field(0, description="of those, batches skipped (on_error: skip)")
-    samples_per_s: float = Field(description="consumed, over the last 10 s")
-    bytes_per_s: float = Field(description="consumed, over the last 10 s")
-    samples_per_s_total: float = Field(description="consumed, since the loader started")
-    bytes_per_s_total: float = Field(description="consumed, since the loader started")
-    consumer_wait_p50_s: float | None = Field(description="median wait for one batch")
-    consumer_wait_p99_s: float | None
-    consumer_wait_share: float = Field(
-        description="share of the last 10 s the trainers spent blocked waiting for batches "
-        "(measured in the trainers): near 1 = training is input-bound"
-    )
-    consumer_wait_share_total: float = Field(
-        0.0, description="the same share since trainers started asking"
-    )
-    worker_busy_share: float = Field(description="share of worker time spent building batches")
-    uptime_s: float
-    autotune: dict[str, Any] | None = Field(
-        None,
-        description="autotune's settings, whether it has settled, and its last decisions "
-        "({t, num_workers, prefetch_factor, reason, samples_per_s, wait_share, busy_share})",
     )
 
 

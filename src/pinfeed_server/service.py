@@ -7,29 +7,36 @@ memory budget) and raises ``pinfeed.errors`` exceptions that become problem+json
 from __future__ import annotations
 
 import functools
+import gc
 import hashlib
+import itertools
 import logging
 import os
 import secrets
+import signal
 import sys
 import tempfile
 import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
-from pinfeed import errors
+from pinfeed import errors, protocol
 from pinfeed_server import cache
 from pinfeed_server.cache import CachedDataset, CacheSpec, NotCacheable
-from pinfeed_server.datasets import KINDS, DatasetContext, DatasetError, build_dataset
+from pinfeed_server.datasets import KINDS, DatasetContext, DatasetError, build_dataset, shipped
 from pinfeed_server.engine.collate import (
     LayoutError,
     describe,
     probe,
 )
-from pinfeed_server.engine.config import KEEP, LiveChange, LoaderConfig, ring_slots
-from pinfeed_server.engine.dataplane import DataPlaneServer
+from pinfeed_server.engine.config import KEEP, LiveChange, LoaderCode, LoaderConfig, ring_slots
+from pinfeed_server.engine.dataplane import DataPlaneServer, Peer
+from pinfeed_server.engine.fed_plan import FedPlan
 from pinfeed_server.engine.iterable import (
     dataset_len,
     first_samples,
@@ -39,7 +46,7 @@ from pinfeed_server.engine.loader import LoaderEngine
 from pinfeed_server.engine.prepare import ConfigError, prepare
 from pinfeed_server.engine.producers import Zygotes, configure_forkserver, executors
 from pinfeed_server.engine.producers.inline import GLOBAL_RNG
-from pinfeed_server.engine.stats import LoaderStats
+from pinfeed_server.engine.stats import StatsSnapshot
 from pinfeed_server.engine.status import LoaderStatus
 from pinfeed_server.node.budget import NodeBudget
 from pinfeed_server.node.tuning import TuningLoop
@@ -53,6 +60,22 @@ DEMO_DATASET = DatasetCreate.model_validate(
     {"name": "demo", "kind": "synthetic", "params": DEMO_PARAMS}
 )
 DEMO_LOADER = LoaderCreate(name="demo", dataset="demo", batch_size=10)
+# A trainer-made loader's zygote, apart from the registered datasets' ('~' is in no name).
+OWNED_ZYGOTE = "~"
+
+
+@dataclass
+class Owned:
+    """A loader a trainer made with ``pinfeed.DataLoader`` over its own objects. It is
+    not in the registry (its objects live with it): it goes when its trainer's
+    connection does, or, named (``keep``), when it is deleted or the server stops."""
+
+    owner: Peer
+    digest: str  # the trainer's config and payload: a later trainer must send the same
+    payload_fd: int  # the objects' memfd, kept for the loader's life (its zygote maps it)
+    keep: bool
+    created_at: float
+    attached: bool = True
 
 
 class Service:
@@ -82,11 +105,16 @@ class Service:
             lambda name: settings.max_workers - self.budget.workers_used(name),
             self.reconfigure,
         )
+        self._owned: dict[str, Owned] = {}  # loaders made by trainers (pinfeed.DataLoader)
+        self._closed = threading.Event()
+        self._owned_ids = itertools.count()
         self.dataplane = DataPlaneServer(
             settings.socket_path,
             self.loaders.get,
             settings.attach_timeout_s,
             group=settings.socket_gid,
+            create=self.create_owned if settings.accept_objects else None,
+            owner_gone=self.owner_gone,
         )
 
     # -- lifecycle -------------------------------------------------------------------
@@ -116,9 +144,28 @@ class Service:
         if self.settings.demo:
             self._ensure_demo()
         self.tuning.start()
+        if self.settings.idle_exit_s is not None:
+            threading.Thread(target=self._exit_when_idle, name="pinfeed-idle", daemon=True).start()
         log.info("data plane on %s", self.settings.socket_path)
 
+    def _exit_when_idle(self) -> None:
+        """PINFEED_IDLE_EXIT_S (a server pinfeed.DataLoader started): stop once no loader
+        and no trainer has been here for that long, as a graceful SIGTERM does."""
+        limit = self.settings.idle_exit_s
+        assert limit is not None
+        idle_since = time.monotonic()
+        while not self._closed.wait(0.5):
+            if self.loaders or self._unstarted or self.dataplane.connections:
+                idle_since = time.monotonic()
+            elif time.monotonic() - idle_since >= limit:
+                log.info(
+                    "no loader and no trainer for %.0f s: exiting (PINFEED_IDLE_EXIT_S)", limit
+                )
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
     def close(self) -> None:
+        self._closed.set()
         self.tuning.close()
         with self._lock:
             engines = list(self.loaders.values())
@@ -335,6 +382,139 @@ class Service:
         engine.start()
         return engine
 
+    # -- loaders a trainer makes (pinfeed.DataLoader) ----------------------------------------
+    def create_owned(self, request: protocol.Create, payload_fd: int, peer: Peer) -> LoaderEngine:
+        """A loader of its own for the trainer at ``peer``, over the objects in its payload,
+        fed by its sampler (``engine/fed_plan.py``); a named one that exists with the same
+        config and payload is handed over, warm. Raises the pinfeed error that says why
+        not (the data plane sends it)."""
+        with self._lock:
+            if request.name is not None:
+                kept = self._reattach(request, peer)
+                if kept is not None:
+                    return kept
+            name = request.name or f"trainer-{peer.pid}-{next(self._owned_ids)}"
+            fd = os.dup(payload_fd)
+            try:
+                engine = self._start_owned(name, request, fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._owned[name] = Owned(
+                peer, request.digest, fd, request.name is not None, time.time()
+            )
+            log.info("loader %s made by the trainer pid %d (uid %d)", name, peer.pid, peer.uid)
+            return engine
+
+    def _reattach(self, request: protocol.Create, peer: Peer) -> LoaderEngine | None:
+        """The named trainer-made loader ``request`` asks for, restarted for this trainer;
+        None if there is none of that name."""
+        name = request.name
+        assert name is not None
+        owned = self._owned.get(name)
+        if owned is None:
+            if name in self.loaders or name in self._unstarted:
+                raise errors.Conflict(
+                    f"a loader named {name!r} exists, made over HTTP: attach to it with "
+                    "pinfeed.Loader(name), or give pinfeed.DataLoader another name"
+                )
+            return None
+        if owned.digest != request.digest:
+            raise errors.Conflict(
+                f"loader {name!r} runs another configuration or other objects than this "
+                "pinfeed.DataLoader's; give it another name, or delete the loader "
+                f"(DELETE /v1/loaders/{name}) to make it anew"
+            )
+        if owned.attached:
+            raise errors.Conflict(
+                f"loader {name!r} is in use by the trainer pid {owned.owner.pid}; a named "
+                "pinfeed.DataLoader serves one trainer at a time"
+            )
+        engine = self._engine(name)
+        engine.restart_fed()
+        owned.owner, owned.attached = peer, True
+        return engine
+
+    def _start_owned(self, name: str, request: protocol.Create, fd: int) -> LoaderEngine:
+        try:
+            with GLOBAL_RNG:  # the trainer's code runs here: not on a loader's RNGs
+                objects = shipped.load(fd)
+        except DatasetError as exc:
+            raise errors.InvalidRequest(str(exc)) from None
+        try:
+            cfg = LoaderConfig(
+                name=name,
+                dataset=name,  # a label: its dataset is its own, never registered
+                batch_size=request.max_rows,
+                seed=0,  # its trainer draws the seeds
+                drop_last=request.drop_last,
+                num_workers=request.num_workers,
+                prefetch_factor=request.prefetch_factor,
+                pin_memory=request.pin_memory,
+                persistent_workers=request.persistent_workers,
+                executor=request.executor,
+            )
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()
+            )
+            raise errors.InvalidRequest(f"pinfeed.DataLoader: {problems}") from None
+        plan = FedPlan(
+            request.length or 0,
+            request.max_rows,
+            iterable=is_iterable(objects.dataset),
+            reported=request.batches_per_epoch,
+            samples=request.samples,
+            fed_turns=request.num_workers == 0,
+        )
+        code = LoaderCode(objects.collate_fn, objects.worker_init_fn)
+        cap = max(0, self.settings.max_shm_bytes - self.shm_used()) // (4 * ring_slots(cfg))
+        try:
+            ready = prepare(
+                cfg,
+                objects.dataset,
+                shipped.KIND,
+                self.executors,
+                self.context.allowed_plugins,
+                cap,
+                code=code,
+                plan=plan,
+            )
+        except ConfigError as exc:
+            raise errors.InvalidRequest(str(exc)) from None
+        workers = cfg.num_workers if ready.executor.counts_workers else 0
+        self.budget.admit(cfg, ring_slots(cfg) * ready.layout.slot_bytes, workers)
+        zygote = functools.partial(
+            self.zygotes.get, OWNED_ZYGOTE + name, objects, shipped.KIND.name, {}, fd
+        )
+        engine = LoaderEngine(
+            cfg,
+            objects.dataset,
+            shipped.KIND,
+            {},
+            self.context,
+            ready.layout,
+            plan,
+            code,
+            ready.executor,
+            spawn=lambda: zygote().process_factory,
+        )
+        self.loaders[name] = engine
+        engine.start()
+        return engine
+
+    def owner_gone(self, name: str) -> None:
+        """The trainer of loader ``name`` left (exit, crash, SIGKILL: its connection
+        closed): the loader goes with it, or, named, waits warm for the next one."""
+        with self._lock:
+            owned = self._owned.get(name)
+            if owned is None:
+                return
+            if owned.keep:
+                owned.attached = False
+                return
+        self.delete_loader(name)
+
     def _engine(self, name: str) -> LoaderEngine:
         engine = self.loaders.get(name)
         if engine is None:
@@ -363,11 +543,24 @@ class Service:
         if name in self._unstarted:
             return self._describe_unstarted(self._unstarted[name])
         engine = self._engine(name)
-        created = next((r["created_at"] for r in self.registry.loaders() if r["name"] == name), 0.0)
+        owned = self._owned.get(name)
+        if owned is not None:
+            created = owned.created_at
+            owner: dict[str, Any] | None = {
+                "pid": owned.owner.pid,
+                "uid": owned.owner.uid,
+                "attached": owned.attached,
+                "keep": owned.keep,
+            }
+        else:
+            rows = self.registry.loaders()
+            created = next((r["created_at"] for r in rows if r["name"] == name), 0.0)
+            owner = None
         return {
             **engine.config.model_dump(),
             "created_at": created,
             "batch": describe(engine.layout),
+            "owner": owner,
             **engine.status().model_dump(),
         }
 
@@ -381,15 +574,22 @@ class Service:
                 continue  # deleted while we listed
         return out
 
-    def loader_stats(self, name: str) -> dict[str, Any]:
+    def loader_stats(self, name: str) -> StatsSnapshot:
         if name in self._unstarted:
-            return {"name": name, **LoaderStats().snapshot(0.0, 1)}
-        return {"name": name, **self._engine(name).stats_snapshot()}
+            return StatsSnapshot.zeros(name, self._unstarted[name]["config"]["num_workers"])
+        return self._engine(name).stats_snapshot()
 
-    def unstarted(self) -> list[dict[str, Any]]:
-        """The loaders that could not start, described (``GET /metrics`` lists them)."""
-        rows = sorted(self._unstarted.items())
-        return [{"name": name, **self._describe_unstarted(row)} for name, row in rows]
+    def unstarted(self) -> list[tuple[dict[str, Any], LoaderStatus, StatsSnapshot]]:
+        """The loaders that could not start (``GET /metrics`` lists them): each one's
+        config with its dataset, its status (failed) and its stats (zeros)."""
+        return [
+            (
+                {**row["config"], "name": name, "dataset": row["dataset"]},
+                LoaderStatus.unstarted(row["detail"]),
+                StatsSnapshot.zeros(name, row["config"]["num_workers"]),
+            )
+            for name, row in sorted(self._unstarted.items())
+        ]
 
     def patch_loader(self, name: str, body: LoaderPatch) -> dict[str, Any]:
         """Change num_workers/prefetch_factor live: position and batches are kept; the
@@ -424,6 +624,13 @@ class Service:
                 self.registry.delete_loader(name)
                 return
             engine = self._engine(name)
-            self.registry.delete_loader(name)
+            owned = self._owned.pop(name, None)
+            if owned is None:
+                self.registry.delete_loader(name)
             del self.loaders[name]
         engine.close()
+        if owned is not None:  # its objects: the zygote that holds them, their memfd
+            self.zygotes.discard(OWNED_ZYGOTE + name)
+            os.close(owned.payload_fd)
+            del engine
+            gc.collect()  # the trainer's objects (and their pages) are in reference cycles

@@ -162,6 +162,19 @@ class Settings(BaseSettings):
         description="the Ray cluster's GCS address (head:6379) for loaders with "
         "executor 'ray'; refused at start-up if it cannot be reached (needs pinfeed[ray])",
     )
+    accept_objects: bool = Field(
+        True,
+        description="accept a trainer's own objects (pinfeed.DataLoader ships its Dataset, "
+        "collate_fn, worker_init_fn to the server over the Unix socket): loading them runs "
+        "the trainer's code in the server, so only a peer of the server's own uid may send "
+        "them; false refuses every one (named loaders over HTTP only)",
+    )
+    idle_exit_s: float | None = Field(
+        None,
+        gt=0,
+        description="exit after this long with no loader and no trainer attached (the "
+        "server pinfeed.DataLoader starts when none runs sets it); unset: run until stopped",
+    )
     demo: bool = Field(False, description="register the demo dataset and loader at start")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="log level"

@@ -3,19 +3,29 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from pinfeed import Client, Loader
-from pinfeed_server.api.routes.metrics import MetricsCache
+from pinfeed_server.api.routes.metrics import SERIES, MetricsCache, render
+from pinfeed_server.engine.stats import StatsSnapshot
+from pinfeed_server.engine.status import LoaderStatus
 from tests.api.conftest import MakeServer, synthetic
 from tests.conftest import Server
 from tests.helpers import unique
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+# The per-loader families as /metrics wrote them when metrics.py kept its own table of
+# names (before the snapshot's fields declared them), for a loader that could not start.
+ONE_LOADER = Path(__file__).with_name("metrics_one_loader.prom")
 
 
 def _samples(server: Server) -> Samples:
@@ -140,3 +150,29 @@ def test_a_stale_body_is_served_at_once_while_one_render_refreshes_it() -> None:
         assert await cache.get() == b"3"
 
     asyncio.run(scenario())
+
+
+def _loader_families(text: str) -> list[str]:
+    """Each ``pinfeed_loader_*`` family's text (HELP, TYPE, samples), in name order:
+    families may come in any order, a family's lines may not."""
+    families = re.split(r"(?m)^(?=# HELP )", text)
+    return sorted(f for f in families if f.startswith("# HELP pinfeed_loader_"))
+
+
+def test_the_loader_series_are_byte_for_byte_the_ones_dashboards_know() -> None:
+    """Names, HELP, TYPE, labels and values (a loader that could not start: zeros) as
+    before; the families come from the fields of LoaderStatus and StatsSnapshot."""
+    gone = (
+        {"name": "gone", "dataset": "d", "batch_size": 4},
+        LoaderStatus.unstarted("its dataset file is gone"),
+        StatsSnapshot.zeros("gone", 0),
+    )
+    service: Any = SimpleNamespace(
+        loaders={},
+        unstarted=lambda: [gone],
+        settings=SimpleNamespace(max_shm_bytes=1 << 30, max_workers=8),
+        shm_used=lambda: 0,
+        workers_used=lambda: 0,
+    )
+    assert _loader_families(render(service)) == _loader_families(ONE_LOADER.read_text())
+    assert len({s.metric for s in SERIES}) == len(SERIES)  # no name declared twice

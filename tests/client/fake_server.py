@@ -12,6 +12,7 @@ from __future__ import annotations
 import mmap
 import os
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -46,7 +47,7 @@ class FakeServer:
         self._next_slot = 0
 
     # -- Transport -------------------------------------------------------------------
-    def attach(self, request: bytes) -> tuple[int, list[int]]:
+    def attach(self, request: bytes, fds: Sequence[int] = ()) -> tuple[int, list[int]]:
         self.attaches += 1
         self.sent.append("ATTACH")
         leaf = p.Leaf("tensor", "int64", (), 0, SLOT_BYTES, 8)
@@ -58,22 +59,26 @@ class FakeServer:
             slot_bytes=SLOT_BYTES,
             layout=p.Layout(["tuple", [["leaf", 0]]], (leaf,), ROWS, SLOT_BYTES),
             batches_per_epoch=self.batches,
-            group_size=1,
-            group_mode="broadcast",
             epoch=self.pos[0],
             position=self.pos[1],
-            config={
-                "dataset": "fake",
-                "batch_size": ROWS,
-                "shuffle": False,
-                "seed": 0,
-                "drop_last": False,
-                "num_workers": 0,
-                "pin_memory": False,
-                "prefetch_factor": 2,
-                "rank": 0,
-                "world_size": None,
-            },
+            config=p.AttachedConfig(
+                dataset="fake",
+                batch_size=ROWS,
+                shuffle=False,
+                seed=0,
+                drop_last=False,
+                num_workers=0,
+                prefetch_factor=2,
+                pin_memory=False,
+                persistent_workers=False,
+                rank=0,
+                world_size=None,
+                group_size=1,
+                group_mode="broadcast",
+                collate_fn=None,
+                sampler=None,
+                batch_sampler=None,
+            ),
             dataset_length=self.batches * ROWS,
             sampler_length=self.batches * ROWS,
             sample=[{"dtype": "int64", "shape": []}],

@@ -19,7 +19,7 @@ from pinfeed import (
     SampleError,
     ServerUnavailable,
 )
-from pinfeed._loader import PIN_WARNING
+from pinfeed._connection import PIN_WARNING
 from pinfeed_server.datasets import DatasetContext, build_dataset
 from tests.conftest import Server
 from tests.helpers import unique

@@ -4,11 +4,12 @@ kind and every error slug."""
 
 from __future__ import annotations
 
+import json
 import struct
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -36,11 +37,26 @@ ATTACHED = p.Attached(
     slot_bytes=3136,
     layout=LAYOUT,
     batches_per_epoch=25,
-    group_size=2,
-    group_mode="split",
     epoch=3,
     position=7,
-    config={"dataset": "demo", "batch_size": 4, "shuffle": True, "seed": 5},
+    config=p.AttachedConfig(
+        dataset="images",
+        batch_size=4,
+        shuffle=True,
+        seed=5,
+        drop_last=False,
+        num_workers=2,
+        prefetch_factor=3,
+        pin_memory=True,
+        persistent_workers=False,
+        rank=1,
+        world_size=2,
+        group_size=2,
+        group_mode="split",
+        collate_fn="mylab.collate:pad",
+        sampler=None,
+        batch_sampler="mylab.samplers:buckets",
+    ),
     dataset_length=100,
     sampler_length=50,
     sample=[{"dtype": "uint8", "shape": [3, 32, 32]}, {"dtype": "int64", "shape": []}],
@@ -53,6 +69,7 @@ def _batch() -> bytes:
 
 
 # kind -> (a message of that kind, a check that decoding it gives back what went in)
+CREATE = p.Create(None, "d", 32, 2, 2, True, False, False, 100, 4, 100)
 ROUND_TRIPS: dict[int, tuple[bytes, Callable[[bytes], object]]] = {
     p.ATTACH: (p.Attach("demo", 1).encode(), lambda m: p.Attach.decode(m) == p.Attach("demo", 1)),
     p.NEXT: (
@@ -93,7 +110,33 @@ ROUND_TRIPS: dict[int, tuple[bytes, Callable[[bytes], object]]] = {
             )
         ),
     ),
+    p.CREATE: (
+        CREATE.encode(),
+        lambda m: (
+            p.Create.decode(m) == p.Create(None, "d", 32, 2, 2, True, False, False, 100, 4, 100)
+        ),
+    ),
+    p.EPOCH: (p.encode_epoch(3, -7), lambda m: p.decode_epoch(m) == (3, -7)),
+    p.FEED: (
+        p.encode_feed(1, 5, [9, 2, 4], b"rng"),
+        lambda m: p.decode_feed(m) == (1, 5, [9, 2, 4], b"rng"),
+    ),
+    p.RNG: (
+        p.RNG_HEAD.pack(p.RNG, 3) + b"abc",
+        lambda m: p.RNG_HEAD.unpack_from(m) == (p.RNG, 3) and m[p.RNG_HEAD.size :] == b"abc",
+    ),
 }
+
+
+def test_a_feed_end_and_bad_feeds() -> None:
+    assert p.decode_feed(p.encode_feed(2, 7, None)) == (2, 7, None, b"")
+    with pytest.raises(ValueError):
+        p.decode_feed(p.encode_feed(1, 0, [1, 2])[:-3])
+    with pytest.raises(ValueError, match="unknown fields"):
+        p.Create.decode(p._encode_json(p.CREATE, {"version": p.PROTOCOL_VERSION, "bogus": 1}))
+    bad = p.Create(None, "d", 0, 2, 2, True, False, False, 100, 4, 100).encode()
+    with pytest.raises(ValueError, match="max_rows"):
+        p.Create.decode(bad)
 
 
 def test_every_kind_round_trips() -> None:
@@ -193,11 +236,33 @@ def test_error_fatal_flag_comes_from_its_class_and_travels() -> None:
 
 
 def test_attached_ignores_fields_it_does_not_know() -> None:
-    newer = ATTACHED.encode()[:-1] + b',"drop_last":true}'
+    """A newer server may add fields, to ATTACHED or to its config."""
+    body = json.loads(ATTACHED.encode()[1:])
+    body["spare"] = True
+    body["config"] |= {"autotune": {"max_workers": 4}, "executor": "local"}
+    newer = bytes([p.ATTACHED]) + json.dumps(body).encode()
     assert p.Attached.decode(newer) == ATTACHED
 
 
-def test_docs_table_names_every_kind_and_slug() -> None:
+def test_attached_config_is_typed_and_says_each_field_once() -> None:
+    body = json.loads(ATTACHED.encode()[1:])
+    assert set(body["config"]) == {f.name for f in fields(p.AttachedConfig)}
+    assert not set(body) & set(body["config"])  # no field twice
+    decoded = p.Attached.decode(ATTACHED.encode())
+    assert isinstance(decoded.config, p.AttachedConfig)
+    assert decoded.config.group_mode == "split" and decoded.config.world_size == 2
+
+
+@pytest.mark.parametrize("missing", ["layout", "config", "member", "config.seed"])
+def test_an_attached_without_a_field_is_a_value_error(missing: str) -> None:
+    body = json.loads(ATTACHED.encode()[1:])
+    *path, key = missing.split(".")
+    (body[path[0]] if path else body).pop(key)
+    with pytest.raises(ValueError, match="ATTACHED"):
+        p.Attached.decode(bytes([p.ATTACHED]) + json.dumps(body).encode())
+
+
+def test_docs_table_names_every_kind_slug_and_attached_field() -> None:
     doc = (REPO / "docs" / "protocol.md").read_text()
     for kind, name in p.KIND_NAMES.items():
         assert f"| {name} | `{chr(kind)}` |" in doc, name
@@ -206,6 +271,10 @@ def test_docs_table_names_every_kind_and_slug() -> None:
         assert row in doc and f"| `{cls.__name__}`" in doc, slug
     for body in ("BATCH_HEAD", "END_BODY", "POSITION_BODY", "RELEASE_HEAD"):
         assert f"`{getattr(p, body).format}`" in doc, body
+    attached = doc[doc.index("## ATTACHED") : doc.index("## The layout JSON")]
+    for cls in (p.Attached, p.AttachedConfig):
+        for f in fields(cls):
+            assert f"`{f.name}`" in attached, f"{cls.__name__}.{f.name}"
 
 
 def test_the_module_loads_by_path_without_torch_or_pinfeed() -> None:

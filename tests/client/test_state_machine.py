@@ -3,6 +3,9 @@ server process): what it sends, when, and in which state it is."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 
 from pinfeed import Loader, SampleError, ServerUnavailable
@@ -127,6 +130,7 @@ def test_copy_releases_each_slot_with_the_next_message() -> None:
 def test_reconnect_re_attaches_and_seeks_to_where_the_loader_was() -> None:
     fake = FakeServer(batches=4)
     loader = Loader("fake", transport=fake, reconnect=True, reconnect_timeout=5)
+    sampler = loader.sampler
     it = iter(loader)
     got = [labels(next(it))[0], labels(next(it))[0]]
     fake.pos = (7, 0)  # the restarted server forgot this member's position
@@ -134,6 +138,7 @@ def test_reconnect_re_attaches_and_seeks_to_where_the_loader_was() -> None:
     got += [labels(b)[0] for b in it]
     assert got == [first(0, i) for i in range(4)]
     assert fake.attaches == 2 and fake.sent.count("SEEK") == 1
+    assert loader.sampler is sampler  # what a tool holds stays the loader's sampler
     assert loader.state == "idle" and loader.state_dict()["epoch"] == 1
 
 
@@ -145,3 +150,18 @@ def test_without_reconnect_a_lost_server_is_an_error() -> None:
     fake.crash = True
     with pytest.raises(ServerUnavailable, match="restarted or stopped"):
         next(it)
+
+
+def test_an_iterator_outlives_its_loader_and_the_last_one_gone_detaches() -> None:
+    fake = FakeServer(batches=4)
+    loader = Loader("fake", transport=fake)
+    gone = weakref.ref(loader)
+    it = iter(loader)
+    del loader  # as in ``for batch in Loader(name):``
+    gc.collect()
+    assert gone() is None
+    assert [labels(b)[0] for b in it] == [first(0, i) for i in range(4)]
+    assert "RELEASE" not in fake.sent and fake.leased
+    del it
+    gc.collect()
+    assert fake.sent[-1] == "RELEASE" and not fake.leased  # closed: every slot handed back

@@ -13,46 +13,13 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
+from bench.references import PilImageFolder
 from pinfeed import Client, InvalidRequest, Loader
 from pinfeed_server.datasets import DatasetContext, DatasetError, build_dataset
 from tests.conftest import Server
 from tests.helpers import assert_same, unique
 
 SIZE = 24
-
-
-class PilImageFolder:
-    """The reference: torchvision's ImageFolder + Resize(size) + CenterCrop(size) +
-    PILToTensor, written out with Pillow (torchvision is not a dependency)."""
-
-    def __init__(self, root: Path, size: int) -> None:
-        classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
-        self.samples = []
-        for label, name in enumerate(classes):
-            for dirpath, _, fnames in sorted(os.walk(root / name, followlinks=True)):
-                for fname in sorted(fnames):
-                    if fname.lower().endswith((".jpg", ".jpeg", ".png")):
-                        self.samples.append((os.path.join(dirpath, fname), label))
-        self.classes = classes
-        self.size = size
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        path, label = self.samples[index]
-        with open(path, "rb") as f:
-            img = Image.open(f).convert("RGB")
-        w, h = img.size
-        short, long = (w, h) if w <= h else (h, w)
-        new_short, new_long = self.size, int(self.size * long / short)
-        new_w, new_h = (new_short, new_long) if w <= h else (new_long, new_short)
-        if (new_w, new_h) != (w, h):
-            img = img.resize((new_w, new_h), Image.Resampling.BILINEAR)
-        top = round((new_h - self.size) / 2.0)
-        left = round((new_w - self.size) / 2.0)
-        img = img.crop((left, top, left + self.size, top + self.size))
-        return torch.from_numpy(np.array(img)).permute(2, 0, 1), label
 
 
 def _image(rng: np.random.Generator, w: int, h: int, mode: str) -> Image.Image:

@@ -17,10 +17,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from bench.references import PilImageFolder
 from pinfeed import Client, Loader
 from pinfeed_server.datasets.shared import SharedArrays, StringTable, string_arrays
 from tests.conftest import Server
-from tests.datasets.test_images import SIZE, PilImageFolder, _own, make_tree
+from tests.datasets.test_images import SIZE, _own, make_tree
 from tests.fixtures.datasets import PathList
 from tests.helpers import assert_same, unique
 

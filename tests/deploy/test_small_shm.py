@@ -136,7 +136,10 @@ def test_ring_far_larger_than_a_64mb_dev_shm(
         loader = admin.create_loader("big", dataset="big", **LOADER)
     ring_bytes = loader.get("ring_bytes")
 
-    env = {**os.environ, "PINFEED_SOCKET": str(sock), "PYTHONPATH": str(REPO)}
+    # As the launcher does: the caller's PYTHONPATH (a tree's src/) goes along, or the
+    # trainer would import whichever pinfeed is installed.
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PINFEED_SOCKET": str(sock), "PYTHONPATH": path}
     trainer = subprocess.run(
         [
             *SMALL_SHM,

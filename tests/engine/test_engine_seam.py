@@ -175,12 +175,15 @@ def test_out_of_order_results_are_published_in_sampler_order(
 
 def test_bytes_copied_into_the_slot_are_the_batch(tmp_path: Path, sampler: EpochSampler) -> None:
     engine, _ = _engine(tmp_path, RemoteLike)
+    checked = 0
     try:
         for item in _items(engine, ends=2):
             if isinstance(item, BatchItem):
                 _check(engine, item, list(sampler.batches(item.epoch))[item.index])
+                checked += 1
     finally:
         engine.close()
+    assert checked == 2 * 4  # two epochs of 4 batches: an empty stream fails here
 
 
 def test_a_producer_that_runs_out_ends_the_epoch(tmp_path: Path, sampler: EpochSampler) -> None:

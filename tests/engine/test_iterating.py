@@ -7,10 +7,10 @@ import random
 
 import torch
 
+from pinfeed.rng import capture, restore
 from pinfeed_server.engine.config import LoaderConfig
 from pinfeed_server.engine.iterable import EndJudge, IterablePlan
 from pinfeed_server.engine.producers.iterating import IterStreams
-from pinfeed_server.engine.producers.seeding import capture, restore
 from tests.fixtures.iterables import Shards, Stateful, Unsized
 
 

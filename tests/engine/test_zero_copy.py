@@ -1,8 +1,15 @@
 """Zero copy: yielded tensors are views into the ring, and the collate is the batch's
-only host copy (workers write straight into the slot, no intermediate batch)."""
+only host copy (workers write straight into the slot, no intermediate batch).
+
+Two witnesses of a copy: torch results outside the ring (a ``TorchFunctionMode`` sees
+every torch call), and numpy allocations (numpy reports its data buffers to
+``tracemalloc``, which torch's allocator does not use), for kinds that hold numpy arrays.
+"""
 
 from __future__ import annotations
 
+import tracemalloc
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -47,6 +54,18 @@ def _collate(ds: Any, indices: list[int]) -> tuple[list[tuple[str, bool, int]], 
     return log.calls, leaf_bytes
 
 
+def _python_heap_peak(fn: Callable[[], object]) -> int:
+    """The most bytes ``fn`` had allocated at once through Python's and numpy's tracked
+    allocators (numpy's array buffers included; torch's tensors not)."""
+    tracemalloc.start()
+    try:
+        fn()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return peak
+
+
 def _batch_copies(calls: list[tuple[str, bool, int]], leaf_bytes: int) -> list[str]:
     """Ops that wrote a batch-sized result outside the ring (an extra host copy)."""
     return [name for name, inside, nbytes in calls if not inside and nbytes >= leaf_bytes]
@@ -78,10 +97,23 @@ def test_generic_path_stacks_into_the_slot() -> None:
 
 
 def test_npy_kind_gathers_into_the_slot(tmp_path: Any) -> None:
-    np.save(tmp_path / "a.npy", np.arange(60, dtype=np.float32).reshape(20, 3))
+    # Rows of 48 KiB, so a batch (144 KiB) stands out of the few KiB a write allocates.
+    np.save(tmp_path / "a.npy", np.arange(20 * 12288, dtype=np.float32).reshape(20, 3, 64, 64))
     ds = build_dataset("npy", {"paths": ["a.npy"]}, DatasetContext(tmp_path))
-    calls, leaf_bytes = _collate(ds, [3, 4, 19])
-    assert _batch_copies(calls, leaf_bytes) == []  # np.take(out=slot view) only
+    indices = [3, 4, 19]
+    calls, leaf_bytes = _collate(ds, indices)
+    assert _batch_copies(calls, leaf_bytes) == []
+    assert _ring_writes(calls) == ["index_select"]  # one gather, straight into the slot
+    # A numpy copy of the rows (``a[indices]``, ``np.take`` without ``out``) is invisible
+    # to torch; numpy's allocations are not.
+    layout = probe(ds[indices[0]], len(indices))
+    with Ring("t", 1, layout.slot_bytes, lock=False) as ring:
+        writer = SlotWriter(ds, layout, ring.base, ring.slot_bytes)
+        writer.write(0, indices)  # warm: first-use allocations are not the batch's
+        peak = _python_heap_peak(lambda: writer.write(0, indices))
+        writer.close()
+    assert peak < leaf_bytes, f"{peak} bytes allocated by numpy or Python for a {leaf_bytes} batch"
+    assert leaf_bytes == 3 * 3 * 64 * 64 * 4
 
 
 def test_yielded_tensors_live_in_the_ring(admin: Client, server: Server) -> None:

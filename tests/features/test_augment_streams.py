@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from pinfeed.rng import capture, dump_state, restore
 from pinfeed_server.engine.config import LoaderConfig
 from pinfeed_server.engine.producers.seeding import (
     BaseSeeds,
@@ -16,9 +17,6 @@ from pinfeed_server.engine.producers.seeding import (
     Reseed,
     Streams,
     apply,
-    capture,
-    dump_state,
-    restore,
 )
 from tests.fixtures.datasets import Augmented
 

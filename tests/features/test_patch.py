@@ -100,7 +100,7 @@ def test_a_view_held_across_the_change_stays_valid(admin: Client, server: Server
                 if i == 2:
                     _patch(admin, name, CHANGES[0])
                     assert digest(batch) == want[i]  # the current view, after the growth
-                if held is None and i > 2 and not loader._ring.contains(batch[0]):  # type: ignore[union-attr]
+                if held is None and i > 2 and not loader._conn.ring.contains(batch[0]):  # type: ignore[union-attr]
                     assert loader.ring_contains(batch[0])  # in segment 1
                     held = (i, batch)
                     _patch(admin, name, CHANGES[2])

@@ -92,7 +92,7 @@ def test_slot_not_rewritten_before_its_copy_completed(
     ref = DataLoader(dataset[1], batch_size=8)
     kept = []
     with Loader(name, socket=server.socket, device="cuda") as loader:
-        stream = loader._delivery.stream
+        stream = loader._conn.delivery.stream
         assert stream is not None
         for got, want in zip(loader, ref, strict=True):
             with torch.cuda.stream(stream):

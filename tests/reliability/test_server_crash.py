@@ -160,8 +160,13 @@ def test_loaders_serve_after_restart(crash: Crash) -> None:
             wait_for(lambda n=name: admin.loader(n)["state"] == "ready", f"{name} ready", 30)
     with Loader("crash-a", socket=crash.server.socket) as loader:
         epoch, start = loader.meta.epoch, loader.meta.position
+        want = crash.refs["crash-a"][epoch]
+        seen = 0
         for index, batch in enumerate(loader, start=start):
-            assert_same(batch, crash.refs["crash-a"][epoch][index], f"batch {index}")
+            assert_same(batch, want[index], f"batch {index}")
+            seen += 1
+    # The rest of the epoch, every batch of it: a loader that yields nothing fails here.
+    assert 0 < seen == len(want) - start, (seen, start, len(want))
 
 
 def test_attached_trainer_is_told_the_server_went_away(crash: Crash) -> None:

@@ -12,7 +12,6 @@ the payload's pages (its numpy arrays and tensors) with the server.
 
 from __future__ import annotations
 
-import mmap
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +30,7 @@ class Shipped:
     dataset: Any
     collate_fn: Any
     worker_init_fn: Any
-    mapping: mmap.mmap  # the payload's pages, which the objects' buffers live in
+    mapping: Any  # the payload's pages, which the objects' buffers live in
 
 
 def load(fd: int) -> Shipped:

@@ -21,6 +21,7 @@ function is called with the list of samples, as DataLoader calls it, in the work
 from __future__ import annotations
 
 import json
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -235,6 +236,7 @@ def fetch_samples(dataset: Any, indices: Sequence[int]) -> list[Any]:
                 f"{type(exc).__name__}: {exc}",
                 index=None,
                 error_type=type(exc).__name__,
+                error_module=type(exc).__module__,
             ) from exc
     samples = []
     for i in indices:
@@ -245,6 +247,8 @@ def fetch_samples(dataset: Any, indices: Sequence[int]) -> list[Any]:
                 f"sample {i} raised {type(exc).__name__}: {exc}",
                 index=i,
                 error_type=type(exc).__name__,
+                error_module=type(exc).__module__,
+                where=traceback.format_exc(limit=-3),
             ) from exc
     return samples
 

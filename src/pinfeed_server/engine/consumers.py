@@ -36,12 +36,14 @@ class BatchItem:
     index: int
     rows: int
     strings: bytes
+    rng: bytes = b""  # the trainer's RNG states after the batch (an RNG message first)
 
 
 @dataclass(frozen=True)
 class EndItem:
     epoch: int
     seq: int
+    rng: bytes = b""  # the trainer's RNG states after the epoch's last turn (inline.py)
 
 
 @dataclass(frozen=True)

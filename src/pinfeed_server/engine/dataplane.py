@@ -18,11 +18,19 @@ import stat
 import struct
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from pinfeed import protocol as p
-from pinfeed.errors import DataPlaneError, LoaderFailed, LoaderNotFound, ProtocolError
+from pinfeed.errors import (
+    InvalidRequest,
+    LoaderFailed,
+    LoaderNotFound,
+    PinfeedError,
+    ProtocolError,
+)
 from pinfeed_server.engine.collate import describe
+from pinfeed_server.engine.config import LoaderConfig
 from pinfeed_server.engine.iterable import dataset_length, sampler_length
 from pinfeed_server.engine.loader import LoaderEngine
 from pinfeed_server.engine.session import Session
@@ -32,20 +40,68 @@ log = logging.getLogger("pinfeed.dataplane")
 Lookup = Callable[[str], LoaderEngine | None]
 
 
-def _peer_ids(conn: socket.socket) -> tuple[int, int]:
-    """(uid, gid) of the process at the other end, from the kernel (SO_PEERCRED)."""
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, gid = struct.unpack("3i", creds)
-    return int(uid), int(gid)
+def _attached_config(config: LoaderConfig) -> p.AttachedConfig:
+    """What a trainer is told of its loader's config (a sampler or batch sampler by its
+    factory): named field by field, so that mypy sees a field renamed on either side."""
+    return p.AttachedConfig(
+        dataset=config.dataset,
+        batch_size=config.batch_size,
+        shuffle=config.shuffle,
+        seed=config.seed,
+        drop_last=config.drop_last,
+        num_workers=config.num_workers,
+        prefetch_factor=config.prefetch_factor,
+        pin_memory=config.pin_memory,
+        persistent_workers=config.persistent_workers,
+        rank=config.rank,
+        world_size=config.world_size,
+        group_size=config.group_size,
+        group_mode=config.group_mode,
+        collate_fn=config.collate_fn,
+        sampler=config.sampler.factory if config.sampler is not None else None,
+        batch_sampler=config.batch_sampler.factory if config.batch_sampler is not None else None,
+    )
+
+
+@dataclass(frozen=True)
+class Peer:
+    """The process at the other end of a connection, from the kernel (SO_PEERCRED)."""
+
+    pid: int
+    uid: int
+    gid: int
+
+    @classmethod
+    def of(cls, conn: socket.socket) -> Peer:
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid, uid, gid = struct.unpack("3i", creds)
+        return cls(int(pid), int(uid), int(gid))
+
+
+# A trainer's CREATE (its options, its payload's fd, who sent it): the service makes the
+# loader of its own or raises the pinfeed error that says why not (``service.py``).
+Create = Callable[[p.Create, int, Peer], LoaderEngine]
+# The connection that owned loader ``name`` ended (its trainer left, however it left).
+OwnerGone = Callable[[str], None]
 
 
 class DataPlaneServer:
     def __init__(
-        self, path: Path, lookup: Lookup, attach_timeout_s: float = 60.0, group: int | None = None
+        self,
+        path: Path,
+        lookup: Lookup,
+        attach_timeout_s: float = 60.0,
+        group: int | None = None,
+        create: Create | None = None,
+        owner_gone: OwnerGone | None = None,
     ) -> None:
+        """``create``: how a trainer's CREATE becomes a loader; None: objects are not
+        accepted (PINFEED_ACCEPT_OBJECTS=false): a CREATE gets an error saying so."""
         self.path = path
         self.group = group  # besides our own uid (and root), peers in this gid may attach
         self._lookup = lookup
+        self._create = create
+        self._owner_gone = owner_gone
         self._attach_timeout = attach_timeout_s
         self._stop = threading.Event()
         self._sock: socket.socket | None = None
@@ -100,6 +156,12 @@ class DataPlaneServer:
         elif stat.S_IMODE(st.st_mode) & 0o077:
             os.chmod(run_dir, 0o700)
 
+    @property
+    def connections(self) -> int:
+        """Trainers connected now."""
+        with self._lock:
+            return len(self._conns)
+
     def close(self) -> None:
         self._stop.set()
         if self._sock is not None:
@@ -132,25 +194,28 @@ class DataPlaneServer:
                     self._stop.wait(0.1)
                     continue
                 raise
-            uid, gid = _peer_ids(conn)
+            peer = Peer.of(conn)
+            uid, gid = peer.uid, peer.gid
             if uid not in (0, os.getuid()) and (self.group is None or gid != self.group):
                 log.warning("refusing data-plane peer with uid %d gid %d", uid, gid)
                 conn.close()
                 continue
             t = threading.Thread(
-                target=self._serve, args=(conn,), daemon=True, name="pinfeed-consumer"
+                target=self._serve, args=(conn, peer), daemon=True, name="pinfeed-consumer"
             )
             with self._lock:
                 self._threads.add(t)
                 self._conns.add(conn)
             t.start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, peer: Peer) -> None:
         session: Session | None = None
+        owned: str | None = None
         try:
-            attached = self._attach(conn)
+            attached = self._attach(conn, peer)
             if attached is not None:
-                session = Session(conn, *attached, self._stop)
+                engine, member, owned = attached
+                session = Session(conn, engine, member, self._stop)
                 session.run()
         except ValueError as exc:  # a malformed message: say so, then hang up
             log.debug("consumer broke the protocol: %s", exc)
@@ -163,47 +228,63 @@ class DataPlaneServer:
         finally:
             if session is not None:
                 session.engine.detach(session.member, session.leased)
+            if owned is not None and self._owner_gone is not None:
+                self._owner_gone(owned)
             _close_gently(conn)
             with self._lock:
                 self._conns.discard(conn)
                 self._threads.discard(threading.current_thread())
 
-    def _attach(self, conn: socket.socket) -> tuple[LoaderEngine, int] | None:
-        """Serve the ATTACH; None (after an ERROR, if the peer said anything) if refused."""
+    def _attach(
+        self, conn: socket.socket, peer: Peer
+    ) -> tuple[LoaderEngine, int, str | None] | None:
+        """Serve the first message: an ATTACH of a loader, or a trainer's CREATE of one
+        of its own (then its name, which goes when the connection does); None (after an
+        ERROR, if the peer said anything) if refused."""
         conn.settimeout(10)  # a peer that connects and says nothing is dropped
         buf = bytearray(p.MAX_MESSAGE)
         n, fds = p.recv_message(conn, buf)
-        for fd in fds:
-            os.close(fd)  # clients never send fds
+        if n == 0 or buf[0] != p.CREATE:
+            for fd in fds:
+                os.close(fd)  # only a CREATE brings one
         if n == 0:
             return None
+        owned: str | None = None
         try:
-            try:
-                request = p.Attach.decode(memoryview(buf)[:n])
-            except ValueError as exc:
-                raise ProtocolError(f"the first message must be an ATTACH: {exc}") from None
-            engine = self._attachable(request)
-            member = engine.attach(request.member)
-        except DataPlaneError as exc:
+            if buf[0] == p.CREATE:
+                engine = self._created(memoryview(buf)[:n], fds, peer)
+                owned = engine.config.name
+            else:
+                try:
+                    request = p.Attach.decode(memoryview(buf)[:n])
+                except ValueError as exc:
+                    raise ProtocolError(f"the first message must be an ATTACH: {exc}") from None
+                self._check_version(request.version)
+                engine = self._lookup(request.loader)  # type: ignore[assignment]
+                if engine is None:
+                    raise LoaderNotFound(
+                        f"no loader named {request.loader!r}; create it with POST /v1/loaders"
+                    )
+            self._wait_ready(engine)
+            member = engine.attach(None if owned else request.member)
+        except PinfeedError as exc:
             conn.send(exc.info().encode())
+            if owned is not None and self._owner_gone is not None:
+                self._owner_gone(owned)
             return None
         assert engine.ring is not None
-        cfg = engine.config
         epoch, index = engine.position(member)
         attached = p.Attached(
-            loader=request.loader,
+            loader=engine.config.name,
             member=member,
             ring_bytes=engine.nslots * engine.ring.slot_bytes,  # segment 0; SEGMENT the rest
             nslots=engine.nslots,
             slot_bytes=engine.ring.slot_bytes,
             layout=engine.layout,
             batches_per_epoch=engine.batches_per_epoch,
-            group_size=cfg.group_size,
-            group_mode=cfg.group_mode,
             epoch=epoch,
             position=index,
-            # What the trainer reports as DataLoader's attributes (pinfeed._info).
-            config=cfg.model_dump(),
+            config=_attached_config(engine.config),
             dataset_length=dataset_length(engine.sampler),
             sampler_length=sampler_length(engine.sampler),
             sample=describe(engine.layout),
@@ -215,21 +296,52 @@ class DataPlaneServer:
             )
         except BaseException:
             engine.detach(member, set())
+            if owned is not None and self._owner_gone is not None:
+                self._owner_gone(owned)
             raise
-        return engine, member
+        return engine, member, owned
 
-    def _attachable(self, request: p.Attach) -> LoaderEngine:
-        """The started loader ``request`` names; a DataPlaneError saying why not."""
-        if request.version != p.PROTOCOL_VERSION:
+    @staticmethod
+    def _check_version(version: int) -> None:
+        if version != p.PROTOCOL_VERSION:
             raise ProtocolError(
-                f"the client speaks data-plane protocol {request.version}, this server "
+                f"the client speaks data-plane protocol {version}, this server "
                 f"{p.PROTOCOL_VERSION}: install the same pinfeed version on both sides"
             )
-        engine = self._lookup(request.loader)
-        if engine is None:
-            raise LoaderNotFound(
-                f"no loader named {request.loader!r}; create it with POST /v1/loaders"
-            )
+
+    def _created(self, message: memoryview, fds: list[int], peer: Peer) -> LoaderEngine:
+        """A trainer's CREATE: its options, and its objects' payload (the one fd). Only a
+        peer of the server's own uid may send objects: loading them runs its code here."""
+        try:
+            request = p.Create.decode(message)
+        except ValueError as exc:
+            for fd in fds:
+                os.close(fd)
+            raise ProtocolError(f"a malformed CREATE: {exc}") from None
+        try:
+            self._check_version(request.version)
+            if len(fds) != 1:
+                raise ProtocolError(f"a CREATE brings one payload fd, not {len(fds)}")
+            if self._create is None:
+                raise InvalidRequest(
+                    "this pinfeed server does not accept a trainer's objects "
+                    "(PINFEED_ACCEPT_OBJECTS=false): register the dataset and loader over "
+                    "HTTP and use pinfeed.Loader(name), or ask the operator to allow them"
+                )
+            if peer.uid != os.getuid():
+                raise InvalidRequest(
+                    f"only a trainer running as the server's own uid {os.getuid()} may send "
+                    f"objects (pinfeed.DataLoader), not uid {peer.uid}: loading them runs "
+                    "its code in the server. Run the trainer as that user, or start a "
+                    "server of your own (pinfeed serve)"
+                )
+            return self._create(request, fds[0], peer)
+        finally:
+            for fd in fds:
+                os.close(fd)  # the service dup()s what it keeps
+
+    def _wait_ready(self, engine: LoaderEngine) -> None:
+        """A started loader to attach to; a DataPlaneError saying why not."""
         try:
             engine.wait_started(self._attach_timeout)
         except TimeoutError as exc:
@@ -237,8 +349,7 @@ class DataPlaneServer:
         if engine.failure is not None:
             raise LoaderFailed(engine.failure.detail)
         if engine.state != "ready" or engine.ring is None:
-            raise LoaderFailed(f"loader {request.loader!r} is {engine.state}")
-        return engine
+            raise LoaderFailed(f"loader {engine.config.name!r} is {engine.state}")
 
 
 def _close_gently(conn: socket.socket) -> None:

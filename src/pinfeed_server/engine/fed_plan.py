@@ -44,13 +44,17 @@ class FedPlan:
         iterable: bool,
         reported: int | None,
         samples: int | None,
+        fed_turns: bool = False,
     ) -> None:
         """``length``: the dataset's samples (0 for an iterable without ``__len__``);
         ``max_rows``: a slot's capacity in samples; ``reported``: ``len(DataLoader)`` as
-        the trainer computed it (None where it has none); ``samples``: the sampler's."""
+        the trainer computed it (None where it has none); ``samples``: the sampler's;
+        ``fed_turns``: an IterableDataset's turns come one by one from the trainer too
+        (no workers: each is made when the trainer asks, on its RNGs)."""
         self.length = length
         self.max_rows = max_rows
         self.iterable = iterable
+        self.fed_turns = fed_turns
         self.reported = reported
         self.samples = samples or 0
         self.dataset_length: int | None = length if length or not iterable else None
@@ -91,6 +95,13 @@ class FedPlan:
             self._cond.notify_all()
 
     # -- the engine's side -------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget every epoch (a new trainer's start from epoch 0)."""
+        with self._cond:
+            self._epochs.clear()
+            self._interrupts += 1
+            self._cond.notify_all()
+
     def interrupt(self) -> None:
         """Wake ``batches`` iterators: they return (a seek moved production, or a stop)."""
         with self._cond:
@@ -107,7 +118,8 @@ class FedPlan:
                     if self._interrupts != interrupts:
                         return
                     e = self._epochs.get(epoch)
-                    if e is not None and (self.iterable or index < len(e.batches)):
+                    endless = self.iterable and not self.fed_turns
+                    if e is not None and (endless or index < len(e.batches)):
                         break
                     if e is not None and e.ended:
                         return

@@ -72,19 +72,22 @@ class IterablePlan:
 
 
 def plan_len(plan: Any) -> int | None:
-    """``len(loader)``: DataLoader's, which an iterable without ``__len__`` has not."""
-    return plan.reported if isinstance(plan, IterablePlan) else len(plan)
+    """``len(loader)``: DataLoader's, which an iterable without ``__len__`` has not (a
+    trainer-fed plan reports what the trainer's DataLoader said)."""
+    return plan.reported if hasattr(plan, "reported") else len(plan)
 
 
 def dataset_length(plan: Any) -> int | None:
     """``len(loader.dataset)`` as the trainer sees it: None for an iterable without one."""
-    return plan.dataset_length if isinstance(plan, IterablePlan) else int(plan.length)
+    return plan.dataset_length if hasattr(plan, "dataset_length") else int(plan.length)
 
 
 def sampler_length(plan: Any) -> int | None:
     """``len(loader.sampler)``: None for an iterable (DataLoader's
-    ``_InfiniteConstantSampler`` has no length)."""
-    return None if isinstance(plan, IterablePlan) else int(plan.samples)
+    ``_InfiniteConstantSampler`` has no length) and for a sampler without one."""
+    if isinstance(plan, IterablePlan) or getattr(plan, "iterable", False):
+        return None
+    return int(plan.samples)
 
 
 def iterable_conflict(config: Any) -> str | None:

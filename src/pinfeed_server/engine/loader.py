@@ -55,7 +55,7 @@ from pinfeed_server.engine.publisher import Publisher
 from pinfeed_server.engine.resizer import RingResizer
 from pinfeed_server.engine.ring import Ring, SlotState, SlotTable
 from pinfeed_server.engine.sampler import BatchPlan, with_last
-from pinfeed_server.engine.stats import LoaderStats
+from pinfeed_server.engine.stats import LoaderStats, StatsSnapshot
 from pinfeed_server.engine.status import LoaderState, LoaderStatus, MemberStatus, SlotCounts
 
 log = logging.getLogger("pinfeed.loader")
@@ -314,9 +314,15 @@ class LoaderEngine:
             ended = self.publisher.accept(result)
             if ended is not None and self._cursor[0] <= ended:
                 # An iterator ran out before the plan did: produce the next epoch.
-                self._gen += 1
-                self._cursor = (ended + 1, 0)
+                self._move_to(ended + 1, 0)
             self._cond.notify_all()
+
+    def _move_to(self, epoch: int, index: int) -> None:
+        """Production goes on at (epoch, index): a new generation (under ``self._cond``)."""
+        self._gen += 1
+        self._cursor = (epoch, index)
+        if isinstance(self.sampler, FedPlan):
+            self.sampler.interrupt()  # the producer may be waiting for the trainer's feed
 
     def seek(self, member: int, epoch: int, index: int) -> None:
         """Make (epoch, index) the next batch; keep the warm queue if it already is."""
@@ -334,11 +340,8 @@ class LoaderEngine:
 
     def _seek_locked(self, epoch: int, index: int) -> None:
         """The body of ``seek``, under ``self._cond``."""
-        self._gen += 1
-        self._cursor = (epoch, index)
+        self._move_to(epoch, index)
         self.publisher.restart(epoch, index)
-        if isinstance(self.sampler, FedPlan):
-            self.sampler.interrupt()  # the producer may be waiting for the trainer's feed
         self._cond.notify_all()
 
     def skip_epoch(self, member: int) -> EndItem | None:
@@ -355,6 +358,34 @@ class LoaderEngine:
                 return None
             self._seek_locked(epoch + 1, 0)
             return EndItem(epoch, max(0, self.publisher.next_publish - 1))
+
+    # -- a trainer-fed plan (pinfeed.DataLoader: its sampler runs in the trainer) -------
+    def _fed(self) -> FedPlan:
+        if not isinstance(self.sampler, FedPlan):
+            raise ValueError(f"loader {self.config.name!r} makes its own batch plan: no FEED")
+        return self.sampler
+
+    def begin_fed_epoch(self, epoch: int, seed: int) -> None:
+        self._fed().begin(epoch, seed)
+
+    def feed(self, epoch: int, index: int, indices: list[int] | None, rng: bytes | None) -> None:
+        """Batch ``index`` of ``epoch`` from the trainer's sampler (None: it ran out)."""
+        plan = self._fed()
+        if indices is None:
+            plan.end(epoch)
+        else:
+            plan.feed(epoch, index, indices, rng)
+
+    def restart_fed(self) -> None:
+        """A new trainer takes over a named trainer-fed loader: its epochs start afresh,
+        on fresh worker streams (its producer restarted from the dataset's zygote, which
+        stays warm), as a new DataLoader's would."""
+        plan = self._fed()
+        with self._reconfigure:
+            self.producer.restart()
+            with self._cond:
+                plan.reset()
+                self._seek_locked(0, 0)
 
     # -- live configuration ------------------------------------------------------------
     def reconfigure(self, change: LiveChange, admit: Admit) -> LoaderConfig:
@@ -482,13 +513,12 @@ class LoaderEngine:
             self.stats.consumed(item.rows)
         return item
 
-    def stats_snapshot(self) -> dict[str, Any]:
+    def stats_snapshot(self) -> StatsSnapshot:
         busy = self.producer.busy_seconds()
         members = max(1, self.consumers.attached)  # a sum of bools: no lock needed
         tuner = self.tuner
-        return self.stats.snapshot(busy, self.config.num_workers, members) | {
-            "autotune": tuner.report() if tuner is not None else None
-        }
+        report = tuner.report() if tuner is not None else None
+        return self.stats.snapshot(self.config.name, busy, self.config.num_workers, members, report)
 
     def tune_sample(self) -> Sample:
         """The counters autotune measures over its intervals."""

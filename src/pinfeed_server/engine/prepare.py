@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pinfeed import Transformed
+from pinfeed.transformed import Transformed
 from pinfeed_server.cache import CachedDataset
 from pinfeed_server.datasets import Kind
 from pinfeed_server.engine.collate import Layout, LayoutError, fetch_samples, loader_layout
@@ -49,10 +49,12 @@ def prepare(
     allowed: tuple[str, ...],
     cap: int,
     code: LoaderCode | None = None,
+    plan: BatchPlan | None = None,
 ) -> Prepared:
     """``cfg``'s executor, plan and layout over ``dataset`` (of ``kind``); ``cap`` bounds
     a ``collate_fn`` loader's slot when it sets no ``max_batch_bytes``
-    (``collate.loader_layout``)."""
+    (``collate.loader_layout``). ``code`` and ``plan``, where the trainer brings them
+    (``pinfeed.DataLoader``: its objects, its sampler); else from ``cfg``."""
     iterable = is_iterable(dataset)
     executor = executors.get(cfg.executor)
     if executor is None:
@@ -67,9 +69,6 @@ def prepare(
             code = LoaderCode.resolve(cfg, allowed)
         except PluginError as exc:
             raise ConfigError(str(exc)) from None
-    conflict = iterable_conflict(cfg) if iterable else None
-    if conflict is not None:
-        raise ConfigError(conflict)
     transform = code.transform
     if transform is not None:
         if iterable:
@@ -79,21 +78,29 @@ def prepare(
                 "in its own __iter__"
             )
         shared, dataset = dataset, Transformed(dataset, transform)
-    try:
-        plan = make_sampler(cfg, dataset, allowed, streams=streams_of(cfg))
-    except SamplerError as exc:
-        raise ConfigError(str(exc)) from None
-    if len(plan) == 0 and not iterable:
-        raise ConfigError(
-            f"dataset {cfg.dataset!r} has {len(dataset)} samples: batch_size "
-            f"{cfg.batch_size} with drop_last yields no batch"
-        )
+    fed = plan is not None
+    if plan is None:
+        conflict = iterable_conflict(cfg) if iterable else None
+        if conflict is not None:
+            raise ConfigError(conflict)
+        try:
+            plan = make_sampler(cfg, dataset, allowed, streams=streams_of(cfg))
+        except SamplerError as exc:
+            raise ConfigError(str(exc)) from None
+        if len(plan) == 0 and not iterable:
+            raise ConfigError(
+                f"dataset {cfg.dataset!r} has {len(dataset)} samples: batch_size "
+                f"{cfg.batch_size} with drop_last yields no batch"
+            )
     collate = code.collate_fn
     # default collate sizes slots from one sample; a collate_fn from its first batch
     n = 1 if collate is None else plan.max_rows
     first: Any = "the first sample of its iterator"
     indices: list[int] = []
-    if not iterable:
+    if fed and not iterable:  # the trainer's sampler has not run yet: the first samples
+        indices = list(range(min(n, len(dataset))))
+        first = 0
+    elif not iterable:
         batch0 = next(plan.batches(0))
         assert batch0 is not None  # a map-style dataset's plan yields index lists
         indices, first = batch0, batch0[0]

@@ -69,6 +69,17 @@ class ProducerHandle:
             old.close(drain=True)
         self.processes = processes
 
+    def restart(self) -> None:
+        """A fresh producer with the same processes in place of the current one (what
+        it held is dropped: the engine restarts its plan around this)."""
+        old = self._producer
+        if old is None:
+            return
+        fresh = self._make(self.processes)
+        with self._submit:
+            self._producer = fresh
+        old.close()
+
     def segments_changed(self) -> None:
         if self._producer is not None:
             self._producer.segments_changed()

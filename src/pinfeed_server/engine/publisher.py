@@ -88,7 +88,7 @@ class Publisher:
             self.slots.move(task.slot, SlotState.FILLING, SlotState.FREE)
             if task.epoch <= self.ended:
                 return None
-            self._end_epoch(task.epoch, result.seq)
+            self._end_epoch(task.epoch, result.seq, result.rng)
             return task.epoch
         self.head = (task.epoch, task.index + 1)
         if result.rows == 0 and result.error is None:
@@ -99,7 +99,9 @@ class Publisher:
         if result.error is None:
             self.slots.move(task.slot, SlotState.FILLING, SlotState.READY)
             self.consumers.publish(
-                BatchItem(task.slot, result.seq, task.epoch, task.index, rows, result.strings)
+                BatchItem(
+                    task.slot, result.seq, task.epoch, task.index, rows, result.strings, result.rng
+                )
             )
             self.stats.produced(rows, self.slot_bytes)
         else:
@@ -111,8 +113,8 @@ class Publisher:
             self._end_epoch(task.epoch, result.seq)
         return None
 
-    def _end_epoch(self, epoch: int, seq: int) -> None:
-        self.consumers.publish(EndItem(epoch, seq))
+    def _end_epoch(self, epoch: int, seq: int, rng: bytes = b"") -> None:
+        self.consumers.publish(EndItem(epoch, seq, rng))
         self.head = (epoch + 1, 0)
         self.ended = epoch
 

@@ -82,6 +82,10 @@ class Session:
             elif kind == p.CUDA and n == 1:
                 self.engine.cuda_registered.add(self.member)
                 continue
+            elif kind in (p.EPOCH, p.FEED):
+                if not self.feed(kind, n):
+                    return
+                continue
             else:
                 name = p.KIND_NAMES.get(kind, "unknown")
                 self.error(ProtocolError(f"unexpected message kind {kind} {name} ({n} bytes)"))
@@ -94,6 +98,10 @@ class Session:
         ring = self.engine.ring
         if ring is not None and self.generation != ring.generation:  # before a batch in them
             self.announce_segments(ring)
+        if isinstance(item, (BatchItem, EndItem)) and item.rng:
+            # The trainer's RNG states after this batch, or after the turn that ended the
+            # epoch (a trainer-fed loader without workers: inline.py).
+            self.conn.send(p.RNG_HEAD.pack(p.RNG, len(item.rng)) + item.rng)
         if isinstance(item, BatchItem):
             self.leased.add(item.slot)
             body = item.strings
@@ -113,6 +121,20 @@ class Session:
             self.conn.send(info.encode())
             if info.fatal:
                 return False
+        return True
+
+    def feed(self, kind: int, n: int) -> bool:
+        """A ``pinfeed.DataLoader``'s EPOCH (the base seed its iterator drew) or FEED (an
+        index batch its sampler made); False (after a ProtocolError) if it makes no sense."""
+        try:
+            if kind == p.EPOCH:
+                self.engine.begin_fed_epoch(*p.decode_epoch(self.view[:n]))
+            else:
+                epoch, index, indices, rng = p.decode_feed(self.view[:n])
+                self.engine.feed(epoch, index, indices, rng or None)
+        except ValueError as exc:
+            self.error(ProtocolError(str(exc)))
+            return False
         return True
 
     def announce_segments(self, ring: Ring) -> None:
@@ -152,8 +174,13 @@ class Session:
             n = self.conn.recv_into(self.buf)
             if n == 0:
                 return None
-            if self.buf[0] != p.RELEASE:
-                self.error(ProtocolError("only RELEASE while a NEXT waits"))
+            kind = self.buf[0]
+            if kind in (p.EPOCH, p.FEED):  # the index batch the item may be waiting for
+                if not self.feed(kind, n):
+                    return None
+                continue
+            if kind != p.RELEASE:
+                self.error(ProtocolError("only RELEASE, EPOCH or FEED while a NEXT waits"))
                 return None
             slots, _ = p.decode_release(self.view[:n])
             if not self.release_ok(slots):

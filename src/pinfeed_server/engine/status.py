@@ -1,20 +1,23 @@
 """A loader's live status, declared once: what ``LoaderEngine.status()`` reports for a
 running loader and ``LoaderStatus.unstarted()`` for one that could not start (the
-response model ``schemas.LoaderPublic`` is the config plus these fields)."""
+response model ``schemas.LoaderPublic`` is the config plus these fields; the fields
+with a ``Metric`` are ``/metrics`` series, ``LoaderState`` and ``SlotCounts`` the values
+of their ``state`` label)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
 from pinfeed.errors import LoaderFailed
+from pinfeed_server.metric import Metric
 
 LoaderState = Literal["starting", "ready", "failed", "draining", "closed"]
 
 
 class SlotCounts(BaseModel):
-    """Ring slots by state: free -> filling -> ready -> leased -> free."""
+    """Ring slots by state: free -> filling -> ready -> leased -> free; total: their sum."""
 
     free: int = 0
     filling: int = 0
@@ -31,24 +34,43 @@ class MemberStatus(BaseModel):
 
 
 class LoaderStatus(BaseModel):
-    state: LoaderState
+    state: Annotated[LoaderState, Metric("state", "gauge", "1 for the loader's current state")]
     failure: dict[str, Any] | None = Field(None, description="why the loader failed, if it did")
-    batches_per_epoch: int | None = Field(
+    batches_per_epoch: Annotated[
+        int | None, Metric("batches_per_epoch", "gauge", "Batches in one epoch")
+    ] = Field(
         description="len(DataLoader): batches per epoch; null for an IterableDataset "
         "without __len__"
     )
-    ring_bytes: int = Field(description="bytes of all the ring's segments")
+    ring_bytes: Annotated[
+        int, Metric("ring_bytes", "gauge", "Size of the loader's shared-memory ring")
+    ] = Field(description="bytes of all the ring's segments")
     ring_segments: int = Field(
         1, description="memfd segments of the ring: 1 as created, more after a PATCH grew it"
     )
     slot_bytes: int
-    slots: SlotCounts
-    page_locked: bool = Field(description="the ring is mlock'ed (page-locked) in the server")
-    consumer_attached: bool
-    consumer_cuda_registered: bool = Field(description="the consumer registered the ring with CUDA")
-    epoch: int = Field(description="epoch of the next batch handed to the consumer")
-    position: int = Field(description="index in its epoch of the next batch")
-    worker_restarts: int
+    slots: Annotated[SlotCounts, Metric("slots", "gauge", "Ring slots by state")]
+    page_locked: Annotated[
+        bool, Metric("page_locked", "gauge", "1 if the ring is page-locked (mlock)")
+    ] = Field(description="the ring is mlock'ed (page-locked) in the server")
+    consumer_attached: Annotated[
+        bool, Metric("consumer_attached", "gauge", "1 if a trainer is attached")
+    ]
+    consumer_cuda_registered: Annotated[
+        bool,
+        Metric(
+            "consumer_cuda_registered", "gauge", "1 if the trainer registered the ring with CUDA"
+        ),
+    ] = Field(description="the consumer registered the ring with CUDA")
+    epoch: Annotated[
+        int, Metric("epoch", "gauge", "Epoch of the next batch handed to the consumer")
+    ] = Field(description="epoch of the next batch handed to the consumer")
+    position: Annotated[
+        int, Metric("position", "gauge", "Index in its epoch of the next batch")
+    ] = Field(description="index in its epoch of the next batch")
+    worker_restarts: Annotated[
+        int, Metric("worker_restarts_total", "counter", "Worker processes replaced after dying")
+    ]
     members: list[MemberStatus] = Field(
         default_factory=list, description="consumer group members (one for a plain loader)"
     )

@@ -78,6 +78,7 @@ class Result:
     error: ErrorInfo | None = None
     end: bool = False
     rows: int | None = None  # rows written; None: one per index of the task
+    rng: bytes = b""  # the global RNG states after it, for the trainer (inline.py)
 
 
 def error_info(exc: BaseException) -> ErrorInfo:
@@ -91,6 +92,7 @@ def error_info(exc: BaseException) -> ErrorInfo:
         f"{type(exc).__name__}: {exc}",
         index=None,
         error_type=type(exc).__name__,
+        error_module=type(exc).__module__,
         where=traceback.format_exc(limit=-3),
     ).info()
 

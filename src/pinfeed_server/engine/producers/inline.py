@@ -18,24 +18,21 @@ batches stay ``DataLoader(num_workers=N)``'s.
 from __future__ import annotations
 
 import copy
+import itertools
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 from torch.utils.data._utils import worker as torch_worker
 
+from pinfeed.rng import RngState, capture, dump_state, load_state, restore
 from pinfeed_server.engine.collate import SlotWriter
+from pinfeed_server.engine.fed_plan import FedPlan
 from pinfeed_server.engine.iterable import EndJudge, is_iterable, shard_env
 from pinfeed_server.engine.producers.base import ProducerContext, Result, Task, error_info
-from pinfeed_server.engine.producers.iterating import IterStreams, make_turn
-from pinfeed_server.engine.producers.seeding import (
-    RngState,
-    Streams,
-    WorkerRngs,
-    apply,
-    capture,
-    history_of,
-    restore,
-)
+from pinfeed_server.engine.producers.iterating import IterStreams, make_turn, write_samples
+from pinfeed_server.engine.producers.seeding import Streams, WorkerRngs, apply, history_of
 
 # The global RNGs are the process's: one inline batch at a time may have them swapped,
 # and other dataset code run in the server (the service's probe of a first sample)
@@ -56,6 +53,8 @@ class InlineProducer:
         self._busy_s = 0.0
         self._closed = False
         self._dataset = ctx.dataset
+        self._fed_epoch = -1  # a trainer-fed iterable's epoch, and its iterator
+        self._fed_iter: Iterator[Any] = iter(())
         self._rng: RngState | None = None  # the loader's RNGs between its batches
         self._config = ctx.config
         # Created with workers: their streams, served here (see the module docstring).
@@ -85,12 +84,16 @@ class InlineProducer:
         t0 = time.perf_counter()
         if self._generation != self._ctx.ring.generation:
             self.segments_changed()
-        if self._iter is not None:
+        if self._iter is not None and isinstance(self._ctx.plan, FedPlan):
+            result = self._turn_on_trainer_rngs(self._ctx.plan, task)
+        elif self._iter is not None:
             result = self._make_from_iterator(self._iter, task)
         elif task.indices is None:
             raise ValueError("a map-style dataset's batches come from index lists")
         elif self._workers is not None:
             result = self._make_as_workers(task, task.indices)
+        elif isinstance(self._ctx.plan, FedPlan) and self.streams.replay:
+            result = self._make_on_trainer_rngs(self._ctx.plan, task, task.indices)
         elif self.streams.replay:
             result = self._make_with_own_rngs(task, task.indices)
         else:  # a built-in kind: it draws nothing from the global RNGs
@@ -112,6 +115,23 @@ class InlineProducer:
                 self._rng = capture()
                 restore(server)
 
+    def _make_on_trainer_rngs(self, plan: FedPlan, task: Task, indices: list[int]) -> Result:
+        """A ``pinfeed.DataLoader`` without workers: DataLoader makes such a batch in the
+        trainer, on the trainer's global RNGs, so it is made here on the states the
+        trainer sent with it (FEED), and the states after it go back with the batch
+        (RNG), for the trainer to carry on from."""
+        state = plan.trainer_rng(task.epoch, task.index)
+        with GLOBAL_RNG:
+            server = capture()
+            try:
+                if state is not None:
+                    load_state(state)
+                result = self._make(task.seq, task.slot, indices)
+                result.rng = dump_state()
+                return result
+            finally:
+                restore(server)
+
     def _make_as_workers(self, task: Task, indices: list[int]) -> Result:
         assert self._workers is not None
         with GLOBAL_RNG:
@@ -128,6 +148,35 @@ class InlineProducer:
                 self._writer.dataset = self._dataset
                 restore(server)
                 torch_worker._worker_info = info
+
+    def _turn_on_trainer_rngs(self, plan: FedPlan, task: Task) -> Result:
+        """A ``pinfeed.DataLoader`` over an IterableDataset without workers: DataLoader
+        iterates it in the trainer, on the trainer's RNGs (no seeding, no worker info),
+        one batch per ``next()``: one iterator per epoch, each turn made on the states
+        the trainer sent, which go back with it."""
+        state = plan.trainer_rng(task.epoch, task.index)
+        with GLOBAL_RNG:
+            server = capture()
+            try:
+                if state is not None:
+                    load_state(state)
+                if self._fed_epoch != task.epoch:
+                    self._fed_epoch, self._fed_iter = task.epoch, iter(copy.copy(self._dataset))
+                samples = list(itertools.islice(self._fed_iter, self._config.batch_size))
+                short = len(samples) < self._config.batch_size
+                if not samples or (short and self._config.drop_last):
+                    result = Result(task.seq, end=True, rows=0)
+                else:
+                    result = write_samples(self._writer, task, samples)
+            except Exception as exc:
+                result = Result(task.seq, error=error_info(exc))
+            finally:
+                rngs = dump_state()
+                restore(server)
+        result.rng = rngs
+        if result.end:
+            result.end = self._judge.ran_out(task.epoch, task.index)
+        return result
 
     def _make_from_iterator(self, streams: IterStreams, task: Task) -> Result:
         cfg = self._config

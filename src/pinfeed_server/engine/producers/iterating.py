@@ -37,16 +37,11 @@ from typing import Any
 
 from torch.utils.data._utils import worker as torch_worker
 
+from pinfeed.rng import RngState, capture, restore
 from pinfeed_server.engine.collate import SlotWriter
 from pinfeed_server.engine.config import LoaderConfig, persistent
 from pinfeed_server.engine.producers.base import Result, Task, error_info
-from pinfeed_server.engine.producers.seeding import (
-    BaseSeeds,
-    RngState,
-    capture,
-    restore,
-    seed_rngs,
-)
+from pinfeed_server.engine.producers.seeding import BaseSeeds, seed_rngs
 
 
 @dataclass(frozen=True, slots=True)

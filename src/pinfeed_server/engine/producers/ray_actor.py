@@ -18,10 +18,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from pinfeed.rng import dump_state
 from pinfeed_server.datasets import build_dataset
 from pinfeed_server.engine.producers.base import Task
 from pinfeed_server.engine.producers.codec import encode_result
-from pinfeed_server.engine.producers.seeding import Reseed, dump_state
+from pinfeed_server.engine.producers.seeding import Reseed
 from pinfeed_server.engine.producers.worker import BatchMaker, WorkerSpec
 
 # (the result as the pool's pipe encodes it, the slot's bytes or None, an RNG snapshot)

@@ -19,7 +19,6 @@ worker's earlier batches (``__getitem__`` called, output dropped) to reach the s
 from __future__ import annotations
 
 import copy
-import pickle
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data._utils import worker as torch_worker
 
+from pinfeed.rng import RngState, capture, load_state, restore
 from pinfeed_server.engine.collate import fetch_samples
 from pinfeed_server.engine.config import LoaderConfig, make_sampler, persistent
 from pinfeed_server.engine.fed_plan import FedPlan
@@ -252,30 +252,6 @@ def apply(reseed: Reseed, dataset: Any, init_fn: Any = None, *, worker: bool = T
             fetch_samples(dataset, indices)
         except Exception:  # the original batch raised here too, after the same draws
             continue
-
-
-RngState = tuple[torch.Tensor, Any, Any]
-
-
-def capture() -> RngState:
-    return torch.get_rng_state(), random.getstate(), np.random.get_state()
-
-
-def restore(state: RngState) -> None:
-    torch.set_rng_state(state[0])
-    random.setstate(state[1])
-    np.random.set_state(state[2])
-
-
-def dump_state() -> bytes:
-    """The global RNG states as bytes: a snapshot a worker sends after each batch."""
-    torch_state, random_state, np_state = capture()
-    return pickle.dumps((torch_state.numpy().tobytes(), random_state, np_state))
-
-
-def load_state(blob: bytes) -> None:
-    torch_state, random_state, np_state = pickle.loads(blob)
-    restore((torch.frombuffer(bytearray(torch_state), dtype=torch.uint8), random_state, np_state))
 
 
 class WorkerRngs:

@@ -26,7 +26,8 @@ from typing import Any
 import numpy.random  # noqa: F401
 import torch
 
-from pinfeed import Transformed
+from pinfeed.rng import dump_state
+from pinfeed.transformed import Transformed
 from pinfeed_server.datasets import DatasetContext
 from pinfeed_server.datasets.shipped import Shipped
 from pinfeed_server.engine.collate import Layout, SlotWriter
@@ -49,7 +50,7 @@ from pinfeed_server.engine.producers.codec import (
     encode_segment,
 )
 from pinfeed_server.engine.producers.iterating import IterStreams, make_turn
-from pinfeed_server.engine.producers.seeding import Reseed, WorkerRngs, dump_state
+from pinfeed_server.engine.producers.seeding import Reseed, WorkerRngs
 from pinfeed_server.engine.producers.zygote import inherited
 from pinfeed_server.engine.ring import Ring, SegmentInfo, SlotSpace, map_ring
 

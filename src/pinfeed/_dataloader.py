@@ -1,0 +1,376 @@
+"""``pinfeed.DataLoader``: torch's ``DataLoader``, one import away, whose batches the node's
+pinfeed server makes.
+
+    from pinfeed import DataLoader          # was: from torch.utils.data import DataLoader
+    loader = DataLoader(MyDataset(), batch_size=32, shuffle=True, num_workers=4)
+
+It *is* a ``torch.utils.data.DataLoader`` (a subclass): the same signature, defaults,
+argument errors and attributes, ``len()``, the samplers DataLoader builds, and what
+tools do with one (Lightning puts a ``DistributedSampler`` in by making it anew).
+What changes is where the batches are made. At construction the script's objects (the
+dataset, ``collate_fn``, ``worker_init_fn``) are shipped to the node's server by value
+(``pinfeed._shipping``), over the Unix socket only, and a loader of this trainer's own
+starts there with ``num_workers`` worker processes forked from one copy of them; a
+server is started for the user if none runs (``pinfeed._autostart``).
+
+The sampler stays here, where DataLoader iterates it: each ``iter()`` draws the base
+seed and iterates the batch sampler exactly as DataLoader's iterator does
+(``_BaseDataLoaderIter`` itself), and sends the index batches to the server
+``num_workers * prefetch_factor`` ahead, one more per batch it yields, as DataLoader
+puts them to its workers. So the script's own sampler object behaves as under
+DataLoader (``set_epoch`` on its ``DistributedSampler``, a stateful sampler's position,
+a ``RandomSampler`` drawing from the generator or the global RNG), and the workers,
+seeded from that base seed as DataLoader seeds them, make DataLoader's batches.
+Without workers DataLoader makes batches in the trainer on its global RNGs: then the
+trainer's RNG states travel with each index batch and come back with the batch.
+
+The batches arrive as zero-copy views into the server's ring (page-locked and
+registered with CUDA once when ``pin_memory=True`` and a GPU is present), as a
+``pinfeed.Loader``'s: ``device=`` copies them there (``non_blocking``), ``copy=True``
+hands out owned tensors. The loader goes when this object does (or ``close()``), and
+with the trainer, however it ends; ``name=`` keeps it warm for the next trainer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader as TorchDataLoader
+from torch.utils.data import IterableDataset
+from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+from pinfeed import protocol as p
+from pinfeed import rng
+from pinfeed._autostart import ensure_server
+from pinfeed._connection import Connection
+from pinfeed._shipping import ship
+from pinfeed._transport import SocketTransport
+from pinfeed.errors import ServerUnavailable, error_from_info
+
+_NEXT, _BATCH, _END, _ERROR = p.NEXT, p.BATCH, p.END, p.ERROR
+_BATCH_HEAD = p.BATCH_HEAD
+
+
+class DataLoader(TorchDataLoader):  # type: ignore[type-arg]
+    """torch's ``DataLoader(dataset, batch_size, shuffle, sampler, batch_sampler,
+    num_workers, collate_fn, pin_memory, drop_last, timeout, worker_init_fn,
+    multiprocessing_context, generator, *, prefetch_factor, persistent_workers,
+    pin_memory_device, in_order)``, with pinfeed's own options, keyword-only:
+
+    ``name``: a named loader on the server, kept warm after this trainer for the next
+    one that asks for it with an equal configuration and objects (another: an error).
+    ``device``: copy each batch there (``non_blocking``). ``copy``: yield owned CPU
+    tensors, not views into the ring (a view is valid until the next batch).
+    ``reconnect``: if the server restarts, ship again and go on from where the epoch
+    was. ``socket``: the server's data-plane socket (default ``PINFEED_SOCKET``, then
+    the default path). ``max_batch_size``: the largest batch a ``batch_sampler``
+    without a ``batch_size`` makes (the ring's slots hold that many samples).
+    """
+
+    # Accelerate hands a prepared loader back as it is (it shards nothing: the sampler
+    # is the script's, as with DataLoader), and tracks it as stateful.
+    _is_accelerate_prepared = True
+    use_stateful_dataloader = True
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Any = None,
+        batch_sampler: Any = None,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        generator: torch.Generator | None = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        name: str | None = None,
+        device: str | torch.device | None = None,
+        copy: bool = False,
+        reconnect: bool = False,
+        socket: str | os.PathLike[str] | None = None,
+        max_batch_size: int | None = None,
+    ) -> None:
+        super().__init__(
+            dataset,
+            batch_size,
+            shuffle,
+            sampler,
+            batch_sampler,
+            num_workers,
+            collate_fn,
+            pin_memory,
+            drop_last,
+            timeout,
+            worker_init_fn,
+            multiprocessing_context,
+            generator,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device,
+            in_order=in_order,
+        )
+        if batch_size is None and batch_sampler is None:
+            raise NotImplementedError(
+                "pinfeed.DataLoader with batch_size=None (no automatic batching) is not "
+                "supported yet: give a batch_size, or a batch_sampler"
+            )
+        target = torch.device(device) if device is not None else None
+        if target is not None and target.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"device={device!r} was asked for, but CUDA is not available")
+        rows = max_batch_size or self.batch_size or getattr(self.batch_sampler, "batch_size", None)
+        if not rows:
+            raise ValueError(
+                "pinfeed.DataLoader: this batch_sampler has no batch_size; give "
+                "max_batch_size=, the largest batch it makes (the ring's slots hold it)"
+            )
+        self._owned = _Owned(
+            self,
+            name=name,
+            device=target,
+            copy=copy,
+            reconnect=reconnect,
+            socket=Path(socket) if socket is not None else p.default_socket_path(),
+            max_rows=int(rows),
+        )
+
+    def _get_iterator(self) -> _BaseDataLoaderIter:
+        return _Iter(self)
+
+    # -- pinfeed's side --------------------------------------------------------------------
+    @property
+    def pinfeed_name(self) -> str:
+        """The loader's name on the server (GET /v1/loaders/{name}, pinfeed status)."""
+        return self._owned.conn.name
+
+    def set_epoch(self, epoch: int) -> None:
+        """The sampler's ``set_epoch`` (a ``DistributedSampler``'s), as Lightning calls it."""
+        for s in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
+            set_epoch = getattr(s, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(epoch)
+                return
+
+    def close(self) -> None:
+        """Let the server's loader go (it goes anyway when this object does)."""
+        self._owned.close()
+
+    def __enter__(self) -> DataLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Owned:
+    """The trainer's loader on the server: its connection (a CREATE with the payload,
+    then ATTACHED), the epochs it has fed, and the payload kept for a reconnect."""
+
+    def __init__(
+        self,
+        loader: DataLoader,
+        *,
+        name: str | None,
+        device: torch.device | None,
+        copy: bool,
+        reconnect: bool,
+        socket: Path,
+        max_rows: int,
+    ) -> None:
+        dataset = loader.dataset
+        iterable = isinstance(dataset, IterableDataset)
+        collate: Any = loader.collate_fn
+        if collate is torch.utils.data.default_collate:
+            collate = None  # the server writes default-collated batches itself
+        self.payload = ship(
+            {
+                "dataset": dataset,
+                "collate_fn": collate,
+                "worker_init_fn": loader.worker_init_fn,
+            }
+        )
+        self._finalize = weakref.finalize(self, os.close, self.payload)
+        self.iterable = iterable
+        self.num_workers = loader.num_workers
+        self.prefetch = (loader.prefetch_factor or 2) * loader.num_workers
+        self.reconnect = reconnect
+        self.epoch = -1  # the last epoch begun
+        self.in_epoch = False
+        request = p.Create(
+            name=name,
+            digest="",
+            max_rows=max_rows,
+            num_workers=loader.num_workers,
+            prefetch_factor=loader.prefetch_factor or 2,
+            pin_memory=loader.pin_memory,
+            persistent_workers=loader.persistent_workers,
+            iterable=iterable,
+            length=_length(dataset),
+            batches_per_epoch=_length(loader),
+            samples=None if iterable else _length(loader.sampler),
+            drop_last=loader.drop_last,
+        )
+        digest = hashlib.sha256(_payload_bytes(self.payload) + request.encode()).hexdigest()
+        message, fds = p.Create(**{**request.__dict__, "digest": digest}).encode(), (self.payload,)
+        ensure_server(socket)
+        timeout = loader.timeout or None
+        transport = SocketTransport(socket, timeout, name or "pinfeed.DataLoader")
+        # The CREATE (sent again by a reconnect) refers to nothing of this object's, so
+        # the connection, which the finalizer below holds, does not keep it alive.
+        self.conn = Connection(
+            transport, name or "", None, device, copy, request=lambda: (message, fds)
+        )
+        # The connection (and so the server's loader) goes with this object.
+        self._closing = weakref.finalize(self, self.conn.close)
+
+    # -- an epoch -----------------------------------------------------------------------
+    def begin(self, base_seed: int) -> int:
+        """A new epoch of this loader (the last one, unfinished, is dropped first)."""
+        conn = self.conn
+        if self.in_epoch:
+            self.skip()
+        self.epoch += 1
+        conn.send_message(p.encode_epoch(self.epoch, base_seed))
+        self.in_epoch = True
+        return self.epoch
+
+    def skip(self) -> None:
+        """Drop the rest of the current epoch (an iterator left unfinished)."""
+        conn = self.conn
+        conn.send_message(p.encode_feed(self.epoch, 0, None))  # its sampler: no more
+        conn.send(p.SKIP)
+        while True:
+            n = conn.recv()
+            kind = conn.buf[0]
+            if kind == _END:
+                break
+            if kind == _BATCH:
+                conn.hand_back(_BATCH_HEAD.unpack_from(conn.buf)[1])
+            elif conn.error(n) is None or conn.error(n).fatal:  # type: ignore[union-attr]
+                raise conn.failure(n)
+        self.in_epoch = False
+
+    def feed(self, index: int, indices: list[int] | None, rng_state: bytes = b"") -> None:
+        self.conn.send_message(p.encode_feed(self.epoch, index, indices, rng_state))
+
+    def next_batch(self) -> bool:
+        """Wait for the next item: True for a BATCH (``deliver`` it), False at the
+        epoch's END; raises what failed."""
+        conn = self.conn
+        conn.send(_NEXT)
+        n = conn.recv()
+        kind = conn.buf[0]
+        if kind == _BATCH:
+            return True
+        if kind == _END:
+            self.in_epoch = False
+            return False
+        info = conn.error(n)
+        if info is None:
+            raise conn.failure(n)
+        raise error_from_info(info)
+
+    def deliver(self) -> Any:
+        """The BATCH just received, as views (or copies, or on the device). Its slot goes
+        back with the next message sent: send FEEDs before, not after."""
+        conn = self.conn
+        _, slot, _seq, _epoch, _index, nstr = _BATCH_HEAD.unpack_from(conn.buf)
+        return conn.delivery.deliver(slot, conn.views.batch(conn.buf, slot, nstr))
+
+    def close(self) -> None:
+        self._closing()
+        self._finalize()
+
+
+def _payload_bytes(fd: int) -> bytes:
+    size = os.fstat(fd).st_size
+    return os.pread(fd, size, 0)
+
+
+def _length(obj: Any) -> int | None:
+    try:
+        return len(obj)
+    except (TypeError, NotImplementedError):
+        return None
+
+
+class _Iter(_BaseDataLoaderIter):
+    """One epoch (DataLoader's iterator: its base seed and sampler iteration are
+    ``_BaseDataLoaderIter``'s own), its batches made by the server."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        super().__init__(loader)
+        self._owned = loader._owned
+        self._start()
+
+    def _start(self) -> None:
+        owned = self._owned
+        self._epoch = owned.begin(int(self._base_seed))
+        self._fed = 0
+        self._exhausted = False
+        if owned.num_workers > 0 and not owned.iterable:
+            for _ in range(owned.prefetch):  # DataLoader's _reset puts this many ahead
+                self._feed()
+
+    def _feed(self, with_rng: bool = False) -> bool:
+        """Send the sampler's next index batch (``with_rng``: and this process's RNG
+        states, taken after the sampler drew: the batch is made on them); False (after
+        telling the server) once the sampler ran out."""
+        if self._exhausted:
+            return False
+        try:
+            indices = self._next_index()  # type: ignore[no-untyped-call]
+        except StopIteration:
+            self._exhausted = True
+            self._owned.feed(self._fed, None)
+            return False
+        state = rng.dump_state() if with_rng else b""
+        self._owned.feed(self._fed, [int(i) for i in indices], state)
+        self._fed += 1
+        return True
+
+    def _next_data(self) -> Any:
+        owned = self._owned
+        if owned.epoch != self._epoch or not owned.in_epoch:
+            raise StopIteration  # a newer iterator took over this loader
+        if owned.num_workers == 0:
+            # As DataLoader: the next index (an iterable: the next turn of its one
+            # iterator), then the batch, made on this process's RNGs.
+            if owned.iterable:
+                owned.feed(self._fed, [], rng.dump_state())
+                self._fed += 1
+            else:
+                self._feed(with_rng=True)
+        ahead = owned.num_workers > 0 and not owned.iterable
+        try:
+            got = owned.next_batch()
+        except ServerUnavailable:
+            raise  # a reconnect re-ships (see the module); not built yet for fed epochs
+        except Exception:
+            if ahead:
+                self._feed()  # DataLoader puts the next index before re-raising
+            raise
+        if not got:
+            raise StopIteration
+        if ahead:
+            self._feed()  # one more index for each batch handed out, as DataLoader
+        return owned.deliver()
+
+    def _reset(self, loader: Any, first_iter: bool = False) -> None:
+        super()._reset(loader, first_iter)
+        if not first_iter:  # persistent workers' next epoch: the same base seed
+            self._start()

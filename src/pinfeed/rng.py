@@ -1,0 +1,37 @@
+"""The process's global RNG states (``torch``, ``random``, numpy) as bytes: what a
+worker sends after each batch (an RNG snapshot), and what travels with a batch made for
+a ``pinfeed.DataLoader`` without workers (FEED and RNG messages), since DataLoader makes
+those in the trainer, on the trainer's RNGs. Both sides read and write it here."""
+
+from __future__ import annotations
+
+import pickle
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+RngState = tuple[torch.Tensor, Any, Any]
+
+
+def capture() -> RngState:
+    return torch.get_rng_state(), random.getstate(), np.random.get_state()
+
+
+def restore(state: RngState) -> None:
+    torch.set_rng_state(state[0])
+    random.setstate(state[1])
+    np.random.set_state(state[2])
+
+
+def dump_state() -> bytes:
+    """The global RNG states, as bytes."""
+    torch_state, random_state, np_state = capture()
+    return pickle.dumps((torch_state.numpy().tobytes(), random_state, np_state))
+
+
+def load_state(blob: bytes) -> None:
+    """Make the global RNG states those ``dump_state`` gave."""
+    torch_state, random_state, np_state = pickle.loads(blob)
+    restore((torch.frombuffer(bytearray(torch_state), dtype=torch.uint8), random_state, np_state))

@@ -1,0 +1,444 @@
+"""``pinfeed.DataLoader`` in place of torch's, in the same test code: every case builds
+its loader from a class it is given, and runs once with ``torch.utils.data.DataLoader``
+and once with ``pinfeed.DataLoader`` (the server's, on this test's objects), from the
+same seeds; the epochs must be equal batch for batch (``torch.equal``, same structure
+and dtypes), ``len()`` too, and the trainer's own RNGs must have moved alike."""
+
+from __future__ import annotations
+
+import collections
+import math
+import random
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    Sampler,
+    default_collate,
+    get_worker_info,
+)
+from torch.utils.data import DataLoader as TorchDataLoader
+
+import pinfeed
+from tests.conftest import Server
+from tests.helpers import assert_same
+
+Pair = collections.namedtuple("Pair", ["left", "right"])
+
+
+# -- the script's own objects: classes of this module, lambdas, closures -----------------
+class Squares(Dataset[Any]):
+    def __init__(self, n: int = 45) -> None:
+        self.n = n
+        self.table = np.arange(n, dtype=np.int64) ** 2  # an array the dataset holds
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        return torch.tensor(self.table[i]), i % 3
+
+
+class Augmented(Dataset[Any]):
+    """Draws from torch, random and numpy in every sample, as augmentations do."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> Any:
+        return (
+            torch.full((2,), float(i)) + torch.rand(2),
+            random.random(),
+            np.float32(np.random.rand()),
+        )
+
+
+class Mixed(Dataset[Any]):
+    """Every default_collate case."""
+
+    def __len__(self) -> int:
+        return 30
+
+    def __getitem__(self, i: int) -> Any:
+        return {
+            "image": torch.arange(6, dtype=torch.float32).reshape(2, 3) * i,
+            "arr": np.full((3,), i, dtype=np.int32),
+            "label": i % 4,
+            "weight": i / 7.0,
+            "flag": bool(i % 2),
+            "name": f"sample-{i}",
+            "nested": (torch.tensor([i, -i]), [i * 2, {"deep": torch.ones(2) * i}]),
+            "pair": Pair(torch.tensor(i), float(i)),
+        }
+
+
+class Ragged(Dataset[Any]):
+    def __len__(self) -> int:
+        return 33
+
+    def __getitem__(self, i: int) -> Any:
+        return torch.arange(1 + i % 7, dtype=torch.int64)
+
+
+class WhoMadeMe(Dataset[Any]):
+    """Returns the worker that made each sample, and what its worker_init_fn set."""
+
+    def __init__(self) -> None:
+        self.tag = -1
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> Any:
+        info = get_worker_info()
+        worker = -1 if info is None else info.id
+        count = 0 if info is None else info.num_workers
+        return torch.tensor([i, worker, count, self.tag])
+
+
+def tag_worker(worker_id: int) -> None:
+    info = get_worker_info()
+    assert info is not None
+    info.dataset.tag = 100 + worker_id
+
+
+class Shards(IterableDataset[Any]):
+    """Splits its range over workers with get_worker_info; draws a random number too."""
+
+    def __init__(self, n: int = 26) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        for i in range(start, self.n, step):
+            yield torch.tensor([i]), torch.rand(1)
+
+
+class Flaky(Dataset[Any]):
+    def __len__(self) -> int:
+        return 20
+
+    def __getitem__(self, i: int) -> Any:
+        if i in (7, 13):
+            raise ValueError(f"corrupt record {i}")
+        return torch.tensor([i])
+
+
+class EveryOther(Sampler[int]):
+    """A custom sampler: the even indices, then the odd ones."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[int]:
+        yield from range(0, self.n, 2)
+        yield from range(1, self.n, 2)
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class Rotating(Sampler[int]):
+    """A stateful sampler: each epoch starts one further on."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.start = 0
+
+    def __iter__(self) -> Iterator[int]:
+        start, self.start = self.start, self.start + 1
+        for k in range(self.n):
+            yield (start + k) % self.n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class Buckets(Sampler[list[int]]):
+    """A batch sampler with batches of different sizes."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[list[int]]:
+        i, size = 0, 1
+        while i < self.n:
+            yield list(range(i, min(self.n, i + size)))
+            i, size = i + size, size % 5 + 1
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def pad(samples: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    longest = max(len(s) for s in samples)
+    out = torch.zeros(len(samples), longest, dtype=torch.int64)
+    for row, s in enumerate(samples):
+        out[row, : len(s)] = s
+    return out, torch.tensor([len(s) for s in samples])
+
+
+# -- running a case under both ------------------------------------------------------------
+Make = Callable[[type[TorchDataLoader[Any]], dict[str, Any]], TorchDataLoader[Any]]
+
+
+def _clone(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.clone()
+    if isinstance(batch, np.ndarray):
+        return batch.copy()
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_clone(x) for x in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_clone(x) for x in batch)
+    if isinstance(batch, dict):
+        return {k: _clone(v) for k, v in batch.items()}
+    return batch
+
+
+def _seed() -> None:
+    torch.manual_seed(1234)
+    random.seed(99)
+    np.random.seed(7)
+
+
+def _run(
+    make: Make, cls: type[Any], extra: dict[str, Any], epochs: int, set_epoch: bool
+) -> tuple[list[list[Any]], int | None, Any]:
+    _seed()
+    loader = make(cls, extra)
+    try:
+        length: int | None = len(loader)
+    except TypeError:
+        length = None
+    got: list[list[Any]] = []
+    for epoch in range(epochs):
+        if set_epoch:
+            loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+        got.append([])
+        it = iter(loader)
+        while True:
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
+            except Exception as exc:  # a sample raised: DataLoader raises it, then goes on
+                got[-1].append(
+                    ("raised", isinstance(exc, ValueError), "corrupt record" in str(exc))
+                )
+                continue
+            got[-1].append(_clone(batch))
+    after = (torch.rand(2), random.random(), np.random.rand())
+    if isinstance(loader, pinfeed.DataLoader):
+        loader.close()
+    return got, length, after
+
+
+def check(server: Server, make: Make, epochs: int = 3, set_epoch: bool = False) -> None:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
+        want, want_len, want_after = _run(make, TorchDataLoader, {}, epochs, set_epoch)
+        got, got_len, got_after = _run(
+            make, pinfeed.DataLoader, {"socket": server.socket}, epochs, set_epoch
+        )
+    assert got_len == want_len
+    assert [len(e) for e in got] == [len(e) for e in want] and sum(map(len, want)) > 0
+    for e, (g, w) in enumerate(zip(got, want, strict=True)):
+        for i, (gb, wb) in enumerate(zip(g, w, strict=True)):
+            assert_same(gb, wb, f"epoch {e} batch {i}")
+    assert_same(got_after, want_after, "the trainer's RNGs afterwards")
+
+
+@pytest.fixture(params=[0, 2], ids=["workers0", "workers2"])
+def workers(request: pytest.FixtureRequest) -> int:
+    return int(request.param)
+
+
+# -- the cases ------------------------------------------------------------------------------
+def test_batches_shuffle_with_a_generator_and_drop_last(server: Server, workers: int) -> None:
+    for drop_last in (False, True):
+        check(
+            server,
+            lambda cls, x, drop_last=drop_last: cls(  # type: ignore[misc]
+                Squares(),
+                batch_size=4,
+                shuffle=True,
+                drop_last=drop_last,
+                num_workers=workers,
+                generator=torch.Generator().manual_seed(5),
+                **x,
+            ),
+        )
+
+
+def test_shuffle_from_the_global_rng(server: Server, workers: int) -> None:
+    check(
+        server, lambda cls, x: cls(Squares(), batch_size=6, shuffle=True, num_workers=workers, **x)
+    )
+
+
+def test_augmentations_across_workers_and_epochs(server: Server, workers: int) -> None:
+    check(
+        server,
+        lambda cls, x: cls(Augmented(), batch_size=5, shuffle=True, num_workers=workers, **x),
+    )
+
+
+def test_persistent_workers_and_prefetch_factor(server: Server) -> None:
+    check(
+        server,
+        lambda cls, x: cls(
+            Augmented(),
+            batch_size=3,
+            shuffle=True,
+            num_workers=2,
+            persistent_workers=True,
+            prefetch_factor=4,
+            **x,
+        ),
+    )
+
+
+def test_default_collate_of_every_structure(server: Server, workers: int) -> None:
+    check(server, lambda cls, x: cls(Mixed(), batch_size=4, num_workers=workers, **x), epochs=1)
+
+
+def test_a_lambda_collate_fn_and_a_plain_function(server: Server, workers: int) -> None:
+    check(
+        server,
+        lambda cls, x: cls(
+            Ragged(), batch_size=5, shuffle=True, num_workers=workers, collate_fn=pad, **x
+        ),
+    )
+    scale = 3  # a closure over a local
+    check(
+        server,
+        lambda cls, x: cls(
+            Squares(),
+            batch_size=4,
+            num_workers=workers,
+            collate_fn=lambda samples: default_collate(samples)[0] * scale,
+            **x,
+        ),
+        epochs=1,
+    )
+
+
+def test_worker_init_fn_and_get_worker_info(server: Server, workers: int) -> None:
+    check(
+        server,
+        lambda cls, x: cls(
+            WhoMadeMe(), batch_size=3, num_workers=workers, worker_init_fn=tag_worker, **x
+        ),
+    )
+
+
+def test_custom_and_stateful_samplers(server: Server, workers: int) -> None:
+    check(
+        server,
+        lambda cls, x: cls(
+            Squares(), batch_size=4, sampler=EveryOther(45), num_workers=workers, **x
+        ),
+    )
+    # The sampler object advances per epoch as under DataLoader (it runs in the trainer).
+    check(
+        server,
+        lambda cls, x: cls(
+            Squares(20), batch_size=6, sampler=Rotating(20), num_workers=workers, **x
+        ),
+    )
+
+
+def test_a_batch_sampler_of_varying_sizes(server: Server, workers: int) -> None:
+    check(
+        server,
+        lambda cls, x: cls(
+            Squares(),
+            batch_sampler=Buckets(45),
+            num_workers=workers,
+            **({"max_batch_size": 5} | x if x else {}),
+        ),
+    )
+    check(
+        server,
+        lambda cls, x: cls(
+            Squares(),
+            batch_sampler=BatchSampler(EveryOther(45), batch_size=7, drop_last=False),
+            num_workers=workers,
+            **x,
+        ),
+    )
+
+
+def test_distributed_sampler_with_set_epoch_on_the_scripts_object(
+    server: Server, workers: int
+) -> None:
+    for rank in (0, 1):
+        check(
+            server,
+            lambda cls, x, rank=rank: cls(  # type: ignore[misc]
+                Augmented(),
+                batch_size=4,
+                sampler=DistributedSampler(
+                    Augmented(), num_replicas=2, rank=rank, shuffle=True, seed=3
+                ),
+                num_workers=workers,
+                **x,
+            ),
+            set_epoch=True,
+        )
+
+
+def test_an_iterable_dataset_split_across_workers(server: Server, workers: int) -> None:
+    check(server, lambda cls, x: cls(Shards(), batch_size=4, num_workers=workers, **x))
+    check(
+        server, lambda cls, x: cls(Shards(), batch_size=4, drop_last=True, num_workers=workers, **x)
+    )
+
+
+def test_exceptions_from_getitem_reach_the_loop(server: Server, workers: int) -> None:
+    check(server, lambda cls, x: cls(Flaky(), batch_size=3, num_workers=workers, **x))
+
+
+def test_len_and_dataloaders_attributes(server: Server) -> None:
+    ds = Squares()
+    loader = pinfeed.DataLoader(ds, batch_size=7, shuffle=True, num_workers=2, socket=server.socket)
+    try:
+        assert isinstance(loader, TorchDataLoader)
+        assert len(loader) == math.ceil(45 / 7)
+        assert loader.dataset is ds and loader.batch_size == 7 and loader.num_workers == 2
+        assert loader.prefetch_factor == 2 and loader.drop_last is False
+        assert type(loader.sampler).__name__ == "RandomSampler"
+        with pytest.raises(ValueError, match="batch_size attribute should not be set"):
+            loader.batch_size = 3
+    finally:
+        loader.close()
+
+
+def test_dataloaders_argument_errors_word_for_word(server: Server) -> None:
+    for kwargs in (
+        {"shuffle": True, "sampler": EveryOther(45)},
+        {"batch_sampler": Buckets(45), "batch_size": 4},
+        {"num_workers": 0, "prefetch_factor": 2},
+        {"num_workers": 0, "persistent_workers": True},
+        {"num_workers": -1},
+    ):
+        with pytest.raises(ValueError) as want:
+            TorchDataLoader(Squares(), **kwargs)
+        with pytest.raises(ValueError) as got:
+            pinfeed.DataLoader(Squares(), socket=server.socket, **kwargs)
+        assert str(got.value) == str(want.value)
+    with pytest.raises(ValueError) as want:
+        TorchDataLoader(Shards(), shuffle=True)
+    with pytest.raises(ValueError) as got:
+        pinfeed.DataLoader(Shards(), shuffle=True, socket=server.socket)
+    assert str(got.value) == str(want.value)

@@ -1,0 +1,55 @@
+"""``python -m bench W1 --quick`` and ``python -m bench w4-profile --quick`` run end to
+end and write result files the report can read (benchmarks that nothing runs rot).
+
+It checks the files' shape, never how fast anything was.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import report, results
+from tests.conftest import REPO
+
+
+def _bench(*args: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    out = subprocess.run(
+        [sys.executable, "-m", "bench", *args, "--out", str(tmp_path / "results")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out
+
+
+# About a minute alone on 2 cores; the machine's other work can triple that.
+@pytest.mark.timeout(900)
+def test_suite_w1_quick(tmp_path: Path) -> None:
+    _bench("W1", "--quick", "--data-dir", str(tmp_path / "data"), tmp_path=tmp_path)
+    res = json.loads((tmp_path / "results" / "W1.json").read_text())
+    assert res["name"] == "W1" and res["commit"]["sha"] and res["machine"]["cpus"]
+    assert set(res["cells"]) == {"pinfeed", "dataloader", "dataloader-tuned"}
+    for system, by in res["cells"].items():
+        assert set(by) == {"0", "2"}, system
+        for nw, c in by.items():
+            assert c["samples_per_s"]["n"] == 1 and c["samples_per_s"]["median"] > 0
+            assert c["cpu_ms_per_ksample"]["median"] > 0, (system, nw)
+    assert {r["system"] for r in res["handoff"]["runs"]} == set(res["cells"])
+    assert all("share" in r["foreign"] for r in res["runs"])
+    r = report.Results(tmp_path / "results")
+    assert "not yet measured" not in report.headline(r, ["W1"])
+
+
+@pytest.mark.timeout(300)
+def test_w4_profile_quick(tmp_path: Path) -> None:
+    _bench("w4-profile", "--quick", "--data-dir", str(tmp_path / "data"), tmp_path=tmp_path)
+    res = results.load("w4-profile", tmp_path / "results")
+    assert res is not None and res["pinfeed_cpu_us"] > 0 and res["dataloader_cpu_us"] > 0
+    assert "CPU µs per batch" in report.w4_profile(report.Results(tmp_path / "results"), [])
