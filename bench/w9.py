@@ -26,8 +26,11 @@ the two systems alternating ABBA, medians over ``--runs`` (spread = min..max):
   (time per image, pixel difference), in this process; ``profile``: where a cold
   sample's time goes (cProfile over decode + resize + transform, one process).
 
-Writes ``docs/bench-w9.json``; ``--report FILE`` prints the README's table from a
-result file (every figure in the README comes from it).
+Writes ``docs/results/W9.json`` (``bench.results``: commit, machine, load, other
+processes' CPU share per run, every run's raw numbers); ``python -m bench report``
+makes README's W9 table (``bench.report.w9``) and W9's rows of the suite's tables
+(``cells``: samples/s over the three epochs; ``roofline``: one process decoding and
+transforming) from it.
 """
 
 from __future__ import annotations
@@ -37,10 +40,8 @@ import contextlib
 import cProfile
 import json
 import os
-import platform
 import pstats
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,36 +53,14 @@ from typing import Any
 import numpy as np
 import psutil
 
-from bench.data import DATA_DIR, _jpeg, warm_page_cache
+from bench import data, results
+from bench.data import DATA_DIR, W9_RESIZE, _jpeg, warm_page_cache
 from bench.memory import PeakSampler
 from bench.server import REPO, BenchServer
 from tests.launcher import Server
 
-TRANSFORM = "bench.transforms:w9"
-RESIZE = 256
-BATCH = 32
-EPOCHS = 3
-CLASSES = 10
-SOURCE = (500, 375)
+RESIZE = W9_RESIZE
 SYSTEMS = ("pinfeed", "dataloader")
-
-
-# -- data ----------------------------------------------------------------------------------
-def make_w9(root: Path, n: int) -> tuple[str, dict[str, Any]]:
-    """``n`` JPEGs under ``root/w9-<n>`` (made once); (folder, the images params)."""
-    folder = root / f"w9-{n}"
-    spec = {"n": n, "classes": CLASSES, "source": list(SOURCE), "quality": 90, "seed": 9}
-    stamp = folder / "spec.json"
-    if not (stamp.exists() and json.loads(stamp.read_text()) == spec):
-        rng = np.random.default_rng(9)
-        w, h = SOURCE
-        for i in range(n):
-            cls = folder / f"class{i % CLASSES:02d}"
-            cls.mkdir(parents=True, exist_ok=True)
-            size = (w, h) if i % 4 else (h, w)
-            _jpeg(rng, *size).save(cls / f"img{i:06d}.jpg", format="JPEG", quality=90)
-        stamp.write_text(json.dumps(spec))
-    return folder.name, {"path": folder.name, "size": RESIZE, "crop": False}
 
 
 # -- processes -------------------------------------------------------------------------------
@@ -172,9 +151,11 @@ def run_trainers(specs: list[dict[str, Any]], server_pid: int | None) -> dict[st
         for t in trainers:
             t.expect("ready")
         load = os.getloadavg()[0]
+        foreign = results.ForeignCpu().start()
         for t in trainers:
             t.send("go\n")
-        results = [t.expect("result") for t in trainers]
+        done = [t.expect("result") for t in trainers]
+        other = foreign.stop()
         trainer_cpu = sum(sum(_tree_cpu(t.proc.pid).values()) for t in trainers)
         after = _tree_cpu(server_pid) if server_pid else {}
         memory = sampler.stop()
@@ -186,13 +167,23 @@ def run_trainers(specs: list[dict[str, Any]], server_pid: int | None) -> dict[st
             t.proc.kill()
         raise
     server_cpu = sum(v - before.get(pid, 0.0) for pid, v in after.items())
+    jobs_ = [{"start": r["start"], "epochs": r["epochs"]} for r in done]
+    samples = sum(e["samples"] for j in jobs_ for e in j["epochs"])
+    wall = max(j["epochs"][-1]["end"] for j in jobs_) - min(j["start"] for j in jobs_)
+    first = jobs_[0]["epochs"][0]["first"]
+    cpu = trainer_cpu + server_cpu
     return {
-        "jobs": [{"start": r["start"], "epochs": r["epochs"]} for r in results],
+        "jobs": jobs_,
+        "samples_per_s": samples / wall,
+        "ttfb_s": first - jobs_[0]["start"] if first else None,
         "trainer_cpu_s": trainer_cpu,
         "server_cpu_s": server_cpu,
-        "cpu_s": trainer_cpu + server_cpu,
+        "cpu_s": cpu,
+        "cpu_ms_per_ksample": cpu / samples * 1e6,
         "peak_pss_bytes": memory["peak_pss_bytes"],
+        "peak_rss_bytes": memory["peak_rss_bytes"],
         "loadavg_1m_at_go": load,
+        "foreign": other,
     }
 
 
@@ -206,10 +197,10 @@ def _spec(
     return {
         "system": system,
         "num_workers": nw,
-        "batch_size": BATCH,
-        "epochs": EPOCHS,
+        "batch_size": args.workload.batch_size,
+        "epochs": args.workload.epochs,
         "seed": 0,
-        "transform": TRANSFORM,
+        "transform": args.workload.transform,
         "params": params,
         "data_root": str(args.data_dir),
         **kw,
@@ -415,35 +406,75 @@ def draft(args: argparse.Namespace, folder: str) -> dict[str, Any]:
 
 
 def profile(args: argparse.Namespace, params: dict[str, Any]) -> dict[str, Any]:
-    """Where a cold sample's time goes: decode, resize, copies, the transform."""
+    """Where a cold sample's time goes, in one process with one torch thread: each stage
+    timed apart (three passes, the median), cProfile's top functions, and the
+    single-process rooflines: samples/s decoding and transforming (a cold epoch), and
+    transforming samples already decoded (a cached epoch without any IPC)."""
+    import numpy as np
     import torch
+    from PIL import Image
 
     from bench.transforms import w9
     from pinfeed_server.datasets import DatasetContext, build_dataset
+    from pinfeed_server.datasets.images import fit
 
     torch.set_num_threads(1)
     ds = build_dataset("images", params, DatasetContext(args.data_dir))
     n = min(300, len(ds))
+    paths = [ds.sample(i)[0] for i in range(n)]
+    passes: dict[str, list[float]] = {k: [] for k in ("decode", "resize", "to_tensor", "transform")}
+    roof: list[dict[str, Any]] = []
+    for _ in range(3):
+        spent = dict.fromkeys(passes, 0.0)
+        foreign = results.ForeignCpu().start()
+        t_all = time.perf_counter()
+        for path in paths:
+            t0 = time.perf_counter()
+            with open(path, "rb") as f:
+                img = Image.open(f)
+                img.load()
+            t1 = time.perf_counter()
+            img = fit(img, RESIZE, crop=False)
+            t2 = time.perf_counter()
+            x = torch.from_numpy(np.asarray(img).transpose(2, 0, 1).copy())
+            t3 = time.perf_counter()
+            w9((x, 0))
+            t4 = time.perf_counter()
+            for k, dt in zip(passes, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+                spent[k] += dt
+        roof.append({"samples_per_s": n / (time.perf_counter() - t_all), "foreign": foreign.stop()})
+        for k in passes:
+            passes[k].append(spent[k] / n * 1e3)
+    stages = {k: sorted(v)[1] for k, v in passes.items()}
+    decoded = [ds[i] for i in range(min(100, n))]
+    t0 = time.perf_counter()
+    for _ in range(3):
+        for sample in decoded:
+            w9(sample)
+    cached = 3 * len(decoded) / (time.perf_counter() - t0)
     prof = cProfile.Profile()
     prof.enable()
-    for i in range(n):
+    for i in range(min(100, n)):
         w9(ds[i])
     prof.disable()
     stats = pstats.Stats(prof)
     total = sum(v[2] for v in stats.stats.values())  # type: ignore[attr-defined]
     rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])  # type: ignore[attr-defined]
     top = [
-        {
-            "function": f"{Path(f).name}:{line}({fn})",
-            "share": tt / total,
-            "ms_per_sample": tt / n * 1e3,
-        }
+        {"function": f"{Path(f).name}:{line}({fn})", "share": tt / total}
         for (f, line, fn), (_, _, tt, _, _) in rows[:8]
     ]
-    return {"samples": n, "ms_per_sample": total / n * 1e3, "top_own_time": top}
+    return {
+        "samples": n,
+        "stage_ms": stages,
+        "transform_share": stages["transform"] / sum(stages.values()),
+        "roofline_runs": roof,
+        "cached_roofline_samples_per_s": cached,
+        "top_own_time": top,
+    }
 
 
-# -- summary ------------------------------------------------------------------------------------
+# -- the result file ---------------------------------------------------------------------------
 def _rate(e: dict[str, Any]) -> float:
     return float(e["samples"] / e["seconds"])
 
@@ -463,189 +494,95 @@ def _aggregate(jobs_: list[dict[str, Any]]) -> list[float]:
     return out
 
 
-def _stat(xs: list[float]) -> dict[str, float]:
-    return {"median": float(statistics.median(xs)), "min": min(xs), "max": max(xs)}
+def _cell(runs: list[dict[str, Any]], epochs: list[list[float]]) -> dict[str, Any]:
+    return {
+        "epochs": [results.spread([ep[e] for ep in epochs]) for e in range(len(epochs[0]))],
+        "cpu_s": results.spread([r["cpu_s"] for r in runs]),
+        "peak_pss_bytes": results.spread([r["peak_pss_bytes"] for r in runs]),
+        "under_load": results.under_load(runs),
+    }
 
 
-def summarize(result: dict[str, Any]) -> dict[str, Any]:
-    s: dict[str, Any] = {"single": {}, "jobs": {}, "restart": {}}
-    for nw in sorted({r["num_workers"] for r in result.get("single", [])}):
-        row: dict[str, Any] = {}
-        for system in SYSTEMS:
-            runs = [r for r in result["single"] if r["num_workers"] == nw and r["system"] == system]
-            epochs = [[_rate(e) for e in r["jobs"][0]["epochs"]] for r in runs]
-            row[system] = {
-                "epoch": [_stat([ep[e] for ep in epochs]) for e in range(EPOCHS)],
-                "cpu_s": _stat([r["cpu_s"] for r in runs]),
-                "peak_pss_mib": _stat([r["peak_pss_bytes"] / 2**20 for r in runs]),
-            }
-        row["ratio"] = [
-            row["pinfeed"]["epoch"][e]["median"] / row["dataloader"]["epoch"][e]["median"]
-            for e in range(EPOCHS)
-        ]
-        s["single"][str(nw)] = row
+def summarize(result: dict[str, Any]) -> None:
+    """Each section's cells (medians and spread over its runs), and the suite's view
+    (``cells``, ``roofline``) that the headline, throughput, costs and plot read."""
+    from bench import suite
+
+    if result.get("single"):
+        runs = result["single"]["runs"]
+        by: dict[str, dict[str, Any]] = {}
+        for nw in sorted({r["num_workers"] for r in runs}):
+            for system in SYSTEMS:
+                rs = [r for r in runs if r["num_workers"] == nw and r["system"] == system]
+                epochs = [[_rate(e) for e in r["jobs"][0]["epochs"]] for r in rs]
+                by.setdefault(str(nw), {})[system] = _cell(rs, epochs)
+        result["single"]["cells"] = by
+        result["cells"] = suite.cells(runs)
     if result.get("jobs"):
-        for system in SYSTEMS:
-            runs = [r for r in result["jobs"] if r["system"] == system]
-            agg = [_aggregate(r["jobs"]) for r in runs]
-            s["jobs"][system] = {
-                "aggregate": [_stat([a[e] for a in agg]) for e in range(EPOCHS)],
-                "cpu_s": _stat([r["cpu_s"] for r in runs]),
-            }
-        p, d = s["jobs"]["pinfeed"], s["jobs"]["dataloader"]
-        s["jobs"]["ratio"] = [
-            p["aggregate"][e]["median"] / d["aggregate"][e]["median"] for e in range(EPOCHS)
-        ]
-        s["jobs"]["cpu_ratio"] = p["cpu_s"]["median"] / d["cpu_s"]["median"]
-        s["jobs"]["misses"] = [
-            r["cache"]["misses"] for r in result["jobs"] if r["system"] == "pinfeed"
-        ]
-    if result.get("restart"):
-        by = {
-            system: [
-                _rate(r["jobs"][0]["epochs"][0])
-                for r in result["restart"]["runs"]
-                if r["system"] == system
-            ]
+        runs = result["jobs"]["runs"]
+        result["jobs"]["cells"] = {
+            system: _cell(rs, [_aggregate(r["jobs"]) for r in rs])
+            | {"misses": [r["cache"]["misses"] for r in rs if r.get("cache")]}
             for system in SYSTEMS
+            if (rs := [r for r in runs if r["system"] == system])
         }
-        s["restart"] = {system: _stat(v) for system, v in by.items()}
-        s["restart"]["ratio"] = (
-            s["restart"]["pinfeed"]["median"] / s["restart"]["dataloader"]["median"]
-        )
-    return s
-
-
-def table(result: dict[str, Any]) -> str:
-    """The README's W9 table (markdown), from a result file."""
-    s, meta = result["summary"], result["meta"]
-    load = (
-        f"load average {meta['loadavg_before'][0]:.1f} before, {meta['loadavg_after'][0]:.1f} after"
-    )
-    if meta["under_load"]:
-        load += "; measured under load"
-    lines = [
-        f"W9, {meta['samples']} JPEGs {SOURCE[0]}x{SOURCE[1]}, batch {BATCH}, median of "
-        f"{meta['runs']} runs (commit {meta['commit']}, {load}):",
-        "",
-        "| pinfeed / DataLoader | epoch 1 (fills the cache) | epoch 2 | epoch 3 | CPU s |",
-        "|---|---|---|---|---|",
-    ]
-
-    def cells(ratios: list[float], ours: list[Any], theirs: list[Any]) -> str:
-        return " | ".join(
-            f"**{r:.2f}x** ({p['median']:,.0f} vs {d['median']:,.0f}/s)"
-            for r, p, d in zip(ratios, ours, theirs, strict=True)
-        )
-
-    def cpu(p: dict[str, Any], d: dict[str, Any]) -> str:
-        return f"{p['cpu_s']['median']:.0f} vs {d['cpu_s']['median']:.0f}"
-
-    for nw, row in s["single"].items():
-        p, d = row["pinfeed"], row["dataloader"]
-        lines.append(
-            f"| num_workers={nw} | {cells(row['ratio'], p['epoch'], d['epoch'])} | {cpu(p, d)} |"
-        )
-    if s.get("jobs"):
-        j = s["jobs"]
-        p, d = j["pinfeed"], j["dataloader"]
-        lines.append(
-            f"| {meta['jobs']} jobs at once (aggregate) "
-            f"| {cells(j['ratio'], p['aggregate'], d['aggregate'])} | {cpu(p, d)} |"
-        )
-    if s.get("restart"):
-        r = s["restart"]
-        lines.append(
-            f"| first epoch after a server restart (persisted), num_workers=2 "
-            f"| **{r['ratio']:.2f}x** ({r['pinfeed']['median']:,.0f} vs "
-            f"{r['dataloader']['median']:,.0f}/s) | | | |"
-        )
-    if result.get("subset"):
-        sub = result["subset"]
-        lines += [
-            "",
-            f"A cache of half the dataset (max_bytes {sub['max_bytes'] / 2**20:.0f} MiB of "
-            f"{sub['whole_bytes'] / 2**20:.0f}): hit ratio {sub['hit_ratio_epochs_2_3']:.3f} "
-            f"in epochs 2-3 (max_bytes / size = {sub['expected']:.3f}).",
-        ]
-    if s.get("jobs"):
-        lines.append(
-            f"Cache misses over the {meta['jobs']} loaders: {s['jobs']['misses']} "
-            f"(the dataset has {meta['samples']} samples)."
-        )
-    return "\n".join(lines)
+    if result.get("restart"):
+        runs = result["restart"]["runs"]
+        result["restart"]["cells"] = {
+            system: _cell(rs, [[_rate(r["jobs"][0]["epochs"][0])] for r in rs])
+            for system in SYSTEMS
+            if (rs := [r for r in runs if r["system"] == system])
+        }
+    if result.get("profile"):
+        roof = result["profile"]["roofline_runs"]
+        result["roofline"] = {"runs": roof, "cell": suite.cell(roof)}
 
 
 # -- main ----------------------------------------------------------------------------------------
-def _commit() -> str | None:
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "src", "bench"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return (
-        head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-        if head.returncode == 0
-        else None
-    )
-
-
 def parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench W9", description=__doc__.split("\n")[0])
     ap.add_argument("--samples", type=int, default=3000)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--workers", default="0,1,2")
     ap.add_argument("--jobs", type=int, default=4)
-    ap.add_argument("--sections", default="single,jobs,restart,subset,draft,profile")
+    ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--data-dir", type=Path, default=DATA_DIR)
-    ap.add_argument("--out", type=Path, default=REPO / "docs" / "bench-w9.json")
+    ap.add_argument("--out", type=Path, default=None, help="result folder (docs/results/)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 160 samples, 1 run")
-    ap.add_argument("--report", type=Path, help="print the README table of a result file")
     args = ap.parse_args(argv)
     if args.quick:
         args.samples, args.runs = 160, 1
     args.worker_counts = [int(x) for x in args.workers.split(",") if x.strip()]
     args.section_names = [x.strip() for x in args.sections.split(",") if x.strip()]
+    unknown = set(args.section_names) - set(SECTIONS)
+    if unknown:
+        ap.error(f"unknown sections {sorted(unknown)}; choose from {list(SECTIONS)}")
     return args
 
 
-def main(argv: list[str]) -> int:
-    args = parse(argv)
-    if args.report:
-        print(table(json.loads(args.report.read_text())))
-        return 0
-    import torch
+SECTIONS = ("single", "jobs", "restart", "subset", "draft", "profile")
 
+
+def main(argv: list[str]) -> int:
+    from bench import report
+
+    args = parse(argv)
     args.data_dir.mkdir(parents=True, exist_ok=True)
-    folder, params = make_w9(args.data_dir, args.samples)
-    warm_page_cache(args.data_dir, type("W", (), {"files": [folder]})())  # type: ignore[arg-type]
-    result: dict[str, Any] = {
-        "meta": {
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "command": " ".join(["python -m bench W9", *argv]),
-            "commit": _commit(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "cpus": os.cpu_count(),
-            "loadavg_before": os.getloadavg(),
+    w = data.make_w9(args.data_dir, args.samples / 3000)
+    args.samples, folder, params = w.samples, w.files[0], w.params
+    args.workload = w
+    warm_page_cache(args.data_dir, w)
+    result = results.start(
+        "W9",
+        {
             "samples": args.samples,
             "runs": args.runs,
+            "workers": args.workers,
             "jobs": args.jobs,
-            "method": __doc__,
-        }
-    }
+            "sections": ",".join(args.section_names),
+        },
+    )
+    result |= {"kind": "w9", "method": __doc__, "workload": w.describe()}
     lock = threading.Lock()
 
     def progress(line: str) -> None:
@@ -653,8 +590,8 @@ def main(argv: list[str]) -> int:
             print(line, flush=True)
 
     sections = {
-        "single": lambda: single(args, params, progress),
-        "jobs": lambda: jobs(args, params, progress),
+        "single": lambda: {"runs": single(args, params, progress)},
+        "jobs": lambda: {"runs": jobs(args, params, progress)},
         "restart": lambda: restart(args, params, progress),
         "subset": lambda: subset(args, params, progress),
         "draft": lambda: draft(args, folder),
@@ -664,13 +601,14 @@ def main(argv: list[str]) -> int:
         t0 = time.monotonic()
         result[name] = sections[name]()
         progress(f"{name} done in {time.monotonic() - t0:.0f} s")
-    result["meta"]["loadavg_after"] = os.getloadavg()
-    result["meta"]["under_load"] = (
-        max(result["meta"]["loadavg_before"][0], result["meta"]["loadavg_after"][0]) > 1.5
-    )
-    result["summary"] = summarize(result)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(table(result))
-    print(f"wrote {args.out}")
+    summarize(result)
+    every = [
+        r
+        for name in ("single", "jobs", "restart")
+        for r in (result.get(name) or {}).get("runs", [])
+    ]
+    results.finish(result, every)
+    path = results.write(result, args.out)
+    print(report.w9_table(result))
+    print(f"wrote {path}")
     return 0

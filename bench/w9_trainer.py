@@ -39,14 +39,19 @@ def _emit(event: str, **data: Any) -> None:
 def _epochs(
     epochs: Callable[[], Iterable[Any]], count: int, after: Callable[[int], Any]
 ) -> list[dict[str, Any]]:
+    """Each epoch's samples, seconds and end; the first also its first batch's time."""
     out: list[dict[str, Any]] = []
     t = time.monotonic()
     for e in range(count):
-        rows = 0
+        rows, first = 0, None
         for batch in epochs():
             rows += int(batch[0].shape[0])
+            if first is None:
+                first = time.monotonic()
         end = time.monotonic()
-        out.append({"samples": rows, "seconds": end - t, "end": end, "after": after(e)})
+        out.append(
+            {"samples": rows, "seconds": end - t, "end": end, "first": first, "after": after(e)}
+        )
         t = end
     return out
 
