@@ -156,8 +156,9 @@ def decode(path: str, size: int, crop: bool = True, draft: bool = False) -> Imag
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     with os.fdopen(fd, "rb") as f:
         img: Image.Image = Image.open(f)
+        source = img.size
         if draft and img.format == "JPEG":
-            w, h = img.size
+            w, h = source
             scale = size / min(w, h)
             # libjpeg's scale: the largest reduction that keeps both sides >= these
             img.draft("RGB", (math.ceil(w * scale), math.ceil(h * scale)))
@@ -165,15 +166,18 @@ def decode(path: str, size: int, crop: bool = True, draft: bool = False) -> Imag
         # convert() copies even an RGB image: skip it then (the same pixels)
         if img.mode != "RGB":
             img = img.convert("RGB")
-    return fit(img, size, crop)
+    return fit(img, size, crop, source)
 
 
-def fit(img: Image.Image, size: int, crop: bool = True) -> Image.Image:
+def fit(
+    img: Image.Image, size: int, crop: bool = True, source: tuple[int, int] | None = None
+) -> Image.Image:
     """torchvision's ``Resize(size)`` (shorter side, bilinear) then, with ``crop``,
-    ``CenterCrop(size)``."""
-    w, h = img.size
+    ``CenterCrop(size)``. ``source``: the image's size before a draft decode reduced it
+    (the output size is the full decode's)."""
+    w, h = source or img.size
     short, long = (w, h) if w <= h else (h, w)
-    if short != size:
+    if short != size or img.size != (w, h):
         new_short, new_long = size, int(size * long / short)
         new_w, new_h = (new_short, new_long) if w <= h else (new_long, new_short)
         img = img.resize((new_w, new_h), Image.Resampling.BILINEAR)
