@@ -183,7 +183,14 @@ class SampleCache:
         region.release(region.layout.data_at, used)
 
     def close(self) -> None:
+        """Unmap the region (the owner: free it); idempotent."""
         self.region.close()
+
+    def __enter__(self) -> SampleCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 _MISSING: Any = object()
