@@ -68,6 +68,13 @@ SECTIONS = [
     Section("scale", "bench.scale", what="datasets at real size", minutes=5, data_dir=False),
     Section("w4-profile", "bench.profile_w4", what="where W4's CPU goes", minutes=0.5),
     Section("control", "bench.control", what="the control plane under load", minutes=5),
+    Section(
+        "first-batch",
+        "bench.first_batch",
+        what="DataLoader(...) to its first batch",
+        minutes=2,
+        data_dir=False,
+    ),
     Section("soak", "bench.soak", what="SIGKILLs, every batch checked", minutes=2, data_dir=False),
     Section("ray", "bench.ray", "main", "executor ray against local", [], 4, _ray, False),
     Section("gpu", "bench.gpu", "main", "H2D copies, GPU idle share", ["--quick"], 3, _cuda, False),

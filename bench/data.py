@@ -152,6 +152,7 @@ def make_w1(root: Path, scale: float) -> Workload:
         "DataLoader over torch's TensorDataset of the same file's tensors",
         reference="tensordataset",
         tuned="tensordataset",
+        extra_systems=("pinfeed-dataloader",),
     )
 
 
@@ -232,6 +233,7 @@ def make_w3(root: Path, scale: float) -> Workload:
         "over bench.references.PilImageFolder (torchvision's ImageFolder + Resize + "
         "CenterCrop in Pillow: torchvision does not import beside this torch)",
         reference="imagefolder",
+        extra_systems=("pinfeed-dataloader",),
     )
 
 

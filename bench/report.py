@@ -632,6 +632,36 @@ def w4_profile(r: Results, args: list[str]) -> str:
     )
 
 
+def first_batch(r: Results, args: list[str]) -> str:
+    res = r.get("first-batch")
+    if res is None:
+        return missing("first-batch", "python -m bench first-batch")
+    names = {
+        "dataloader": "torch DataLoader: iter() + next()",
+        "pinfeed-dataloader": "pinfeed.DataLoader, server running",
+        "pinfeed-dataloader-autostart": "pinfeed.DataLoader, no server (one is started)",
+    }
+    base = (res["cells"]["dataloader"]["first_batch_s"] or {}).get("median")
+    rows = []
+    for system, name in names.items():
+        c = res["cells"][system]["first_batch_s"]
+        extra = "" if base is None or c["median"] is None else f"{c['median'] - base:+.2f} s"
+        rows.append([name, ranged(c, lambda x: "-" if x is None else f"{x:.2f} s"), extra])
+    imp = res["cells"]["pinfeed-dataloader"]["import_s"]["median"]
+    workers = res["params"]["workers"]
+    return "\n".join(
+        [
+            table(
+                ["from DataLoader(...) to the first batch", "seconds", "against DataLoader"], rows
+            ),
+            "",
+            f"num_workers={workers}, a fresh trainer process per run; `import pinfeed` "
+            f"itself takes {imp:.2f} s more (median), not counted above.",
+            provenance([res]),
+        ]
+    )
+
+
 def scale(r: Results, args: list[str]) -> str:
     res = r.get("scale")
     if res is None:
@@ -1071,6 +1101,7 @@ RENDERERS: dict[str, Callable[[Results, list[str]], str]] = {
     "training": training,
     "autotune": autotune,
     "w4-profile": w4_profile,
+    "first-batch": first_batch,
     "scale": scale,
     "scale-detail": scale_detail,
     "control": control,

@@ -178,6 +178,26 @@ def _dataloader(spec: dict[str, Any]) -> tuple[Run, float]:
     return run, time.perf_counter() - t0
 
 
+def _pinfeed_dataloader(spec: dict[str, Any]) -> tuple[Run, float]:
+    """The one-line switch: the very DataLoader call above with ``pinfeed.DataLoader``,
+    on the trainer's own dataset object (shipped to the server at construction)."""
+    import pinfeed
+
+    ds = _reference(spec) if spec.get("reference") else _dataset(spec)
+    t0 = time.perf_counter()
+    dl = pinfeed.DataLoader(
+        ds,
+        batch_size=spec["batch_size"],
+        shuffle=spec["shuffle"],
+        collate_fn=_collate_fn(spec),
+        socket=spec["socket"],
+        **_dataloader_args(spec),
+    )
+    run = Run(lambda: iter(dl), dl.close)
+    run.start()
+    return run, time.perf_counter() - t0
+
+
 def _dataloader_tuned(spec: dict[str, Any]) -> tuple[Run, float]:
     """What a performance engineer writes with DataLoader alone: one batched read a
     batch (``bench.references.tuned_loader``), pinned with CUDA."""
@@ -407,6 +427,7 @@ SYSTEMS: dict[str, Callable[[dict[str, Any]], tuple[Run, float]]] = {
     "pinfeed": lambda spec: _pinfeed(spec, warm=spec.get("mode") == "handoff"),
     "dataloader": _dataloader,
     "dataloader-tuned": _dataloader_tuned,
+    "pinfeed-dataloader": _pinfeed_dataloader,
     "roofline": _roofline,
 }
 MODES: dict[str, Callable[[Run, dict[str, Any]], dict[str, Any]]] = {

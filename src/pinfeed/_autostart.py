@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib.util
 import os
 import subprocess
 import sys
@@ -44,14 +45,12 @@ def ensure_server(path: Path) -> None:
             f"no pinfeed server at {path}: start one with `pinfeed serve` (or unset "
             "PINFEED_AUTOSTART=0 to let pinfeed.DataLoader start one for you)"
         )
-    try:
-        import pinfeed_server  # noqa: F401  (only to know it is installed)
-    except ModuleNotFoundError:
+    if importlib.util.find_spec("pinfeed_server") is None:  # not imported: the server's
         raise ServerUnavailable(
             f"no pinfeed server at {path}, and this environment cannot start one: "
             "pip install 'pinfeed[server]', or start one elsewhere with `pinfeed serve` "
             "and set PINFEED_SOCKET"
-        ) from None
+        )
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     with open(path.parent / "autostart.lock", "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another trainer may be starting it: wait

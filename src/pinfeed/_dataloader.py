@@ -54,6 +54,7 @@ from pinfeed._transport import SocketTransport
 from pinfeed.errors import ServerUnavailable, error_from_info
 
 _NEXT, _BATCH, _END, _ERROR = p.NEXT, p.BATCH, p.END, p.ERROR
+RECONNECT_TIMEOUT_S = 60.0
 _BATCH_HEAD = p.BATCH_HEAD
 
 
@@ -105,20 +106,22 @@ class DataLoader(TorchDataLoader):  # type: ignore[type-arg]
         socket: str | os.PathLike[str] | None = None,
         max_batch_size: int | None = None,
     ) -> None:
+        # By keyword: tools that record and replay a DataLoader's init arguments
+        # (Lightning) see one call's arguments, each once.
         super().__init__(
             dataset,
-            batch_size,
-            shuffle,
-            sampler,
-            batch_sampler,
-            num_workers,
-            collate_fn,
-            pin_memory,
-            drop_last,
-            timeout,
-            worker_init_fn,
-            multiprocessing_context,
-            generator,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            sampler=sampler,
+            batch_sampler=batch_sampler,
+            num_workers=num_workers,
+            collate_fn=collate_fn,
+            pin_memory=pin_memory,
+            drop_last=drop_last,
+            timeout=timeout,
+            worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context,
+            generator=generator,
             prefetch_factor=prefetch_factor,
             persistent_workers=persistent_workers,
             pin_memory_device=pin_memory_device,
@@ -129,6 +132,10 @@ class DataLoader(TorchDataLoader):  # type: ignore[type-arg]
                 "pinfeed.DataLoader with batch_size=None (no automatic batching) is not "
                 "supported yet: give a batch_size, or a batch_sampler"
             )
+        # pinfeed's options as attributes of their own names: what tools that make a
+        # DataLoader anew from its attributes read (Lightning, to put a sampler in).
+        self.name, self.device, self.copy, self.reconnect = name, device, copy, reconnect
+        self.socket, self.max_batch_size = socket, max_batch_size
         target = torch.device(device) if device is not None else None
         if target is not None and target.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"device={device!r} was asked for, but CUDA is not available")
@@ -156,6 +163,29 @@ class DataLoader(TorchDataLoader):  # type: ignore[type-arg]
     def pinfeed_name(self) -> str:
         """The loader's name on the server (GET /v1/loaders/{name}, pinfeed status)."""
         return self._owned.conn.name
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader is, as StatefulDataLoader's means it: a loader (in a new
+        process too) that loads it yields the rest of that epoch, batch for batch, from
+        the next ``iter()`` on. It holds the epoch's base seed and what its sampler drew
+        from (the generator's state, or the global RNG's where it has none, and a
+        stateful sampler's ``state_dict``) as the epoch began."""
+        owned = self._owned
+        if not owned.in_epoch:
+            return {"version": 1, "epoch": owned.epoch + 1, "index": 0}
+        return {
+            "version": 1,
+            "epoch": owned.epoch,
+            "index": owned.yielded,
+            "base_seed": owned.base_seed,
+            "start": owned.epoch_start,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from ``state`` (``state_dict``'s) at the next ``iter()``."""
+        if state.get("version") != 1:
+            raise ValueError(f"not a pinfeed.DataLoader state: {sorted(state)}")
+        self._owned.resume = dict(state)
 
     def set_epoch(self, epoch: int) -> None:
         """The sampler's ``set_epoch`` (a ``DistributedSampler``'s), as Lightning calls it."""
@@ -210,6 +240,10 @@ class _Owned:
         self.reconnect = reconnect
         self.epoch = -1  # the last epoch begun
         self.in_epoch = False
+        self.yielded = 0  # batches handed out (or raised) in it
+        self.base_seed = 0
+        self.epoch_start: dict[str, Any] = {}  # what its sampler drew from (state_dict)
+        self.resume: dict[str, Any] | None = None  # a load_state_dict for the next iter()
         request = p.Create(
             name=name,
             digest="",
@@ -245,8 +279,18 @@ class _Owned:
             self.skip()
         self.epoch += 1
         conn.send_message(p.encode_epoch(self.epoch, base_seed))
-        self.in_epoch = True
+        self.in_epoch, self.yielded, self.base_seed = True, 0, base_seed
         return self.epoch
+
+    def seek(self, index: int) -> None:
+        """Make batch ``index`` of the current epoch the next one (a resume: the
+        batches before it were fed, for the workers' RNG streams, and are not made)."""
+        conn = self.conn
+        conn.send_message(p.encode_position(p.SEEK, self.epoch, index))
+        n = conn.recv()
+        if conn.buf[0] != p.POSITION:
+            raise conn.failure(n)
+        self.yielded = index
 
     def skip(self) -> None:
         """Drop the rest of the current epoch (an iterator left unfinished)."""
@@ -313,15 +357,32 @@ class _Iter(_BaseDataLoaderIter):
     ``_BaseDataLoaderIter``'s own), its batches made by the server."""
 
     def __init__(self, loader: DataLoader) -> None:
-        super().__init__(loader)
-        self._owned = loader._owned
-        self._start()
+        owned = self._owned = loader._owned
+        resume, owned.resume = owned.resume, None
+        if resume is not None and resume.get("start"):
+            _restore(loader, resume["start"])  # the sampler draws what it drew then
+        owned.epoch_start = _taken(loader)
+        super().__init__(loader)  # DataLoader's own: the base seed, the sampler's iterator
+        self._start(resume)
 
-    def _start(self) -> None:
+    def _start(self, resume: dict[str, Any] | None = None) -> None:
         owned = self._owned
-        self._epoch = owned.begin(int(self._base_seed))
+        index = 0
+        seed = int(self._base_seed)
+        if resume is not None:
+            owned.epoch = int(resume["epoch"]) - 1
+            index = int(resume["index"])
+            seed = int(resume.get("base_seed", seed))
+            self._base_seed = seed
+        self._epoch = owned.begin(seed)
         self._fed = 0
         self._exhausted = False
+        # What was fed this epoch: sent again to a restarted server (reconnect).
+        self._history: list[tuple[list[int], bytes]] = []
+        if index:
+            for _ in range(index):  # the batches before: the workers' streams replay them
+                self._feed()
+            owned.seek(index)
         if owned.num_workers > 0 and not owned.iterable:
             for _ in range(owned.prefetch):  # DataLoader's _reset puts this many ahead
                 self._feed()
@@ -339,7 +400,9 @@ class _Iter(_BaseDataLoaderIter):
             self._owned.feed(self._fed, None)
             return False
         state = rng.dump_state() if with_rng else b""
-        self._owned.feed(self._fed, [int(i) for i in indices], state)
+        batch = [int(i) for i in indices]
+        self._owned.feed(self._fed, batch, state)
+        self._history.append((batch, state))
         self._fed += 1
         return True
 
@@ -357,20 +420,72 @@ class _Iter(_BaseDataLoaderIter):
                 self._feed(with_rng=True)
         ahead = owned.num_workers > 0 and not owned.iterable
         try:
-            got = owned.next_batch()
-        except ServerUnavailable:
-            raise  # a reconnect re-ships (see the module); not built yet for fed epochs
+            got = self._next_batch()
         except Exception:
+            owned.yielded += 1  # a failed batch counts as consumed, as in DataLoader
             if ahead:
                 self._feed()  # DataLoader puts the next index before re-raising
             raise
         if not got:
             raise StopIteration
+        owned.yielded += 1
         if ahead:
             self._feed()  # one more index for each batch handed out, as DataLoader
         return owned.deliver()
 
+    def _next_batch(self) -> bool:
+        """The owned loader's next item; after a server restart (``reconnect=True``),
+        on a new loader made from the same objects and this epoch's feed again."""
+        owned = self._owned
+        try:
+            return owned.next_batch()
+        except ServerUnavailable:
+            if not owned.reconnect:
+                raise
+        owned.conn.reconnect(RECONNECT_TIMEOUT_S)  # ships the objects again (CREATE)
+        owned.epoch, owned.in_epoch = self._epoch - 1, False
+        yielded = owned.yielded
+        owned.begin(int(self._base_seed))
+        for index, (batch, state) in enumerate(self._history):
+            owned.feed(index, batch, state)
+        if self._exhausted:
+            owned.feed(len(self._history), None)
+        if yielded:
+            owned.seek(yielded)
+        return owned.next_batch()
+
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
+        resume, self._owned.resume = self._owned.resume, None
+        if resume is not None and resume.get("start"):
+            _restore(loader, resume["start"])
+        self._owned.epoch_start = _taken(loader)
         super()._reset(loader, first_iter)
         if not first_iter:  # persistent workers' next epoch: the same base seed
-            self._start()
+            self._start(resume)
+
+
+def _samplers(loader: Any) -> list[Any]:
+    return [s for s in (loader.sampler, loader.batch_sampler) if s is not None]
+
+
+def _taken(loader: Any) -> dict[str, Any]:
+    """What an epoch's sampler (and base seed) will draw from, as it begins."""
+    state: dict[str, Any] = {}
+    if loader.generator is not None:
+        state["generator"] = loader.generator.get_state()
+    else:
+        state["torch"] = torch.get_rng_state()
+    for i, s in enumerate(_samplers(loader)):
+        if callable(getattr(s, "state_dict", None)):
+            state[f"sampler{i}"] = s.state_dict()
+    return state
+
+
+def _restore(loader: Any, state: dict[str, Any]) -> None:
+    if "generator" in state and loader.generator is not None:
+        loader.generator.set_state(state["generator"])
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    for i, s in enumerate(_samplers(loader)):
+        if f"sampler{i}" in state and callable(getattr(s, "load_state_dict", None)):
+            s.load_state_dict(state[f"sampler{i}"])

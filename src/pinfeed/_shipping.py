@@ -18,6 +18,7 @@ path that failed and what to do.
 from __future__ import annotations
 
 import io
+import mmap
 import os
 import pickle
 import sys
@@ -27,6 +28,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import cloudpickle
+import numpy as np
 import torch
 
 from pinfeed import payload
@@ -43,9 +45,17 @@ _HINTS = (
 
 
 class _Pickler(cloudpickle.CloudPickler):  # type: ignore[misc]
-    """cloudpickle, with CPU tensors sent as out-of-band buffers and CUDA tensors refused."""
+    """cloudpickle, with CPU tensors sent as out-of-band buffers, CUDA tensors refused,
+    and a memory-mapped numpy array sent as its file (the server is on this node and
+    maps the same pages) instead of its contents."""
 
     def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, np.memmap) and isinstance(obj.base, mmap.mmap) and obj.filename:
+            # The array np.memmap/np.load(mmap_mode=...) made (a view of it is data).
+            order = "F" if obj.flags.f_contiguous and not obj.flags.c_contiguous else "C"
+            mode = "r" if not obj.flags.writeable else "c"  # never write the user's file
+            args = (obj.filename, obj.dtype, mode, obj.offset, obj.shape, order)
+            return np.memmap, args
         if isinstance(obj, torch.Tensor) and type(obj) is torch.Tensor:
             if obj.device.type != "cpu":
                 raise Unshippable(f"a {obj.device.type} tensor")

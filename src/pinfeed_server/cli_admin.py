@@ -274,11 +274,19 @@ def status(url: UrlOpt = None, token: TokenOpt = None, as_json: JsonOpt = False)
             _mb(int(st.bytes_per_s)),
             f"{st.consumer_wait_share:.0%}",
             _ms(st.consumer_wait_p99_s),
-            "attached" if live.consumer_attached else "-",
+            _consumer(lo, live.consumer_attached),
             f"{lo['num_workers']}x{lo['prefetch_factor']}",
             _autotune(st.autotune),
         )
     console.print(table)
+
+
+def _consumer(loader: dict[str, Any], attached: bool) -> str:
+    """Who reads the loader: a pinfeed.DataLoader's owner pid, or whether one attached."""
+    owner = loader.get("owner")
+    if owner:
+        return f"pid {owner['pid']}" + ("" if owner["attached"] else " (gone, kept)")
+    return "attached" if attached else "-"
 
 
 def _autotune(report: dict[str, Any] | None) -> str:

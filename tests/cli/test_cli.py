@@ -102,3 +102,18 @@ def test_unreachable_server_exits_1() -> None:
     result = run(f"http://127.0.0.1:{free_port()}", "status")
     assert result.exit_code == 1
     assert "cannot reach the pinfeed server" in result.output
+
+
+def test_status_names_a_pinfeed_dataloaders_owner(server: Server) -> None:
+    import os
+
+    import pinfeed
+    from tests.dataloader.test_parity import Squares
+
+    loader = pinfeed.DataLoader(Squares(), batch_size=5, socket=server.socket)
+    try:
+        status = ok(server, "status")
+        (line,) = [row for row in status.splitlines() if loader.pinfeed_name in row]
+        assert f"pid {os.getpid()}" in line
+    finally:
+        loader.close()

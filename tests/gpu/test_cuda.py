@@ -101,3 +101,28 @@ def test_slot_not_rewritten_before_its_copy_completed(
         torch.cuda.synchronize()
     for got, want in kept:
         assert_same([t.cpu() for t in got], want)
+
+
+def test_pinfeed_dataloader_pins_and_copies_as_dataloader(
+    server: Server, dataset: tuple[str, Any]
+) -> None:
+    """The one-line switch on a GPU node: ``pin_memory=True`` gives pinned batches (the
+    ring registered with CUDA once), ``device="cuda"`` the non_blocking copy; both equal
+    torch's pinned DataLoader batch for batch."""
+    import pinfeed
+
+    ds = dataset[1]
+    want = list(DataLoader(ds, batch_size=16, pin_memory=True))
+    pinned = pinfeed.DataLoader(
+        ds, batch_size=16, pin_memory=True, num_workers=2, socket=server.socket
+    )
+    for (x, y), (wx, wy) in zip(pinned, want, strict=True):
+        assert x.is_pinned() and y.is_pinned()
+        assert torch.equal(x, wx) and torch.equal(y, wy)
+    pinned.close()
+    on_gpu = pinfeed.DataLoader(
+        ds, batch_size=16, num_workers=2, device="cuda", socket=server.socket
+    )
+    for (x, y), (wx, wy) in zip(on_gpu, want, strict=True):
+        assert x.is_cuda and torch.equal(x.cpu(), wx) and torch.equal(y.cpu(), wy)
+    on_gpu.close()

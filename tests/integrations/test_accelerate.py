@@ -106,3 +106,38 @@ def test_skip_first_batches_says_what_to_do_instead(admin: Client, server: Serve
     for g, w in zip(got, want[2:], strict=True):
         assert all(torch.equal(a, b) for a, b in zip(g, w, strict=True))
     admin.delete_loader(name)
+
+
+def test_prepare_and_save_load_state_of_a_pinfeed_dataloader(
+    server: Server, tmp_path: Path
+) -> None:
+    """The one-line switch under Accelerate: ``prepare`` hands a ``pinfeed.DataLoader``
+    back as it is and tracks it as stateful; ``load_state`` in a new loader continues
+    after the checkpointed batch, equal to torch's DataLoader's epoch."""
+    from accelerate import Accelerator
+
+    import pinfeed
+
+    ds = build_dataset("synthetic", PARAMS, DatasetContext(server.data_root))
+
+    def make(cls: Any, **extra: Any) -> Any:
+        gen = torch.Generator().manual_seed(3)
+        return cls(ds, batch_size=4, shuffle=True, num_workers=1, generator=gen, **extra)
+
+    want = [list(b) for b in make(DataLoader)]
+    accelerator = Accelerator(cpu=True)
+    loader = make(pinfeed.DataLoader, socket=server.socket, copy=True)
+    assert accelerator.prepare_data_loader(loader) is loader
+    it = iter(loader)
+    got = [next(it) for _ in range(3)]
+    accelerator.save_state(tmp_path / "ckpt")
+    next(it)  # consumed after the checkpoint: comes again
+    del it
+    loader.close()
+    accelerator = Accelerator(cpu=True)
+    loader = make(pinfeed.DataLoader, socket=server.socket, copy=True)
+    assert accelerator.prepare_data_loader(loader) is loader
+    accelerator.load_state(tmp_path / "ckpt")
+    got += list(loader)
+    loader.close()
+    _same(got, want)

@@ -178,3 +178,56 @@ def test_ddp_on_two_cpu_processes_trains_on_distributed_shards(
             want.append([list(b) for b in ref])
         _check(torch.load(tmp_path / f"rank{rank}.pt"), want)
         admin.delete_loader(f"{prefix}-{rank}")
+
+
+# -- pinfeed.DataLoader: the one-line switch under Lightning --------------------------------
+class _Made(Recorder):
+    """Trains on the DataLoader its ``make`` gives (Lightning asks for it itself)."""
+
+    def __init__(self, make: Any) -> None:
+        super().__init__()
+        self.make = make
+
+    def train_dataloader(self) -> Any:
+        return self.make()
+
+
+def test_fit_on_a_pinfeed_dataloader_is_fit_on_torchs(server: Server, dataset: Any) -> None:
+    import pinfeed
+
+    _, ds = dataset
+    seen = []
+    for cls, extra in ((DataLoader, {}), (pinfeed.DataLoader, {"socket": server.socket})):
+        torch.manual_seed(0)
+        model = _Made(lambda cls=cls, extra=extra: cls(ds, batch_size=BATCH, shuffle=True, **extra))
+        trainer(max_epochs=2).fit(model)
+        seen.append(model.train_seen)
+    assert len(seen[1]) == len(seen[0]) == 12
+    for (e0, b0), (e1, b1) in zip(seen[0], seen[1], strict=True):
+        assert e0 == e1 and all(torch.equal(x, y) for x, y in zip(b0, b1, strict=True))
+
+
+def test_ddp_puts_a_distributed_sampler_into_a_pinfeed_dataloader(
+    server: Server, tmp_path: Path
+) -> None:
+    script = REPO / "tests" / "integrations" / "lightning_dataloader.py"
+    env = {**__import__("os").environ, "PINFEED_SOCKET": str(server.socket)}
+    for kind in ("torch", "pinfeed"):
+        subprocess.run(
+            [sys.executable, str(script), kind, str(tmp_path)],
+            cwd=REPO,
+            timeout=240,
+            check=True,
+            env=env,
+        )
+    for rank in range(2):
+        want = torch.load(tmp_path / f"torch-rank{rank}.pt")
+        got = torch.load(tmp_path / f"pinfeed-rank{rank}.pt")
+        assert len(got) == len(want) == 2 * 5  # 40 samples, 2 ranks, batches of 4
+        for (e0, b0), (e1, b1) in zip(want, got, strict=True):
+            assert e0 == e1 and all(torch.equal(x, y) for x, y in zip(b0, b1, strict=True))
+    ranks = [
+        {int(i) for _, b in torch.load(tmp_path / f"pinfeed-rank{r}.pt") for i in b[1]}
+        for r in range(2)
+    ]
+    assert ranks  # both ranks trained

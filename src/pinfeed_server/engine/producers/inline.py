@@ -21,7 +21,7 @@ import copy
 import itertools
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch.utils.data._utils import worker as torch_worker
@@ -85,7 +85,9 @@ class InlineProducer:
         if self._generation != self._ctx.ring.generation:
             self.segments_changed()
         if self._iter is not None and isinstance(self._ctx.plan, FedPlan):
-            result = self._turn_on_trainer_rngs(self._ctx.plan, task)
+            result = self._on_trainer_rngs(self._ctx.plan, task, lambda: self._fed_turn(task))
+            if result.end:  # the one iterator ran out: the epoch's end
+                result.end = self._judge.ran_out(task.epoch, task.index)
         elif self._iter is not None:
             result = self._make_from_iterator(self._iter, task)
         elif task.indices is None:
@@ -93,7 +95,9 @@ class InlineProducer:
         elif self._workers is not None:
             result = self._make_as_workers(task, task.indices)
         elif isinstance(self._ctx.plan, FedPlan) and self.streams.replay:
-            result = self._make_on_trainer_rngs(self._ctx.plan, task, task.indices)
+            indices = task.indices
+            make = lambda: self._make(task.seq, task.slot, indices)  # noqa: E731
+            result = self._on_trainer_rngs(self._ctx.plan, task, make)
         elif self.streams.replay:
             result = self._make_with_own_rngs(task, task.indices)
         else:  # a built-in kind: it draws nothing from the global RNGs
@@ -115,18 +119,21 @@ class InlineProducer:
                 self._rng = capture()
                 restore(server)
 
-    def _make_on_trainer_rngs(self, plan: FedPlan, task: Task, indices: list[int]) -> Result:
-        """A ``pinfeed.DataLoader`` without workers: DataLoader makes such a batch in the
-        trainer, on the trainer's global RNGs, so it is made here on the states the
-        trainer sent with it (FEED), and the states after it go back with the batch
-        (RNG), for the trainer to carry on from."""
+    def _on_trainer_rngs(self, plan: FedPlan, task: Task, make: Callable[[], Result]) -> Result:
+        """A ``pinfeed.DataLoader`` without workers: DataLoader makes its batches in the
+        trainer, on the trainer's global RNGs, so ``make`` runs here on the states the
+        trainer sent with the task (FEED), and the states after it go back with the
+        result (RNG), for the trainer to carry on from."""
         state = plan.trainer_rng(task.epoch, task.index)
         with GLOBAL_RNG:
             server = capture()
             try:
                 if state is not None:
                     load_state(state)
-                result = self._make(task.seq, task.slot, indices)
+                try:
+                    result = make()
+                except Exception as exc:
+                    result = Result(task.seq, error=error_info(exc))
                 result.rng = dump_state()
                 return result
             finally:
@@ -149,34 +156,16 @@ class InlineProducer:
                 restore(server)
                 torch_worker._worker_info = info
 
-    def _turn_on_trainer_rngs(self, plan: FedPlan, task: Task) -> Result:
-        """A ``pinfeed.DataLoader`` over an IterableDataset without workers: DataLoader
-        iterates it in the trainer, on the trainer's RNGs (no seeding, no worker info),
-        one batch per ``next()``: one iterator per epoch, each turn made on the states
-        the trainer sent, which go back with it."""
-        state = plan.trainer_rng(task.epoch, task.index)
-        with GLOBAL_RNG:
-            server = capture()
-            try:
-                if state is not None:
-                    load_state(state)
-                if self._fed_epoch != task.epoch:
-                    self._fed_epoch, self._fed_iter = task.epoch, iter(copy.copy(self._dataset))
-                samples = list(itertools.islice(self._fed_iter, self._config.batch_size))
-                short = len(samples) < self._config.batch_size
-                if not samples or (short and self._config.drop_last):
-                    result = Result(task.seq, end=True, rows=0)
-                else:
-                    result = write_samples(self._writer, task, samples)
-            except Exception as exc:
-                result = Result(task.seq, error=error_info(exc))
-            finally:
-                rngs = dump_state()
-                restore(server)
-        result.rng = rngs
-        if result.end:
-            result.end = self._judge.ran_out(task.epoch, task.index)
-        return result
+    def _fed_turn(self, task: Task) -> Result:
+        """An IterableDataset without workers, as DataLoader iterates it in the trainer
+        (no seeding, no worker info): one iterator per epoch, a batch per ``next()``."""
+        if self._fed_epoch != task.epoch:
+            self._fed_epoch, self._fed_iter = task.epoch, iter(copy.copy(self._dataset))
+        samples = list(itertools.islice(self._fed_iter, self._config.batch_size))
+        short = len(samples) < self._config.batch_size
+        if not samples or (short and self._config.drop_last):
+            return Result(task.seq, end=True, rows=0)
+        return write_samples(self._writer, task, samples)
 
     def _make_from_iterator(self, streams: IterStreams, task: Task) -> Result:
         cfg = self._config
