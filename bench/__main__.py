@@ -4,7 +4,7 @@
     python -m bench --quick         # the same as a smoke run (minutes)
     python -m bench --only suite,training
     python -m bench <section> ...   # one section: its own options (--help)
-    python -m bench W4 ...          # one workload of the suite
+    python -m bench W4 ...          # one workload of the suite (W9: the w9 section)
     python -m bench report [--check]
 
 Each section writes ``docs/results/<name>.json`` (``bench.results``); ``report`` makes
@@ -63,6 +63,7 @@ SECTIONS = [
     Section("suite", "bench.suite", what="W1-W8: throughput, roofline, handoff", minutes=27),
     Section("scaling", "bench.suite", "scaling_main", "1, 2, 4 trainers on one server", minutes=3),
     Section("training", "bench.training", what="a training step: stall, trainer CPU", minutes=6),
+    Section("w9", "bench.w9", what="W9: the node's sample cache and transforms", minutes=40),
     Section("autotune", "bench.autotune", what="autotune against fixed settings", minutes=9),
     Section("scale", "bench.scale", what="datasets at real size", minutes=5, data_dir=False),
     Section("w4-profile", "bench.profile_w4", what="where W4's CPU goes", minutes=0.5),
@@ -158,7 +159,9 @@ def main(argv: list[str]) -> int:
         from bench import metrics_render
 
         return metrics_render.main(argv[1:])
-    if head.upper() in ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "W9"):
+    if head.upper() == "W9":  # its own driver (per epoch, four jobs, a restart)
+        return BY_NAME["w9"].run(argv[1:])
+    if head.upper() in ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8"):
         from bench import suite
 
         return suite.main(["--workloads", head, *argv[1:]])

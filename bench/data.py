@@ -18,7 +18,11 @@ W7  an ``hf`` save_to_disk folder with a fixed-size Image column (W3-like JPEGs,
 W8  WebDataset tar shards of JPEGs (W3-like, 400x300) + cls, 64 samples a shard,
     batch 64 (an IterableDataset: no shuffle), against the webdataset library's
     ``WebDataset(...).decode("torchrgb8").to_tuple("jpg", "cls")``.
-W9  (planned, ``PLANNED``) ImageNet-like JPEGs with the node's sample cache (issue 25).
+W9  ImageNet-like JPEGs (500x375) with the node's sample cache (issue 25): ``images``
+    uncropped (decode, RGB, shorter side 256) cached, RandomResizedCrop(224) + flip the
+    loader's ``transform`` (``bench.transforms:w9``), batch 32; DataLoader reads
+    ``Transformed(the same dataset, the same transform)``. Measured by its own driver
+    (``bench.w9``: per epoch, four jobs, a restart), which writes the suite's cells too.
 
 Each workload names what plain DataLoader reads (``reference``: a ``bench.references``
 Dataset, the one a trainer uses today for the same files; none: the very object the
@@ -79,6 +83,14 @@ class Workload:
     # dataset has none, e.g. a per-file decode; then tuned = plain DataLoader at its best).
     tuned: str | None = None
     extra_systems: tuple[str, ...] = ()  # e.g. "pinfeed-dataloader" (issue 24)
+    # The node's sample cache (issue 25): the dataset's ``cache`` ({} : the whole
+    # dataset), and the loaders' ``transform``, which DataLoader applies as
+    # ``pinfeed.Transformed(dataset, transform)``.
+    cache: dict[str, Any] | None = None
+    transform: str | None = None
+    # A module that measures the workload itself (its result file the suite's too): the
+    # suite leaves it to it.
+    driver: str | None = None
 
     @property
     def systems(self) -> tuple[str, ...]:
@@ -392,6 +404,46 @@ def make_w8(root: Path, scale: float) -> Workload:
     )
 
 
+W9_SOURCE = (500, 375)  # width, height: ImageNet's typical landscape photo
+W9_RESIZE = 256
+
+
+def make_w9(root: Path, scale: float) -> Workload:
+    n = _count(3000, scale, 160)
+    folder = root / f"w9-{n}"
+    spec = {"n": n, "classes": 10, "source": list(W9_SOURCE), "quality": 90, "seed": 9}
+    stamp = folder / "spec.json"
+    w, h = W9_SOURCE
+    if not (stamp.exists() and json.loads(stamp.read_text()) == spec):
+        rng = np.random.default_rng(9)
+        for i in range(n):
+            cls = folder / f"class{i % 10:02d}"
+            cls.mkdir(parents=True, exist_ok=True)
+            size = (w, h) if i % 4 else (h, w)
+            _jpeg(rng, *size).save(cls / f"img{i:06d}.jpg", format="JPEG", quality=90)
+        stamp.write_text(json.dumps(spec))
+    jpeg_bytes = sum(p.stat().st_size for p in folder.rglob("*.jpg"))
+    return Workload(
+        "W9",
+        "ImageNet-like JPEGs, decode + resize 256 cached once per node, RandomResizedCrop "
+        "224 + flip as the loader's transform, batch 32",
+        "images",
+        {"path": folder.name, "size": W9_RESIZE, "crop": False},
+        n,
+        32,
+        True,
+        3,
+        [3, 224, 224],
+        "uint8",
+        [folder.name],
+        f"images kind uncropped: {n} JPEGs of {w}x{h} (every fourth portrait, q90, mean "
+        f"{jpeg_bytes // max(1, n) // 1024} KiB) in 10 class folders",
+        cache={},
+        transform="bench.transforms:w9",
+        driver="bench.w9",
+    )
+
+
 MAKERS = {
     "W1": make_w1,
     "W2": make_w2,
@@ -401,6 +453,7 @@ MAKERS = {
     "W6": make_w6,
     "W7": make_w7,
     "W8": make_w8,
+    "W9": make_w9,
 }
 # Why pinfeed wins, ties or loses on each workload: the mechanism, fixed text. The verdict
 # beside it (and its ratio) is the numbers' (bench.report).
@@ -434,7 +487,10 @@ WHY = {
     "W8": "An IterableDataset of tar shards, split by worker alike in both systems; JPEG "
     "decode dominates. The tuned DataLoader batches in the pipeline (`.batched`); "
     "pinfeed decodes into the slot.",
-    "W9": "Set with the W9 workload (issue 25): decode once per node, the transform per loader.",
+    "W9": "Decode-bound, decoded once per node: pinfeed stores each sample's decode and "
+    "resize in the node's cache in epoch 1 (the same work as DataLoader's, plus a copy "
+    "into the cache) and from epoch 2 runs only the transform; DataLoader decodes every "
+    "epoch (a per-file read: tuned = DataLoader at its best).",
 }
 
 # ``python -m bench training``: the workloads a training loop is measured on, with the
@@ -443,10 +499,7 @@ STEP_MS = {"W1": 5.0, "W3": 20.0, "W9": 20.0}
 
 # Workloads another change brings (its maker goes into MAKERS then); until their result
 # files exist, the report shows their rows as not yet measured.
-PLANNED = {
-    "W9": "ImageNet-like JPEGs, decode + resize 256 cached once per node, RandomResizedCrop "
-    "224 + flip as the loader's transform, batch 32 (issue 25)",
-}
+PLANNED: dict[str, str] = {}
 PLUGINS = ("bench", "tests.fixtures")  # what the bench's python datasets and collate_fns import
 
 

@@ -980,6 +980,117 @@ def plot_ref(r: Results, args: list[str]) -> str:
     return "![benchmark](docs/bench.png)"
 
 
+# --- W9: the node's sample cache (bench.w9) ------------------------------------------------
+
+
+def _epoch_cells(p: dict[str, Any], d: dict[str, Any]) -> list[str]:
+    return [
+        f"{verdict(pe, de)} ({num(pe['median'])}{flag(p)} vs {num(de['median'])}{flag(d)})"
+        for pe, de in zip(p["epochs"], d["epochs"], strict=True)
+    ]
+
+
+def _costs(p: dict[str, Any], d: dict[str, Any]) -> list[str]:
+    return [
+        f"{p['cpu_s']['median']:.0f} vs {d['cpu_s']['median']:.0f}",
+        f"{mib(p['peak_pss_bytes']['median'])} vs {mib(d['peak_pss_bytes']['median'])}",
+    ]
+
+
+def w9_table(res: dict[str, Any]) -> str:
+    """W9's tables, from its result file: per epoch, pinfeed against DataLoader."""
+    head = [
+        "W9, pinfeed vs DataLoader (samples/s)",
+        "epoch 1: fills the cache",
+        "epoch 2",
+        "epoch 3",
+        "CPU s, all processes",
+        "peak PSS MiB",
+    ]
+    rows = []
+    for nw, by in (res.get("single") or {}).get("cells", {}).items():
+        p, d = by["pinfeed"], by["dataloader"]
+        rows.append([f"num_workers={nw}", *_epoch_cells(p, d), *_costs(p, d)])
+    jobs = (res.get("jobs") or {}).get("cells")
+    if jobs:
+        p, d = jobs["pinfeed"], jobs["dataloader"]
+        n = res["params"]["jobs"]
+        rows.append(
+            [f"{n} jobs at once (1 worker each), aggregate", *_epoch_cells(p, d), *_costs(p, d)]
+        )
+    restart = (res.get("restart") or {}).get("cells")
+    if restart:
+        p, d = restart["pinfeed"], restart["dataloader"]
+        rows.append(
+            [
+                "first epoch after a server restart (persisted cache), num_workers=2",
+                *_epoch_cells(p, d),
+                "",
+                "",
+                *_costs(p, d),
+            ]
+        )
+    out = [table(head, rows)] if rows else []
+    notes = []
+    if jobs:
+        misses = jobs["pinfeed"]["misses"]
+        notes.append(
+            f"Cache misses over the {res['params']['jobs']} loaders, each run: "
+            f"{', '.join(map(str, misses))} (the dataset has {res['workload']['samples']} samples)."
+        )
+    sub = res.get("subset")
+    if sub:
+        notes.append(
+            f"A cache of half the dataset (`max_bytes` {sub['max_bytes'] / MiB:,.0f} of "
+            f"{sub['whole_bytes'] / MiB:,.0f} MiB): hit ratio {sub['hit_ratio_epochs_2_3']:.3f} "
+            f"over epochs 2-3, `max_bytes / size` = {sub['expected']:.3f}."
+        )
+    prof = res.get("profile")
+    if prof:
+        st = prof["stage_ms"]
+        roof = res["roofline"]["cell"]["samples_per_s"]["median"]
+        notes.append(
+            f"One process, one core, per sample: decode {st['decode']:.2f} ms, resize "
+            f"{st['resize']:.2f} ms, to a CHW tensor {st['to_tensor']:.2f} ms, transform "
+            f"{st['transform']:.2f} ms ({prof['transform_share']:.0%} of it); {num(roof)} "
+            f"samples/s cold, {num(prof['cached_roofline_samples_per_s'])} samples/s "
+            "transforming decoded samples (the cached epochs' roofline)."
+        )
+    if notes:
+        out += ["", *notes]
+    draft = res.get("draft")
+    if draft:
+        rows = [
+            [
+                size,
+                f"{d['full_ms']:.1f}",
+                f"{d['draft_ms']:.1f}",
+                f"{d['speedup']:.2f}x",
+                "yes"
+                if d["bit_identical"]
+                else f"no: mean {d['mean_abs_diff']:.2f}, max {d['max_abs_diff']}",
+            ]
+            for size, d in draft.items()
+        ]
+        head = [
+            "JPEG, to shorter side 256",
+            "full decode ms",
+            '`"decode": "draft"` ms',
+            "speed-up",
+            "bit-identical (pixel difference, 0-255)",
+        ]
+        out += ["", table(head, rows)]
+    out += ["", provenance([res])]
+    return "\n".join(out)
+
+
+def w9(r: Results, args: list[str]) -> str:
+    res = r.get("W9")
+    if res is None:
+        return missing("W9", "python -m bench W9")
+    return w9_table(res)
+
+
 RENDERERS: dict[str, Callable[[Results, list[str]], str]] = {
     "headline": headline,
     "throughput": throughput,
@@ -999,6 +1110,7 @@ RENDERERS: dict[str, Callable[[Results, list[str]], str]] = {
     "ray": ray,
     "gpu": gpu,
     "soak": soak,
+    "w9": w9,
     "plot": plot_ref,
 }
 

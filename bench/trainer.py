@@ -112,6 +112,7 @@ def _pinfeed(spec: dict[str, Any], warm: bool = False) -> tuple[Run, float]:
         pin_memory=torch.cuda.is_available(),
         prefetch_factor=2,
         **({"collate_fn": spec["collate_fn"]} if spec.get("collate_fn") else {}),
+        **({"transform": spec["transform"]} if spec.get("transform") else {}),
     )
     if warm:
         # A loader created ahead of the trainer: wait (bounded) until its ring is full,
@@ -149,10 +150,21 @@ def _dataloader_args(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _transformed(spec: dict[str, Any], ds: Any) -> Any:
+    """The workload's dataset as a pinfeed loader with its ``transform`` reads it."""
+    if not spec.get("transform"):
+        return ds
+    from bench.data import PLUGINS
+    from pinfeed.transformed import Transformed
+    from pinfeed_server.plugins import resolve
+
+    return Transformed(ds, resolve(spec["transform"], PLUGINS, what="transform"))
+
+
 def _dataloader(spec: dict[str, Any]) -> tuple[Run, float]:
     from torch.utils.data import DataLoader
 
-    ds = _reference(spec) if spec.get("reference") else _dataset(spec)
+    ds = _transformed(spec, _reference(spec) if spec.get("reference") else _dataset(spec))
     t0 = time.perf_counter()
     dl = DataLoader(
         ds,

@@ -1,4 +1,6 @@
-"""pinfeed's trainer library: ``Loader`` (batches over shared memory) and ``Client`` (HTTP)."""
+"""pinfeed's trainer library: ``Loader`` (batches over shared memory), ``Client`` (HTTP)
+and ``Transformed`` (a dataset and its per-loader transform, the reference of a cached
+dataset's loader)."""
 
 from pinfeed._admin import Client
 from pinfeed._dataloader import DataLoader
@@ -30,6 +32,7 @@ from pinfeed.errors import (
     UnsupportedMediaType,
     WorkerLimit,
 )
+from pinfeed.transformed import Transformed
 
 __version__ = "0.1.0"  # the distribution's version (pyproject reads it from here)
 
@@ -58,6 +61,7 @@ __all__ = [
     "ProtocolError",
     "SampleError",
     "ServerUnavailable",
+    "Transformed",
     "Unauthorized",
     "Unshippable",
     "UnsupportedMediaType",

@@ -102,10 +102,15 @@ class Client:
         return self._send("GET", "/metrics").text
 
     # datasets
-    def create_dataset(self, name: str, kind: str, params: dict[str, Any]) -> dict[str, Any]:
-        result: dict[str, Any] = self._request(
-            "POST", "/v1/datasets", json={"name": name, "kind": kind, "params": params}
-        )
+    def create_dataset(
+        self, name: str, kind: str, params: dict[str, Any], *, cache: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Register a dataset; ``cache={"max_bytes": ..., "persist": ...}`` keeps its
+        samples once per node (see ``POST /v1/datasets``)."""
+        body: dict[str, Any] = {"name": name, "kind": kind, "params": params}
+        if cache is not None:
+            body["cache"] = cache
+        result: dict[str, Any] = self._request("POST", "/v1/datasets", json=body)
         return result
 
     def datasets(self) -> list[dict[str, Any]]:
@@ -118,6 +123,11 @@ class Client:
 
     def delete_dataset(self, name: str) -> None:
         self._request("DELETE", _item("datasets", name))
+
+    def drop_cache(self, name: str) -> dict[str, Any]:
+        """Empty dataset ``name``'s cache (refused while a loader reads it)."""
+        result: dict[str, Any] = self._request("DELETE", _item("datasets", name, "cache"))
+        return result
 
     # loaders
     def create_loader(self, name: str, *, dataset: str, **config: Any) -> dict[str, Any]:

@@ -56,17 +56,39 @@ def _mb(n: int) -> str:
 
 @datasets_app.command("ls")
 def datasets_ls(url: UrlOpt = None, token: TokenOpt = None, as_json: JsonOpt = False) -> None:
-    """List datasets: kind, length, one sample's structure."""
+    """List datasets: kind, length, one sample's structure, its cache's fill."""
     with _client(url, token) as c:
         rows = c.datasets()
     if as_json:
         return _json(rows)
-    table = Table("name", "kind", "length", "sample", "error")
+    table = Table("name", "kind", "length", "sample", "cache", "error")
     for r in rows:
         table.add_row(
-            r["name"], r["kind"], str(r["length"]), json.dumps(r["sample"]), r["error"] or ""
+            r["name"],
+            r["kind"],
+            str(r["length"]),
+            json.dumps(r["sample"]),
+            _cache(r.get("cache"), r["length"]),
+            r["error"] or "",
         )
     console.print(table)
+
+
+def _cache(stats: dict[str, Any] | None, length: int | None) -> str:
+    """A cache's fill: samples and memory stored, hit ratio, persisted."""
+    if stats is None:
+        return ""
+    ratio = stats["hit_ratio"]
+    parts = [
+        f"{stats['samples']}/{length if length is not None else '?'} samples",
+        f"{_mb(stats['bytes'])}/{_mb(stats['max_bytes'])} MB",
+        "hits " + ("-" if ratio is None else f"{100 * ratio:.0f}%"),
+    ]
+    if stats["persisted"]:
+        parts.append("persisted")
+    if stats["rebuilt"]:
+        parts.append(f"rebuilt {stats['rebuilt']}x ({stats['rebuilt_reason']})")
+    return ", ".join(parts)
 
 
 @datasets_app.command("add")

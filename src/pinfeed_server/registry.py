@@ -18,7 +18,8 @@ CREATE TABLE IF NOT EXISTS datasets (
     name TEXT PRIMARY KEY,
     kind TEXT NOT NULL,
     params TEXT NOT NULL,
-    created_at REAL NOT NULL
+    created_at REAL NOT NULL,
+    cache TEXT
 );
 CREATE TABLE IF NOT EXISTS loaders (
     name TEXT PRIMARY KEY,
@@ -43,6 +44,9 @@ class Registry:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA foreign_keys=ON")
         self._db.executescript(SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(datasets)")}
+        if "cache" not in columns:  # a registry made before datasets had caches
+            self._db.execute("ALTER TABLE datasets ADD COLUMN cache TEXT")
 
     def close(self) -> None:
         with self._lock:
@@ -68,17 +72,29 @@ class Registry:
             return list(self._db.execute(sql, args).fetchall())
 
     # datasets
-    def add_dataset(self, name: str, kind: str, params: dict[str, Any]) -> float:
+    def add_dataset(
+        self, name: str, kind: str, params: dict[str, Any], cache: dict[str, Any] | None = None
+    ) -> float:
         now = time.time()
         self._write(
-            "INSERT INTO datasets VALUES (?, ?, ?, ?)", (name, kind, json.dumps(params), now)
+            "INSERT INTO datasets (name, kind, params, created_at, cache) VALUES (?, ?, ?, ?, ?)",
+            (name, kind, json.dumps(params), now, None if cache is None else json.dumps(cache)),
         )
         return now
 
     def datasets(self) -> list[dict[str, Any]]:
+        rows = self._read(
+            "SELECT name, kind, params, created_at, cache FROM datasets ORDER BY name"
+        )
         return [
-            {"name": n, "kind": k, "params": json.loads(p), "created_at": c}
-            for n, k, p, c in self._read("SELECT * FROM datasets ORDER BY name")
+            {
+                "name": n,
+                "kind": k,
+                "params": json.loads(p),
+                "created_at": c,
+                "cache": None if cache is None else json.loads(cache),
+            }
+            for n, k, p, c, cache in rows
         ]
 
     def delete_dataset(self, name: str) -> bool:

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, RootModel, create_model
 
+from pinfeed_server.cache import CacheSpec, CacheStats
 from pinfeed_server.datasets import KINDS, Kind
 from pinfeed_server.datasets.base import Params
 from pinfeed_server.engine.autotune import AutotuneSpec
@@ -37,6 +38,12 @@ class _DatasetCreateBase(BaseModel):
     name: str = Name
     kind: str
     params: Params
+    cache: CacheSpec | None = Field(
+        None,
+        description="keep the samples once per node, shared by every loader of the "
+        "dataset (map-style kinds; the dataset must return the same sample on every "
+        "read): null, no cache",
+    )
 
 
 def _literal(*values: str) -> Any:
@@ -101,6 +108,10 @@ class DatasetCreate(RootModel[DatasetCreateBody]):
         params: dict[str, Any] = self.root.params.model_dump(mode="json", exclude_unset=True)
         return params
 
+    @property
+    def cache(self) -> CacheSpec | None:
+        return self.root.cache
+
 
 class DatasetPublic(BaseModel):
     model_config = ConfigDict(
@@ -125,6 +136,7 @@ class DatasetPublic(BaseModel):
     sample: Any = Field(None, description="one sample's structure with shapes and dtypes")
     error: str | None = Field(None, description="why the dataset cannot open, if it cannot")
     created_at: float = Field(description="Unix time")
+    cache: CacheStats | None = Field(None, description="its sample cache, if it has one")
 
 
 class LoaderCreate(LoaderFields):

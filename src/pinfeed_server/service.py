@@ -26,6 +26,8 @@ import torch
 from pydantic import ValidationError
 
 from pinfeed import errors, protocol
+from pinfeed_server import cache
+from pinfeed_server.cache import CachedDataset, CacheSpec, NotCacheable
 from pinfeed_server.datasets import KINDS, DatasetContext, DatasetError, build_dataset, shipped
 from pinfeed_server.engine.collate import (
     LayoutError,
@@ -91,7 +93,13 @@ class Service:
         self.zygotes = Zygotes(self.context)
         self._lock = threading.RLock()
         self.executors = executors(settings.ray_address)
-        self.budget = NodeBudget(settings.max_workers, settings.max_shm_bytes, lambda: self.loaders)
+        self.budget = NodeBudget(
+            settings.max_workers,
+            settings.max_shm_bytes,
+            lambda: self.loaders,
+            self._cache_reservations,
+            settings.cache_budget,
+        )
         self.tuning = TuningLoop(
             lambda: list(self.loaders.items()),
             lambda name: settings.max_workers - self.budget.workers_used(name),
@@ -170,6 +178,11 @@ class Service:
         for engine in engines:
             engine.close()
         self.zygotes.close()
+        with self._lock:
+            for ds in self._datasets.values():
+                if isinstance(ds, CachedDataset):
+                    ds.cache.close()
+            self._datasets.clear()
         self.registry.close()
 
     def _ensure_demo(self) -> None:
@@ -183,11 +196,15 @@ class Service:
                 log.error("the demo loader cannot start: %s", exc.detail)
 
     # -- datasets ----------------------------------------------------------------------
-    def _open(self, name: str, kind: str, params: dict[str, Any]) -> Any:
+    def _open(
+        self, name: str, kind: str, params: dict[str, Any], spec: dict[str, Any] | None = None
+    ) -> Any:
+        """Dataset ``name``, built once (behind its cache, if ``spec`` asks for one) and
+        shared by its loaders."""
         with self._lock:
             if name not in self._datasets:
                 try:
-                    self._datasets[name] = build_dataset(kind, params, self.context)
+                    ds = build_dataset(kind, params, self.context)
                 except DatasetError as exc:
                     raise errors.InvalidRequest(str(exc)) from None
                 except Exception as exc:  # a corrupt file is the caller's problem, not a 500
@@ -195,7 +212,40 @@ class Service:
                     raise errors.InvalidRequest(
                         f"dataset {name!r} cannot open: {type(exc).__name__}: {exc}"
                     ) from None
+                if spec is not None:
+                    ds = self._cached(name, kind, params, ds, CacheSpec.model_validate(spec))
+                self._datasets[name] = ds
             return self._datasets[name]
+
+    def _cached(
+        self, name: str, kind: str, params: dict[str, Any], ds: Any, spec: CacheSpec
+    ) -> CachedDataset:
+        """``ds`` behind a cache: checked (a 422 naming what moved), admitted by the
+        node's budget (507), mapped (a persisted file reopened or rebuilt)."""
+        try:
+            with GLOBAL_RNG:  # the check watches the process's RNGs
+                probe = cache.check(name, ds)
+        except NotCacheable as exc:
+            raise errors.InvalidRequest(str(exc)) from None
+        nbytes = cache.reservation(spec, probe, len(ds))
+        self.budget.admit_cache(name, nbytes)
+        return cache.build(
+            name,
+            ds,
+            spec,
+            (kind, params, self.context),
+            nbytes,
+            self.settings.cache_path,
+            ship_base=KINDS[kind].ship_build,
+        )
+
+    def _cache_reservations(self) -> dict[str, int]:
+        """Each cached dataset's reserved bytes (the node budget's view of the caches)."""
+        return {
+            name: ds.cache.region.layout.total
+            for name, ds in list(self._datasets.items())
+            if isinstance(ds, CachedDataset)
+        }
 
     def _dataset_row(self, name: str) -> dict[str, Any]:
         for row in self.registry.datasets():
@@ -207,11 +257,12 @@ class Service:
         with self._lock:
             if any(d["name"] == body.name for d in self.registry.datasets()):
                 raise errors.Conflict(f"dataset {body.name!r} exists; delete it first")
-            self._datasets.pop(body.name, None)
+            self._forget(body.name)
             params = body.params
-            self._open(body.name, body.kind, params)
+            spec = None if body.cache is None else body.cache.model_dump()
+            self._open(body.name, body.kind, params, spec)
             try:
-                self.registry.add_dataset(body.name, body.kind, params)
+                self.registry.add_dataset(body.name, body.kind, params, spec)
             except DuplicateName:
                 raise errors.Conflict(f"dataset {body.name!r} exists") from None
             return self.describe_dataset(body.name)
@@ -221,8 +272,12 @@ class Service:
 
     def describe_dataset(self, name: str) -> dict[str, Any]:
         row = self._dataset_row(name)
+        spec = row.pop("cache")
         try:
-            ds = self._open(name, row["kind"], row["params"])
+            ds = self._open(name, row["kind"], row["params"], spec)
+            if isinstance(ds, CachedDataset):
+                row["cache"] = ds.cache.stats()
+                ds = ds.base  # sample 0 as the dataset reads it: no hit or miss counted
             with GLOBAL_RNG:  # not while an inline loader has its RNGs swapped in
                 sample = first_samples(ds)[0] if is_iterable(ds) else ds[0]
                 row |= {"length": dataset_len(ds), "sample": describe(probe(sample, 1))}
@@ -230,9 +285,38 @@ class Service:
             row |= {"error": f"{type(exc).__name__}: {exc}"}
         return row
 
+    def cache_stats(self) -> dict[str, cache.CacheStats]:
+        """The stats of every open dataset's cache, by dataset name (``GET /metrics``)."""
+        with self._lock:
+            cached = [(n, d) for n, d in self._datasets.items() if isinstance(d, CachedDataset)]
+        return {name: ds.cache.stats() for name, ds in sorted(cached)}
+
+    def drop_cache(self, name: str) -> dict[str, Any]:
+        """Empty dataset ``name``'s cache and give its memory back; 409 while a loader
+        uses the dataset (its workers may hold views of the cache)."""
+        with self._lock:
+            row = self._dataset_row(name)
+            if row["cache"] is None:
+                raise errors.NotFound(f"dataset {name!r} has no cache")
+            users = sorted(n for n, e in self.loaders.items() if e.config.dataset == name)
+            if users:
+                raise errors.Conflict(
+                    f"the cache of dataset {name!r} is read by loaders {users}; delete them first"
+                )
+            ds = self._open(name, row["kind"], row["params"], row["cache"])
+            assert isinstance(ds, CachedDataset)
+            ds.cache.clear()
+        return self.describe_dataset(name)
+
+    def _forget(self, name: str) -> None:
+        """Drop dataset ``name``'s build (and close its cache); under the lock."""
+        ds = self._datasets.pop(name, None)
+        if isinstance(ds, CachedDataset):
+            ds.cache.close()
+
     def delete_dataset(self, name: str) -> None:
         with self._lock:
-            self._dataset_row(name)
+            row = self._dataset_row(name)
             users = [n for n, e in self.loaders.items() if e.config.dataset == name]
             users += [r["name"] for r in self.registry.loaders() if r["dataset"] == name]
             if users:
@@ -240,8 +324,10 @@ class Service:
                     f"dataset {name!r} is used by loaders {sorted(set(users))}; delete them first"
                 )
             self.registry.delete_dataset(name)
-            self._datasets.pop(name, None)
+            self._forget(name)  # the cache's memory goes once its zygote has unmapped it too
         self.zygotes.discard(name)
+        if row["cache"] is not None and row["cache"].get("persist"):
+            cache.cache_path(self.settings.cache_path, name).unlink(missing_ok=True)
 
     # -- loaders -----------------------------------------------------------------------
     def create_loader(self, body: LoaderCreate) -> dict[str, Any]:
@@ -265,7 +351,7 @@ class Service:
     def _start_loader(self, dataset_name: str, config: dict[str, Any]) -> LoaderEngine:
         row = self._dataset_row(dataset_name)
         kind, params = KINDS[row["kind"]], row["params"]
-        ds = self._open(dataset_name, kind.name, params)
+        ds = self._open(dataset_name, kind.name, params, row["cache"])
         cfg = LoaderConfig.model_validate({**config, "dataset": dataset_name})
         # Without max_batch_bytes, a collate_fn loader's ring takes at most a quarter of
         # the budget left (collate.loader_layout).
@@ -282,7 +368,7 @@ class Service:
         zygote = functools.partial(self.zygotes.get, dataset_name, ds, kind.name, params)
         engine = LoaderEngine(
             cfg,
-            ds,
+            ready.dataset,  # its transform over the shared dataset (and its cache)
             kind,
             params,
             self.context,

@@ -96,6 +96,17 @@ class Settings(BaseSettings):
         description="memory budget for all rings together (default: half the RAM); "
         "more than the RAM is refused",
     )
+    cache_max_bytes: int | None = Field(
+        None,
+        ge=0,
+        description="the part of PINFEED_MAX_SHM_BYTES that datasets' sample caches may "
+        "reserve together (default: half of it)",
+    )
+    cache_dir: Path | None = Field(
+        None,
+        description="where persisted sample caches live, one memory-mapped file per dataset "
+        "(local disk; default <state_dir>/cache)",
+    )
     max_workers: int = Field(
         default_factory=default_max_workers,
         ge=0,
@@ -207,6 +218,16 @@ class Settings(BaseSettings):
     @property
     def registry_path(self) -> Path:
         return self.state_dir / "registry.sqlite3"
+
+    @property
+    def cache_path(self) -> Path:
+        return self.cache_dir or self.state_dir / "cache"
+
+    @property
+    def cache_budget(self) -> int:
+        """PINFEED_CACHE_MAX_BYTES, or its default: half of PINFEED_MAX_SHM_BYTES."""
+        limit = self.max_shm_bytes // 2 if self.cache_max_bytes is None else self.cache_max_bytes
+        return min(limit, self.max_shm_bytes)
 
     def is_loopback(self) -> bool:
         if self.host == "localhost":

@@ -49,6 +49,8 @@ def test_every_setting_reads_its_env_var(monkeypatch: pytest.MonkeyPatch, tmp_pa
         "RAY_ADDRESS": "127.0.0.1:6379",
         "ACCEPT_OBJECTS": "false",
         "IDLE_EXIT_S": "30",
+        "CACHE_MAX_BYTES": "524288",
+        "CACHE_DIR": str(tmp_path / "caches"),
     }
     assert {f"PINFEED_{k.upper()}" for k in Settings.model_fields} == {f"PINFEED_{k}" for k in env}
     for key, value in env.items():
@@ -56,6 +58,7 @@ def test_every_setting_reads_its_env_var(monkeypatch: pytest.MonkeyPatch, tmp_pa
     s = Settings()
     assert (s.host, s.port, s.max_shm_bytes, s.max_body_bytes) == ("::1", 9000, 1 << 20, 4096)
     assert s.socket_path == tmp_path / "x.sock" and s.registry_path.parent == tmp_path / "st"
+    assert (s.cache_budget, s.cache_path) == (1 << 19, tmp_path / "caches")
     assert (s.token, s.allowed_plugins, s.demo, s.log_level) == (
         TOKEN,
         ["mylab.data"],

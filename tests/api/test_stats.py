@@ -8,7 +8,6 @@ import threading
 
 import pytest
 
-from pinfeed_server.engine.metric import metric_fields
 from pinfeed_server.engine.stats import (
     WAIT_BUCKETS_S,
     LoaderStats,
@@ -17,6 +16,7 @@ from pinfeed_server.engine.stats import (
     bucket_quantile,
     bucket_quantiles,
 )
+from pinfeed_server.metric import metric_fields
 from pinfeed_server.schemas import LoaderStatsPublic
 
 

@@ -212,3 +212,50 @@ def test_parity_with_dataloader(
     finally:
         admin.delete_loader(loader_name)
         admin.delete_dataset(name)
+
+
+def test_uncropped_keeps_the_aspect(tmp_path: Path) -> None:
+    """``"crop": false``: torchvision's ``Resize(size)`` alone (the shorter side to
+    ``size``, the longer ``int(size * long / short)``), no ``CenterCrop``."""
+    make_tree(tmp_path)
+    ds = build_dataset("images", {"path": ".", "size": SIZE, "crop": False}, _ctx(tmp_path))
+    for i in range(len(ds)):
+        path, _ = ds.samples[i]
+        with Image.open(path) as f:
+            img = f.convert("RGB")
+        w, h = img.size
+        short, long = min(w, h), max(w, h)
+        new = (SIZE, int(SIZE * long / short)) if w <= h else (int(SIZE * long / short), SIZE)
+        if short != SIZE:
+            img = img.resize(new, Image.Resampling.BILINEAR)
+        want = torch.from_numpy(np.asarray(img).transpose(2, 0, 1).copy())
+        got, _ = ds[i]
+        assert got.shape == want.shape and torch.equal(got, want), path
+
+
+def test_draft_decode_is_close_and_says_so(tmp_path: Path) -> None:
+    """``"decode": "draft"``: a JPEG much larger than ``size`` is decoded at a reduced
+    scale (close to, not equal to, the full decode; the same shape); one that cannot be
+    reduced (a reduction would leave it smaller than ``size``) is decoded as it is."""
+    rng = np.random.default_rng(5)
+    big = tmp_path / "big" / "a"
+    big.mkdir(parents=True)
+    from bench.data import _jpeg
+
+    for i in range(3):
+        _jpeg(rng, 400, 300).save(big / f"{i}.jpg", format="JPEG", quality=90)
+    params = {"path": "big", "size": SIZE, "crop": False}
+    full = build_dataset("images", params, _ctx(tmp_path))
+    draft = build_dataset("images", {**params, "decode": "draft"}, _ctx(tmp_path))
+    for i in range(3):
+        a, b = full[i][0], draft[i][0]
+        assert a.shape == b.shape
+        diff = (a.int() - b.int()).abs().float()
+        assert 0 < diff.mean() < 8  # a reduced decode: close, not bit-identical
+    small = build_dataset("images", {**params, "size": 256}, _ctx(tmp_path))
+    small_draft = build_dataset(
+        "images", {**params, "size": 256, "decode": "draft"}, _ctx(tmp_path)
+    )
+    assert all(torch.equal(small[i][0], small_draft[i][0]) for i in range(3))  # 300/2 < 256
+    with pytest.raises(DatasetError, match="decode"):
+        build_dataset("images", {**params, "decode": "fast"}, _ctx(tmp_path))

@@ -26,7 +26,7 @@ WHEN = {
     415: "the body is not application/json",
     422: "the body or a parameter is invalid",
     503: "a loader is still starting",
-    507: "the ring would exceed the free part of PINFEED_MAX_SHM_BYTES",
+    507: "the ring (or cache) would exceed the free part of PINFEED_MAX_SHM_BYTES",
 }
 OVERLOADED = (
     "overloaded: the control plane is at PINFEED_HTTP_MAX_RPS and the request would "

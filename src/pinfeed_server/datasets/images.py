@@ -8,7 +8,12 @@ without a single image is an error. A sample is decoded with Pillow and converte
 RGB, its shorter side is resized to ``size`` (bilinear, as torchvision's ``Resize`` on
 a PIL image) and it is center-cropped to ``size`` x ``size`` (``CenterCrop``):
 ``(uint8 tensor [3, size, size], label)``, the label an ``int`` (int64 once batched,
-as under DataLoader).
+as under DataLoader). With ``"crop": false`` the resized image is kept whole
+(``[3, H, W]``, the shorter side ``size``): the deterministic stage of an ImageNet
+pipeline, cached once per node, whose random crop is the loader's ``transform``.
+``"decode": "draft"`` decodes a JPEG at a reduced scale first (``Image.draft``):
+faster for large JPEGs, not bit-identical with a full decode (docs/cache.md has the
+figures).
 
 Every class folder, subfolder and file must resolve inside the data root: a symlink
 that leads out is refused when the dataset is built, a link back to an enclosing
@@ -18,10 +23,11 @@ folder (a loop) is not followed, and files are opened by their resolved path wit
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, overload
+from typing import Any, Literal, overload
 
 import numpy as np
 import torch
@@ -37,6 +43,19 @@ EXTENSIONS = (".jpg", ".jpeg", ".png")
 class ImagesParams(Params):
     path: str = Field(description="folder of class subfolders, relative to the data root")
     size: int = Field(gt=0, le=8192, description="shorter side resized to this, then cropped")
+    crop: bool = Field(
+        True,
+        description="center-crop to size x size after the resize (torchvision's CenterCrop); "
+        "false: keep the aspect ratio (samples may differ in shape: a loader's transform "
+        "crops them, e.g. RandomResizedCrop)",
+    )
+    decode: Literal["full", "draft"] = Field(
+        "full",
+        description="full: decode every pixel (what torchvision's loader gives); draft: let "
+        "libjpeg decode a JPEG at 1/2, 1/4 or 1/8 scale where that still leaves the "
+        "shorter side >= size (Pillow's Image.draft), then resize: several times faster "
+        "for JPEGs much larger than size, close to but NOT bit-identical with a full decode",
+    )
 
 
 def _inside(path: str, root: str) -> bool:
@@ -131,22 +150,39 @@ def scan(folder: Path, root: Path) -> tuple[list[str], SharedArrays]:
     return classes, index
 
 
-def decode(path: str, size: int) -> Image.Image:
-    """Open ``path`` (no symlink) as RGB, resize its shorter side to ``size``, center-crop."""
+def decode(path: str, size: int, crop: bool = True, draft: bool = False) -> Image.Image:
+    """Open ``path`` (no symlink) as RGB, resize its shorter side to ``size`` and, with
+    ``crop``, center-crop; ``draft``: decode a JPEG at a reduced scale first."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     with os.fdopen(fd, "rb") as f:
-        img = Image.open(f).convert("RGB")
-    return fit(img, size)
+        img: Image.Image = Image.open(f)
+        source = img.size
+        if draft and img.format == "JPEG":
+            w, h = source
+            scale = size / min(w, h)
+            # libjpeg's scale: the largest reduction that keeps both sides >= these
+            img.draft("RGB", (math.ceil(w * scale), math.ceil(h * scale)))
+        img.load()
+        # convert() copies even an RGB image: skip it then (the same pixels)
+        if img.mode != "RGB":
+            img = img.convert("RGB")
+    return fit(img, size, crop, source)
 
 
-def fit(img: Image.Image, size: int) -> Image.Image:
-    """torchvision's ``Resize(size)`` (shorter side, bilinear) then ``CenterCrop(size)``."""
-    w, h = img.size
+def fit(
+    img: Image.Image, size: int, crop: bool = True, source: tuple[int, int] | None = None
+) -> Image.Image:
+    """torchvision's ``Resize(size)`` (shorter side, bilinear) then, with ``crop``,
+    ``CenterCrop(size)``. ``source``: the image's size before a draft decode reduced it
+    (the output size is the full decode's)."""
+    w, h = source or img.size
     short, long = (w, h) if w <= h else (h, w)
-    if short != size:
+    if short != size or img.size != (w, h):
         new_short, new_long = size, int(size * long / short)
         new_w, new_h = (new_short, new_long) if w <= h else (new_long, new_short)
         img = img.resize((new_w, new_h), Image.Resampling.BILINEAR)
+    if not crop:
+        return img
     w, h = img.size
     top = round((h - size) / 2.0)
     left = round((w - size) / 2.0)
@@ -174,10 +210,19 @@ class ImagesDataset:
     """The samples live in ``SharedArrays`` (``scan``): built once in the server, mapped
     by its zygote and workers, pickled as a file descriptor; no list of paths anywhere."""
 
-    def __init__(self, classes: list[str], index: SharedArrays, size: int) -> None:
+    def __init__(
+        self,
+        classes: list[str],
+        index: SharedArrays,
+        size: int,
+        crop: bool = True,
+        decode: str = "full",
+    ) -> None:
         self.classes = classes
         self.class_to_idx = {name: i for i, name in enumerate(classes)}
         self.size = size
+        self.crop = crop
+        self.decode = decode
         self._index = index
         self._dirs = StringTable(index["dir_bytes"], index["dir_offsets"])
         self._names = StringTable(index["name_bytes"], index["name_offsets"])
@@ -185,7 +230,7 @@ class ImagesDataset:
         self._dir_label = index["dir_label"]
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (ImagesDataset, (self.classes, self._index, self.size))
+        return (ImagesDataset, (self.classes, self._index, self.size, self.crop, self.decode))
 
     def __len__(self) -> int:
         return len(self._sample_dir)
@@ -209,7 +254,7 @@ class ImagesDataset:
     def _hwc(self, index: int) -> tuple[np.ndarray[Any, Any], int]:
         path, label = self.sample(index)
         try:
-            img = decode(path, self.size)
+            img = decode(path, self.size, self.crop, self.decode == "draft")
         except (OSError, UnidentifiedImageError, ValueError) as exc:
             raise DatasetError(f"cannot decode {path}: {exc}") from None
         return np.asarray(img), label  # read-only, HxWxC
@@ -237,7 +282,7 @@ class ImagesDataset:
 
 def build(p: ImagesParams, ctx: DatasetContext) -> ImagesDataset:
     classes, index = scan(ctx.resolve_dir(p.path), ctx.data_root.resolve())
-    return ImagesDataset(classes, index, p.size)
+    return ImagesDataset(classes, index, p.size, p.crop, p.decode)
 
 
 KIND = Kind("images", ImagesParams, build, __doc__, ship_build=True)

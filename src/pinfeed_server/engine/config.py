@@ -101,6 +101,15 @@ class LoaderFields(BaseModel):
         "seeding, as DataLoader calls it (modules under PINFEED_ALLOWED_PLUGINS)",
     )
 
+    transform: str | None = Field(
+        None,
+        pattern=SPEC,
+        description="'package.module:callable' called on each sample in the worker, after "
+        "the dataset (and its cache) and before collate_fn, on DataLoader's worker RNG "
+        "streams: the batches are DataLoader(Transformed(dataset, callable))'s. The random "
+        "augmentation goes here, the deterministic stages in the dataset (modules under "
+        "PINFEED_ALLOWED_PLUGINS; map-style datasets)",
+    )
     collate_fn: str | None = Field(
         None,
         pattern=SPEC,
@@ -220,6 +229,9 @@ class Named(Protocol):
     @property
     def worker_init_fn(self) -> str | None: ...
 
+    @property
+    def transform(self) -> str | None: ...
+
 
 @dataclass(frozen=True)
 class LoaderCode:
@@ -229,14 +241,16 @@ class LoaderCode:
 
     collate_fn: Callable[..., Any] | None = None
     worker_init_fn: Callable[..., Any] | None = None
+    transform: Callable[..., Any] | None = None  # per sample, over the dataset
 
     @classmethod
     def resolve(cls, config: Named, allowed: tuple[str, ...]) -> LoaderCode:
         """The callables ``config`` names; ``PluginError`` names one that cannot be used."""
-        collate, init = config.collate_fn, config.worker_init_fn
+        collate, init, transform = config.collate_fn, config.worker_init_fn, config.transform
         return cls(
             None if collate is None else resolve(collate, allowed, what="collate_fn"),
             None if init is None else resolve(init, allowed, what="worker_init_fn"),
+            None if transform is None else resolve(transform, allowed, what="transform"),
         )
 
 

@@ -1,5 +1,7 @@
 """What a loader needs before it starts, checked against its dataset: its plugins
-resolved, its batch plan (sampler), and its slot layout, sized from a first batch.
+resolved, the dataset its producers read (its ``transform`` over the shared dataset:
+``Transformed``), its batch plan (sampler), and its slot layout, sized from a first
+batch.
 
 Everything here raises ``ConfigError`` with a message that says what to change; the
 service answers it with a 422. The executor's refusals come first, then DataLoader's own
@@ -9,10 +11,12 @@ ring that fits).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pinfeed.transformed import Transformed
+from pinfeed_server.cache import CachedDataset
 from pinfeed_server.datasets import Kind
 from pinfeed_server.engine.collate import Layout, LayoutError, fetch_samples, loader_layout
 from pinfeed_server.engine.config import LoaderCode, LoaderConfig, make_sampler, streams_of
@@ -34,6 +38,7 @@ class Prepared:
     layout: Layout
     code: LoaderCode
     executor: Executor
+    dataset: Any  # what the loader's producers read: the dataset, or its Transformed
 
 
 def prepare(
@@ -64,6 +69,15 @@ def prepare(
             code = LoaderCode.resolve(cfg, allowed)
         except PluginError as exc:
             raise ConfigError(str(exc)) from None
+    transform = code.transform
+    if transform is not None:
+        if iterable:
+            raise ConfigError(
+                f"loader {cfg.name!r}: transform applies to a map-style dataset "
+                "(Transformed(d, t)[i] = t(d[i])); an IterableDataset transforms its samples "
+                "in its own __iter__"
+            )
+        shared, dataset = dataset, Transformed(dataset, transform)
     fed = plan is not None
     if plan is None:
         conflict = iterable_conflict(cfg) if iterable else None
@@ -96,11 +110,23 @@ def prepare(
                 batch, where = first_samples(dataset, cfg, n), "the first batch of its iterator"
             else:
                 batch, where = fetch_samples(dataset, indices[:n]), f"sample {first}"
+                if transform is not None and isinstance(shared, CachedDataset):
+                    _check_transform(cfg, shared, transform, indices[0])
             layout = loader_layout(batch, plan.max_rows, collate, cfg.max_batch_bytes, cap, where)
-    except LayoutError as exc:
+    except (LayoutError, ConfigError) as exc:
         raise ConfigError(str(exc)) from None
     except Exception as exc:
         raise ConfigError(
             f"reading sample {first} to size the ring raised {type(exc).__name__}: {exc}"
         ) from None
-    return Prepared(plan, layout, code, executor)
+    return Prepared(plan, layout, code, executor, dataset)
+
+
+def _check_transform(
+    cfg: LoaderConfig, shared: CachedDataset, transform: Callable[..., Any], index: int
+) -> None:
+    """A transform over a cached dataset gets read-only views of the node's cache in
+    the workers (a write there faults): refuse one that writes into its input."""
+    problem = shared.check_transform(transform, index)
+    if problem is not None:
+        raise ConfigError(f"loader {cfg.name!r}: {problem}")

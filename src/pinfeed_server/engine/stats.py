@@ -13,7 +13,7 @@ A read is consistent per value group (batches and samples agree), not across gro
 ``LoaderStats.snapshot()`` (and ``LoaderEngine.stats_snapshot()``, which adds the
 workers' busy time and autotune's report) returns a ``StatsSnapshot``: the body of
 ``GET /v1/loaders/{name}/stats`` (``schemas.LoaderStatsPublic`` adds only its OpenAPI
-examples), the source of the ``/metrics`` series its fields declare (``engine.metric``),
+examples), the source of the ``/metrics`` series its fields declare (``pinfeed_server.metric``),
 and what ``pinfeed status`` parses the body back into.
 """
 
@@ -27,7 +27,7 @@ from typing import Annotated, Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pinfeed_server.engine.metric import Metric
+from pinfeed_server.metric import Metric
 
 # Upper bounds of the wait histogram's buckets, in seconds (+Inf is implied).
 WAIT_BUCKETS_S = (

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field
 
 from pinfeed.errors import LoaderFailed
-from pinfeed_server.engine.metric import Metric
+from pinfeed_server.metric import Metric
 
 LoaderState = Literal["starting", "ready", "failed", "draining", "closed"]
 

@@ -1,10 +1,13 @@
-"""The node's limits on all loaders together, and the one admission function.
+"""The node's limits on all loaders and caches together, and the admission functions.
 
 PINFEED_MAX_WORKERS bounds the worker processes (and threads) that take this node's
-CPUs, PINFEED_MAX_SHM_BYTES the memory every ring holds or is about to. A new loader,
-a loader restarted from the registry and every live change (a PATCH, autotune) is
-admitted here or refused with the domain error that says what to do (409
-worker-limit, 507 insufficient-memory, mapped to problem+json by the API).
+CPUs; PINFEED_MAX_SHM_BYTES the memory every ring and every dataset's sample cache
+holds or is about to (a cache reserves its ``max_bytes`` when its dataset is opened,
+as a ring reserves its slots), and PINFEED_CACHE_MAX_BYTES the caches' share of it. A
+new loader, a loader restarted from the registry and every live change (a PATCH,
+autotune) is admitted by ``admit``, a cache by ``admit_cache``, or refused with the
+domain error that says what to do (409 worker-limit, 507 insufficient-memory, mapped
+to problem+json by the API).
 """
 
 from __future__ import annotations
@@ -22,17 +25,50 @@ class NodeBudget:
         max_workers: int,
         max_shm_bytes: int,
         loaders: Callable[[], Mapping[str, LoaderEngine]],
+        caches: Callable[[], Mapping[str, int]] = dict,
+        max_cache_bytes: int | None = None,
     ) -> None:
+        """``caches()``: each cached dataset's reserved bytes, by dataset name."""
         self.max_workers = max_workers
         self.max_shm_bytes = max_shm_bytes
+        self.max_cache_bytes = max_shm_bytes if max_cache_bytes is None else max_cache_bytes
         self._loaders = loaders
+        self._caches = caches
 
     def workers_used(self, but: str | None = None) -> int:
         """Node workers of every loader, or of every loader but ``but``."""
         return sum(e.node_workers for n, e in list(self._loaders().items()) if n != but)
 
-    def shm_used(self, but: str | None = None) -> int:
+    def rings_used(self, but: str | None = None) -> int:
+        """Ring bytes of every loader, or of every loader but ``but``."""
         return sum(e.reserved_bytes() for n, e in list(self._loaders().items()) if n != but)
+
+    def cache_used(self, but: str | None = None) -> int:
+        """Bytes reserved by every dataset's cache, or by every one but dataset ``but``'s."""
+        return sum(b for n, b in list(self._caches().items()) if n != but)
+
+    def shm_used(self, but: str | None = None) -> int:
+        """The budget in use: every ring (but loader ``but``'s) and every cache."""
+        return self.rings_used(but) + self.cache_used()
+
+    def admit_cache(self, dataset: str, nbytes: int) -> None:
+        """Refuse a cache of ``nbytes`` for ``dataset`` where the node cannot take it."""
+        free_cache = max(0, self.max_cache_bytes - self.cache_used(dataset))
+        free = max(0, self.max_shm_bytes - self.rings_used() - self.cache_used(dataset))
+        if nbytes <= min(free, free_cache):
+            return
+        which = (
+            f"{free_cache} bytes of PINFEED_CACHE_MAX_BYTES={self.max_cache_bytes}"
+            if free_cache < free
+            else f"{free} bytes of PINFEED_MAX_SHM_BYTES={self.max_shm_bytes}"
+        )
+        raise InsufficientMemory(
+            f"dataset {dataset!r} needs a cache of {nbytes} bytes; {which} are free. Give "
+            "(or lower) cache.max_bytes to keep a fixed subset of it, drop another "
+            "dataset's cache, or raise the budget",
+            need_bytes=nbytes,
+            free_bytes=min(free, free_cache),
+        )
 
     def admit(
         self, config: LoaderConfig, ring_bytes: int, workers: int, replaces: str | None = None

@@ -1,10 +1,14 @@
 """``GET /metrics``: Prometheus text format, read from the live service at scrape time.
 
+Loaders' series are labelled ``loader``; each cached dataset's ``dataset``
+(``pinfeed_dataset_cache_*``: the fields of its ``CacheStats`` that declare a
+``Metric``).
+
 The engine keeps every counter, so a scrape reads them once per loader (its
 ``LoaderStatus`` and a ``StatsSnapshot`` of the lock-free statistics, both built without
 validation) and writes the text directly: O(loaders), a few microseconds per series, no
 metric objects per scrape. The per-loader families are the fields of those two models
-that declare a ``Metric`` (name, type, help: ``engine/metric.py``), in their order; the
+that declare a ``Metric`` (name, type, help: ``pinfeed_server/metric.py``), in their order; the
 ``state`` labels' values are ``LoaderState`` and the ``SlotCounts`` fields. A deleted
 loader simply stops appearing. Process metrics (memory, CPU, fds) come from
 prometheus_client's own collectors, in one registry per app, so several apps in one
@@ -37,9 +41,10 @@ from prometheus_client import (
 from pydantic import BaseModel
 
 from pinfeed import __version__
-from pinfeed_server.engine.metric import metric_fields
+from pinfeed_server.cache import CacheStats
 from pinfeed_server.engine.stats import WAIT_BUCKETS_S, StatsSnapshot, WaitHistogram
 from pinfeed_server.engine.status import LoaderState, LoaderStatus, SlotCounts
+from pinfeed_server.metric import metric_fields
 from pinfeed_server.service import Service
 
 router = APIRouter(tags=["metrics"])
@@ -177,16 +182,29 @@ def _series(part: str, model: type[BaseModel]) -> list[Series]:
 
 # Every per-loader family, from the fields that declare one (status, then stats).
 SERIES = [*_series("status", LoaderStatus), *_series("stats", StatsSnapshot)]
+# Every per-dataset family of a cached dataset (each an int or bool field).
+CACHE_SERIES = metric_fields(CacheStats)
 
 
 def render(service: Service) -> str:
     """The pinfeed series of every loader, in Prometheus text format 0.0.4."""
     rows = loader_rows(service)
     names = [_esc(row.name) for row in rows]
+    caches = service.cache_stats()
     out: list[str] = []
     for name, doc, value in (
         ("pinfeed_shm_budget_bytes", "PINFEED_MAX_SHM_BYTES", service.settings.max_shm_bytes),
-        ("pinfeed_shm_used_bytes", "Bytes of the budget held by rings", service.shm_used()),
+        (
+            "pinfeed_shm_used_bytes",
+            "Bytes of the budget held by rings and caches",
+            service.shm_used(),
+        ),
+        ("pinfeed_cache_budget_bytes", "PINFEED_CACHE_MAX_BYTES", service.settings.cache_budget),
+        (
+            "pinfeed_cache_reserved_bytes",
+            "Bytes of the budget reserved by sample caches",
+            sum(c.max_bytes for c in caches.values()),
+        ),
         ("pinfeed_loaders", "Loaders registered", len(rows)),
         ("pinfeed_workers", "Worker processes of all loaders", service.workers_used()),
         ("pinfeed_workers_max", "PINFEED_MAX_WORKERS", service.settings.max_workers),
@@ -205,6 +223,14 @@ def render(service: Service) -> str:
     for series in SERIES:
         out.append(series.head)
         series.write(out, series.metric, names, list(map(series.read, rows)))
+    datasets = [_esc(name) for name in caches]
+    for field, m in CACHE_SERIES:
+        metric = f"pinfeed_dataset_cache_{m.name}"
+        _family(out, metric, m.kind, m.help)
+        out.extend(
+            f'{metric}{{dataset="{d}"}} {int(getattr(c, field))}\n'
+            for d, c in zip(datasets, caches.values(), strict=True)
+        )
     return "".join(out)
 
 

@@ -123,10 +123,10 @@ class ProducerContext:
 
 def draws_rng(kind: Kind[Any], config: LoaderConfig) -> bool:
     """Whether making a batch may draw from the global RNGs (the dataset's kind says so,
-    or a ``collate_fn`` might; shipped code is the ``shipped`` kind's, which may): then
-    each batch must come from its own stream's RNG state, and a stream moved elsewhere
-    is replayed (``seeding.py``)."""
-    return kind.draws_rng or config.collate_fn is not None
+    or the loader's ``transform`` or ``collate_fn`` might; shipped code is the
+    ``shipped`` kind's, which may): then each batch must come from its own stream's RNG
+    state, and a stream moved elsewhere is replayed (``seeding.py``)."""
+    return kind.draws_rng or config.transform is not None or config.collate_fn is not None
 
 
 class Producer(Protocol):

@@ -5,8 +5,9 @@ For datasets whose ``__getitem__`` spends its time in code that releases the GIL
 the server's one copy of the dataset and write into the ring directly, with no worker
 processes, pipes or per-worker memory. What they cannot do is keep DataLoader's
 per-worker RNG streams (the global RNGs are one per process), so a dataset that may
-draw from them (a ``python`` dataset, a ``collate_fn``) is refused with the reason, as
-is an IterableDataset (its streams are per worker too); those run on ``local``.
+draw from them (a ``python`` dataset, a ``transform``, a ``collate_fn``) is refused with
+the reason, as is an IterableDataset (its streams are per worker too); those run on
+``local``.
 
 Any thread takes the next task (batches are published in plan order whatever order they
 finish in); with ``num_workers=0`` the batches are made in the engine's producer thread
@@ -55,9 +56,9 @@ class ThreadExecutor:
         if draws_rng(kind, config):
             return (
                 f"loader {config.name!r}: executor 'thread' serves datasets that draw no "
-                f"global RNG, and a {kind.name!r} dataset or a collate_fn may (threads share "
-                "one process's RNGs, so DataLoader's per-worker streams cannot be kept); "
-                "use executor 'local'"
+                f"global RNG, and a {kind.name!r} dataset, a transform or a collate_fn may "
+                "(threads share one process's RNGs, so DataLoader's per-worker streams cannot "
+                "be kept); use executor 'local'"
             )
         return None
 

@@ -27,6 +27,7 @@ import numpy.random  # noqa: F401
 import torch
 
 from pinfeed.rng import dump_state
+from pinfeed.transformed import Transformed
 from pinfeed_server.datasets import DatasetContext
 from pinfeed_server.datasets.shipped import Shipped
 from pinfeed_server.engine.collate import Layout, SlotWriter
@@ -70,6 +71,7 @@ class WorkerSpec:
     snapshots: bool = False  # send the RNG state after each batch
     collate_fn: str | None = None
     iterable: LoaderConfig | None = None  # an IterableDataset's loader: turns (iterating.py)
+    transform: str | None = None  # applied over the dataset the worker inherits
 
     @classmethod
     def of(cls, ctx: ProducerContext) -> WorkerSpec:
@@ -90,13 +92,15 @@ class WorkerSpec:
             snapshots=ctx.draws_rng and not iterable,
             collate_fn=ctx.config.collate_fn,
             iterable=ctx.config if iterable else None,
+            transform=ctx.config.transform,
         )
 
 
 class BatchMaker:
-    """A worker's batch making: its dataset, a writer into ``slots`` (the ring's slot
-    space, or a Ray actor's one-slot buffer), its RNG streams and an iterable's
-    iterators. ``make`` is the one place a worker (or actor) makes a batch."""
+    """A worker's batch making: its dataset (the loader's ``transform`` over the one it
+    got, as the server's producers read ``Transformed``), a writer into ``slots`` (the
+    ring's slot space, or a Ray actor's one-slot buffer), its RNG streams and an
+    iterable's iterators. ``make`` is the one place a worker (or actor) makes a batch."""
 
     def __init__(self, spec: WorkerSpec, held: Any, slots: torch.Tensor | SlotSpace) -> None:
         """``held``: the dataset the worker got (its zygote's, or built), or a trainer's
@@ -106,6 +110,8 @@ class BatchMaker:
         else:
             code = LoaderCode.resolve(spec, spec.context.allowed_plugins)
             dataset, collate, init_fn = held, code.collate_fn, code.worker_init_fn
+            if code.transform is not None:
+                dataset = Transformed(dataset, code.transform)
         self._spec, self._slots = spec, slots
         self._layout = Layout.from_json(spec.layout)
         self.writer = SlotWriter(dataset, self._layout, slots, spec.slot_bytes, collate)

@@ -15,7 +15,9 @@ How the zygote gets the dataset, by ``Kind.ship_build``:
   descriptors, nothing is copied; ``python``: the user's object, one copy in the
   zygote; an object that will not pickle is built by the zygote instead);
 - built: the zygote builds it from (kind, params), once (kinds whose build only opens
-  memory maps, whose pages are the same page cache for every process).
+  memory maps, whose pages are the same page cache for every process). A cached
+  dataset (``pinfeed_server.cache``) is shipped either way: its cache's region as a file
+  descriptor, its base by value or by build spec (``rebuilt_in_zygote``).
 
 A worker started any other way (no zygote) builds the dataset from (kind, params)
 itself: ``inherited`` falls back to that.
@@ -165,7 +167,11 @@ class Zygote:
         zygote loads from their memfd itself, sharing its pages."""
         self.name = name
         self.key = f"{name}-{os.getpid()}-{id(self)}"
-        build = ("build", kind, params, context)
+        build: tuple[Any, ...] = ("build", kind, params, context)
+        rebuilt = getattr(dataset, "rebuilt_in_zygote", None)
+        if callable(rebuilt):
+            # A cached dataset: its base is built there, its cache goes along (mapped).
+            build = ("ship", rebuilt())
         spec = KINDS.get(kind)
         ship = spec is not None and spec.ship_build
         self.shipped = False

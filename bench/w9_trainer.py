@@ -1,0 +1,132 @@
+"""One W9 trainer process: ``python -m bench.w9_trainer '<json spec>'``.
+
+A fresh process per run, driven over stdin/stdout as ``bench.trainer`` is:
+
+    trainer -> {"event": "ready"}                  imports done, nothing started
+    parent  -> "go"                                (all trainers of a run start together)
+    trainer -> {"event": "result", "epochs": [...]} every epoch timed
+    parent  -> EOF                                 CPU and memory read: exit
+
+Nothing that decodes starts before "go": pinfeed's loader is created after it (a loader
+prefetches from its creation), DataLoader's workers start at its first ``iter``. Each
+epoch is timed from the end of the one before (the first from "go", so both systems'
+start-up is in it): ``{"samples", "seconds", "end"}`` with ``end`` on the monotonic
+clock, which every process of the node shares (the 4-job section adds them up).
+
+Systems: ``pinfeed`` (a loader with ``"transform"`` over a cached ``images`` dataset
+the parent registered) and ``dataloader`` (``DataLoader(Transformed(images dataset,
+transform))`` with ``persistent_workers``, the same seed).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _emit(event: str, **data: Any) -> None:
+    sys.stdout.write(json.dumps({"event": event, **data}) + "\n")
+    sys.stdout.flush()
+
+
+def _epochs(
+    epochs: Callable[[], Iterable[Any]], count: int, after: Callable[[int], Any]
+) -> list[dict[str, Any]]:
+    """Each epoch's samples, seconds and end; the first also its first batch's time."""
+    out: list[dict[str, Any]] = []
+    t = time.monotonic()
+    for e in range(count):
+        rows, first = 0, None
+        for batch in epochs():
+            rows += int(batch[0].shape[0])
+            if first is None:
+                first = time.monotonic()
+        end = time.monotonic()
+        out.append(
+            {"samples": rows, "seconds": end - t, "end": end, "first": first, "after": after(e)}
+        )
+        t = end
+    return out
+
+
+def _pinfeed(spec: dict[str, Any]) -> Callable[[], list[dict[str, Any]]]:
+    from pinfeed import Client, Loader
+
+    admin = Client(spec["url"], timeout=300)
+    nw = spec["num_workers"]
+
+    def run() -> list[dict[str, Any]]:
+        admin.create_loader(
+            spec["loader"],
+            dataset=spec["dataset"],
+            batch_size=spec["batch_size"],
+            shuffle=True,
+            seed=spec["seed"],
+            num_workers=nw,
+            persistent_workers=nw > 0,
+            prefetch_factor=2,
+            pin_memory=torch.cuda.is_available(),
+            transform=spec["transform"],
+        )
+        with Loader(spec["loader"], socket=spec["socket"]) as loader:
+
+            def stats(_: int) -> Any:
+                return admin.dataset(spec["dataset"])["cache"] if spec.get("stats") else None
+
+            return _epochs(lambda: loader, spec["epochs"], stats)
+
+    return run
+
+
+def _dataloader(spec: dict[str, Any]) -> Callable[[], list[dict[str, Any]]]:
+    from torch.utils.data import DataLoader
+
+    from pinfeed import Transformed
+    from pinfeed_server.datasets import DatasetContext, build_dataset
+    from pinfeed_server.plugins import resolve
+
+    base = build_dataset("images", spec["params"], DatasetContext(Path(spec["data_root"])))
+    transform = resolve(spec["transform"], ("bench",))
+    nw = spec["num_workers"]
+    dl = DataLoader(
+        Transformed(base, transform),
+        batch_size=spec["batch_size"],
+        shuffle=True,
+        num_workers=nw,
+        persistent_workers=nw > 0,
+        prefetch_factor=2 if nw > 0 else None,
+        pin_memory=torch.cuda.is_available(),
+        generator=torch.Generator().manual_seed(spec["seed"]),
+    )
+    return lambda: _epochs(lambda: dl, spec["epochs"], lambda _: None)
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(argv[0])
+    try:
+        torch.set_num_threads(1)  # as DataLoader's workers and pinfeed's server
+        run = _pinfeed(spec) if spec["system"] == "pinfeed" else _dataloader(spec)
+        _emit("ready")
+        if sys.stdin.readline().strip() != "go":
+            raise SystemExit("expected 'go'")
+        start = time.monotonic()
+        epochs = run()
+        _emit("result", start=start, epochs=epochs)
+        sys.stdin.read()  # the parent closes stdin once it has read CPU and memory
+    except BaseException as exc:
+        if isinstance(exc, SystemExit):
+            raise
+        _emit("error", error=f"{type(exc).__name__}: {exc}", where=traceback.format_exc())
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
