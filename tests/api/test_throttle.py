@@ -36,6 +36,7 @@ async def _call(app: Throttle) -> tuple[int, dict[str, str], bytes, float]:
     return sent[0]["status"], headers, sent[1]["body"], time.monotonic()
 
 
+@pytest.mark.serial  # requests served within a wall-clock bound
 def test_a_flood_is_paced_and_past_the_wait_bound_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(throttle, "MAX_WAIT_S", 1.0)
     app = Throttle(_ok, rps=8)  # one request every 125 ms, a burst of 2 unpaced
@@ -68,6 +69,7 @@ def test_no_pace_with_rps_zero() -> None:
     assert all(r[0] == 200 for r in asyncio.run(many()))
 
 
+@pytest.mark.serial  # a wall-clock pace
 def test_a_live_server_paces_its_clients(make_server: MakeServer) -> None:
     server = make_server(PINFEED_HTTP_MAX_RPS="20")
     t0 = time.monotonic()

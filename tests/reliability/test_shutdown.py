@@ -17,6 +17,9 @@ from tests.conftest import Server
 from tests.reliability import trainers
 from tests.reliability.procs import descendants, gone, wait_for
 
+# The shutdown's wall-clock time against a bound; the module's tests share one stop.
+pytestmark = pytest.mark.serial
+
 
 @dataclass
 class Stopped:
