@@ -69,7 +69,6 @@ def test_no_pace_with_rps_zero() -> None:
     assert all(r[0] == 200 for r in asyncio.run(many()))
 
 
-@pytest.mark.serial  # a wall-clock pace
 def test_a_live_server_paces_its_clients(make_server: MakeServer) -> None:
     server = make_server(PINFEED_HTTP_MAX_RPS="20")
     t0 = time.monotonic()
