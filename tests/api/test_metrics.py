@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pinfeed import Client, Loader
@@ -107,6 +108,7 @@ def test_metrics_follow_a_loader(admin: Client, server: Server) -> None:
     )
 
 
+@pytest.mark.slow
 def test_scrapes_within_the_max_age_share_one_body(make_server: MakeServer) -> None:
     server = make_server(PINFEED_METRICS_MAX_AGE_S="30")
     first = httpx.get(f"{server.url}/metrics").text

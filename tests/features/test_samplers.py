@@ -158,6 +158,7 @@ def test_set_epoch_is_called_before_each_epoch(
         _same_epochs(_epochs(loader, 1), want[1:2])
 
 
+@pytest.mark.slow
 def test_resume_mid_epoch_in_a_new_trainer_process(
     admin: Client, server: Server, dataset: tuple[str, Any], tmp_path: Path
 ) -> None:
@@ -291,6 +292,7 @@ def test_bad_samplers_are_422_and_the_server_carries_on(
     admin.delete_loader(good)
 
 
+@pytest.mark.slow
 def test_resume_across_a_server_restart_replays_the_sampler(tmp_path: Path) -> None:
     srv = Server(tmp_path / "srv")
     srv.start()

@@ -47,6 +47,7 @@ def _memory(pid: int) -> dict[str, int]:
     return total
 
 
+@pytest.mark.slow
 @pytest.mark.serial  # the PSS and anonymous memory of a process tree
 def test_four_workers_over_a_1gib_npy_share_it(admin: Client, server: Server) -> None:
     shape = (GIB // (3 * 224 * 224 * 4), 3, 224, 224)

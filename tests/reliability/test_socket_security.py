@@ -83,6 +83,7 @@ def test_peer_with_another_uid_is_refused(rserver: Server, admin_r: Client) -> N
         admin_r.delete_loader(name)
 
 
+@pytest.mark.slow
 def test_existing_loose_run_dir_is_tightened_or_refused(
     make_server: Callable[..., Server],
 ) -> None:
