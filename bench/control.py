@@ -34,10 +34,16 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench import data, results
-from bench.server import REPO, BenchServer
+
+if TYPE_CHECKING:
+    from bench.server import BenchServer
+
+# bench.server's REPO, without importing it: it imports pinfeed, so torch, which the
+# load processes (one per phase) do not need (2 s of CPU each on these cores)
+REPO = Path(__file__).resolve().parent.parent
 
 TRAIN = "train"
 FLOOD_CONNECTIONS = 16
@@ -368,6 +374,8 @@ def _measure(
 def run(args: argparse.Namespace) -> dict[str, Any]:
     args.data_dir.mkdir(parents=True, exist_ok=True)
     w = data.make_w1(args.data_dir, args.scale)
+    from bench.server import BenchServer
+
     rows: list[dict[str, Any]] = []
     load = os.getloadavg()
     with BenchServer(args.data_dir) as srv:

@@ -130,6 +130,18 @@ class Service:
         key = hashlib.sha1(str(self.settings.socket_path.resolve()).encode()).hexdigest()[:10]
         configure_forkserver(Path(tempfile.gettempdir()) / f"pinfeed-{os.getuid()}-{key}")
         self.dataplane.start()
+        self.restore()
+        if self.settings.demo:
+            self._ensure_demo()
+        self.tuning.start()
+        if self.settings.idle_exit_s is not None:
+            threading.Thread(target=self._exit_when_idle, name="pinfeed-idle", daemon=True).start()
+        log.info("data plane on %s", self.settings.socket_path)
+
+    def restore(self) -> None:
+        """Start every loader the registry holds (``start`` calls it; apart from the
+        process-wide setup there, so the rules can be tested in-process). One that
+        cannot start is listed failed with the reason, and the others start."""
         for row in self.registry.loaders():
             try:
                 self._start_loader(row["dataset"], row["config"])
@@ -141,12 +153,6 @@ class Service:
                 )
                 log.error("loader %s from the registry cannot start: %s", row["name"], detail)
                 self._unstarted[row["name"]] = row | {"detail": detail}
-        if self.settings.demo:
-            self._ensure_demo()
-        self.tuning.start()
-        if self.settings.idle_exit_s is not None:
-            threading.Thread(target=self._exit_when_idle, name="pinfeed-idle", daemon=True).start()
-        log.info("data plane on %s", self.settings.socket_path)
 
     def _exit_when_idle(self) -> None:
         """PINFEED_IDLE_EXIT_S (a server pinfeed.DataLoader started): stop once no loader

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pinfeed import Client, Loader
@@ -107,6 +108,7 @@ def test_metrics_follow_a_loader(admin: Client, server: Server) -> None:
     )
 
 
+@pytest.mark.slow
 def test_scrapes_within_the_max_age_share_one_body(make_server: MakeServer) -> None:
     server = make_server(PINFEED_METRICS_MAX_AGE_S="30")
     first = httpx.get(f"{server.url}/metrics").text
@@ -136,17 +138,19 @@ class _CountingCache(MetricsCache):
 
 def test_a_stale_body_is_served_at_once_while_one_render_refreshes_it() -> None:
     async def scenario() -> None:
-        cache = _CountingCache(0.2)
+        # max_age 0.5 s: the window "stale but servable" is [0.5, 1.0) s after a render,
+        # and a sleep of 0.6 s may overshoot by 0.4 s (a loaded machine) and land in it
+        cache = _CountingCache(0.5)
         assert await cache.get() == b"1"  # nothing yet: this scrape renders
         assert await cache.get() == b"1"  # fresh: shared
-        await asyncio.sleep(0.25)  # older than max_age, younger than twice it
+        await asyncio.sleep(0.6)  # older than max_age, younger than twice it
         assert await cache.get() == b"1"  # served at once ...
         assert await cache.get() == b"1"  # ... and one refresh started, not two
         assert cache._refresh is not None
         assert await cache._refresh == b"2"
         assert cache.renders == 2
         assert await cache.get() == b"2"
-        await asyncio.sleep(0.45)  # older than twice max_age: too stale to serve
+        await asyncio.sleep(1.05)  # older than twice max_age: too stale to serve
         assert await cache.get() == b"3"
 
     asyncio.run(scenario())

@@ -14,6 +14,7 @@ from pinfeed import Loader, ServerUnavailable
 from tests.api.conftest import MakeServer, synthetic
 
 
+@pytest.mark.slow
 def test_loader_survives_a_server_restart(make_server: MakeServer) -> None:
     server = make_server()
     with server.client() as c:

@@ -82,12 +82,14 @@ def test_the_live_servers_serve_these_documents(token_server: Server, open_serve
     assert httpx.get(f"{open_server.url}/openapi.json").json() == _open_doc
 
 
+@pytest.mark.slow
 @token_schema.parametrize()
 @SETTINGS
 def test_api_with_a_token_conforms(case: schemathesis.Case[Any], token_server: Server) -> None:
     case.call_and_validate(base_url=token_server.url, headers=AUTH)
 
 
+@pytest.mark.slow
 @open_schema.parametrize()
 @SETTINGS
 def test_api_without_a_token_conforms(case: schemathesis.Case[Any], open_server: Server) -> None:

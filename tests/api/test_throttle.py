@@ -36,6 +36,7 @@ async def _call(app: Throttle) -> tuple[int, dict[str, str], bytes, float]:
     return sent[0]["status"], headers, sent[1]["body"], time.monotonic()
 
 
+@pytest.mark.serial  # requests served within a wall-clock bound
 def test_a_flood_is_paced_and_past_the_wait_bound_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(throttle, "MAX_WAIT_S", 1.0)
     app = Throttle(_ok, rps=8)  # one request every 125 ms, a burst of 2 unpaced

@@ -8,6 +8,7 @@ import pytest
 from typer.testing import CliRunner, Result
 
 from pinfeed_server.cli import app
+from pinfeed_server.cli_admin import console
 from tests.conftest import Server, free_port
 from tests.helpers import unique
 
@@ -16,9 +17,15 @@ SYNTHETIC = json.dumps({"length": 24, "fields": [{"shape": [4]}, {"shape": [], "
 
 def run(server: Server | str, *args: str) -> Result:
     url = server if isinstance(server, str) else server.url
-    # Wide columns so rich does not truncate names in tables.
+    # Wide columns so rich does not truncate names in tables. The CLI's console is made
+    # once, at import, and keeps COLUMNS if the environment had it then (a pytest-xdist
+    # worker has COLUMNS=80), so it is told its width too.
     env: dict[str, str | None] = {"COLUMNS": "250", "PINFEED_TOKEN": None, "PINFEED_URL": None}
-    return CliRunner().invoke(app, [*args, "--url", url], env=env)
+    width, console.width = console.width, 250
+    try:
+        return CliRunner().invoke(app, [*args, "--url", url], env=env)
+    finally:
+        console.width = width
 
 
 def ok(server: Server, *args: str) -> str:

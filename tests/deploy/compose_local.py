@@ -454,16 +454,19 @@ class Project:
                 raise RuntimeError(
                     f"{name} exited with {svc.proc.returncode}:\n{self.output(name)[-3000:]}"
                 )
-            check = subprocess.run(
-                health["argv"], env=svc.env, cwd=svc.cwd, capture_output=True, timeout=timeout
-            )
-            if check.returncode == 0:
+            try:
+                check = subprocess.run(
+                    health["argv"], env=svc.env, cwd=svc.cwd, capture_output=True, timeout=timeout
+                )
+                healthy, why = check.returncode == 0, check.stderr.decode()[-2000:]
+            except subprocess.TimeoutExpired as exc:
+                # A check past its timeout is a failed check, as the engine counts it (a
+                # loaded machine can take that long just to start the check's python).
+                healthy, why = False, f"the check took over {timeout} s: {exc.stderr!r}"[-2000:]
+            if healthy:
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"{name} not healthy: {check.stderr.decode()[-2000:]}\n"
-                    f"{self.output(name)[-3000:]}"
-                )
+                raise TimeoutError(f"{name} not healthy: {why}\n{self.output(name)[-3000:]}")
             time.sleep(0.25)  # the healthcheck's own interval, shortened
 
     def run(self, name: str, timeout: float) -> subprocess.CompletedProcess[str]:

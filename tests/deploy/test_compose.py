@@ -108,6 +108,7 @@ def _epochs(output: str) -> list[float]:
     [("cpu", "trainer-cpu"), pytest.param("gpu", "trainer", marks=pytest.mark.gpu)],
     indirect=["project"],
 )
+@pytest.mark.slow
 def test_compose_smoke(project: Project, trainer: str) -> None:
     assert sorted(project.services) == sorted(["pinfeed", trainer])
     server = project.start("pinfeed")
@@ -139,6 +140,7 @@ def test_compose_smoke(project: Project, trainer: str) -> None:
     assert "Application shutdown complete" in project.output("pinfeed")
 
 
+@pytest.mark.slow
 def test_trainer_example_on_the_demo_dataset(server: Server) -> None:
     """examples/train.py trains on the shape `pinfeed serve --demo` registers too, and
     attaches to a dataset and loader that already exist (a trainer restart)."""

@@ -63,6 +63,7 @@ def nodes(tmp_path: Path) -> Iterator[list[Project]]:
             p.close()
 
 
+@pytest.mark.slow
 def test_two_nodes_train_one_model(nodes: list[Project]) -> None:
     for node in nodes:
         node.start("pinfeed")

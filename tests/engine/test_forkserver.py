@@ -5,12 +5,14 @@ of importing them again."""
 from __future__ import annotations
 
 import psutil
+import pytest
 
 from pinfeed import Client, Loader
 from tests.conftest import Server
 from tests.helpers import smaps_rollup, unique
 
 
+@pytest.mark.serial  # the server tree's PSS against its anonymous memory
 def test_forkserver_and_workers_share_the_servers_pages(admin: Client, server: Server) -> None:
     name = unique("fork")
     admin.create_dataset(

@@ -180,6 +180,7 @@ def test_resume_in_a_new_trainer_process(
     admin.delete_loader(name)
 
 
+@pytest.mark.slow
 def test_resume_across_server_restart(tmp_path: Path) -> None:
     want = _reference(2, 2, persistent=True, init=True)
     got = across_restart(

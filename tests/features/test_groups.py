@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch.utils.data import DataLoader
 
@@ -49,6 +50,7 @@ def _trainers(server: Server, name: str, tmp: Path, members: int, epochs: int) -
     return outs
 
 
+@pytest.mark.slow
 def test_broadcast_four_trainers_share_one_copy(
     admin: Client, server: Server, tmp_path: Path
 ) -> None:
@@ -78,6 +80,7 @@ def test_broadcast_four_trainers_share_one_copy(
     admin.delete_loader(name)
 
 
+@pytest.mark.slow
 def test_split_round_robin(admin: Client, server: Server, tmp_path: Path) -> None:
     name = unique("split")
     admin.create_loader(

@@ -367,6 +367,7 @@ def _with_errors(loader: Loader) -> list[Any]:
             return got
 
 
+@pytest.mark.slow
 def test_resume_across_server_restart(tmp_path: Path) -> None:
     """The loader comes back from the registry; its streams fast-forward to the
     checkpoint (the server's kept states died with it)."""

@@ -77,6 +77,7 @@ def _lines(path: Path) -> list[str]:
     return [r["digest"] for r in read_log(path)]
 
 
+@pytest.mark.slow
 def test_resume_after_trainer_sigkill(admin: Client, server: Server, tmp_path: Path) -> None:
     want = _reference(server.data_root, 2, 21)
     name = _new_loader(admin, num_workers=2)
@@ -101,12 +102,14 @@ def test_resume_after_trainer_sigkill(admin: Client, server: Server, tmp_path: P
     assert _lines(first)[:7] + _lines(second) == want
 
 
+@pytest.mark.slow
 def test_resume_across_server_restart(tmp_path: Path) -> None:
     srv = Server(tmp_path / "srv")
     epochs = across_restart(srv, lambda admin: _new_loader(admin, num_workers=1), digest, 9)
     assert epochs[0] + epochs[1] == _reference(srv.data_root, 2, 21)
 
 
+@pytest.mark.slow
 def test_reconnect_after_server_crash(tmp_path: Path) -> None:
     srv = Server(tmp_path / "srv")
     srv.start()

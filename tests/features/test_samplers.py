@@ -5,6 +5,7 @@ process; bad values are a 422 and the server carries on."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from pinfeed import BatchTooLarge, Client, InvalidRequest, Loader
+from pinfeed import BatchTooLarge, Client, InvalidRequest, Loader, NotFound
 from pinfeed_server.engine.custom_sampler import BatchSamplerSpec, SamplerSpec, custom_plan
 from tests.conftest import REPO, Server
 from tests.fixtures import samplers
@@ -157,6 +158,7 @@ def test_set_epoch_is_called_before_each_epoch(
         _same_epochs(_epochs(loader, 1), want[1:2])
 
 
+@pytest.mark.slow
 def test_resume_mid_epoch_in_a_new_trainer_process(
     admin: Client, server: Server, dataset: tuple[str, Any], tmp_path: Path
 ) -> None:
@@ -184,29 +186,40 @@ def test_a_batch_larger_than_the_slots_is_a_per_batch_error(
     admin: Client, server: Server, dataset: tuple[str, Any]
 ) -> None:
     name, ds = dataset
-    loader_name = unique("growing")
-    admin.create_loader(
-        loader_name,
-        dataset=name,
-        batch_sampler={"factory": "tests.fixtures.samplers:GrowingBatches"},
-    )
-    with Loader(loader_name, socket=server.socket) as loader:
-        assert [len(b[1]) for b in loader] == [2] * 20  # the slots hold 2
-        it = iter(loader)
-        for _ in range(2):  # each batch of 3 fails on its own; the loader goes on
-            with pytest.raises(BatchTooLarge, match="max_batch_size to at least 3"):
-                next(it)
-    ok = unique("growing-ok")
-    admin.create_loader(
-        ok,
-        dataset=name,
-        batch_sampler={"factory": "tests.fixtures.samplers:GrowingBatches", "max_batch_size": 3},
-    )
-    with Loader(ok, socket=server.socket) as loader:
-        assert len(list(loader)) == 20
-        second = [_copy(b) for b in loader]
-    want = torch.stack([ds[i][1] for i in range(3)])
-    assert [len(b[1]) for b in second] == [3] * 13 and torch.equal(second[0][1], want)
+    loader_name, ok = unique("growing"), unique("growing-ok")
+    try:
+        admin.create_loader(
+            loader_name,
+            dataset=name,
+            batch_sampler={"factory": "tests.fixtures.samplers:GrowingBatches"},
+        )
+        with Loader(loader_name, socket=server.socket) as loader:
+            assert [len(b[1]) for b in loader] == [2] * 20  # the slots hold 2
+            it = iter(loader)
+            for _ in range(2):  # each batch of 3 fails on its own; the loader goes on
+                with pytest.raises(BatchTooLarge, match="max_batch_size to at least 3"):
+                    next(it)
+        admin.create_loader(
+            ok,
+            dataset=name,
+            batch_sampler={
+                "factory": "tests.fixtures.samplers:GrowingBatches",
+                "max_batch_size": 3,
+            },
+        )
+        with Loader(ok, socket=server.socket) as loader:
+            assert len(list(loader)) == 20
+            second = [_copy(b) for b in loader]
+        want = torch.stack([ds[i][1] for i in range(3)])
+        assert [len(b[1]) for b in second] == [3] * 13 and torch.equal(second[0][1], want)
+    finally:
+        # Deleted, not left idle: from epoch 39 on GrowingBatches' epochs are empty, and
+        # the server's producer, which runs ahead across epochs until the ring is full,
+        # then loops through empty epochs that take no slot, a core for the rest of the
+        # session (it slowed every later test on the shared server).
+        for lo in (loader_name, ok):
+            with contextlib.suppress(NotFound):
+                admin.delete_loader(lo)
 
 
 GOOD = {"factory": "tests.fixtures.samplers:Unsized"}
@@ -279,6 +292,7 @@ def test_bad_samplers_are_422_and_the_server_carries_on(
     admin.delete_loader(good)
 
 
+@pytest.mark.slow
 def test_resume_across_a_server_restart_replays_the_sampler(tmp_path: Path) -> None:
     srv = Server(tmp_path / "srv")
     srv.start()

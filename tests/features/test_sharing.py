@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from pinfeed import Client, Loader
 from tests.conftest import Server
@@ -46,6 +47,8 @@ def _memory(pid: int) -> dict[str, int]:
     return total
 
 
+@pytest.mark.slow
+@pytest.mark.serial  # the PSS and anonymous memory of a process tree
 def test_four_workers_over_a_1gib_npy_share_it(admin: Client, server: Server) -> None:
     shape = (GIB // (3 * 224 * 224 * 4), 3, 224, 224)
     path = server.data_root / "big_x.npy"

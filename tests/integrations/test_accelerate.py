@@ -46,6 +46,7 @@ def _same(got: list[list[torch.Tensor]], want: list[list[torch.Tensor]]) -> None
         assert all(torch.equal(a, b) for a, b in zip(g, w, strict=True))
 
 
+@pytest.mark.slow
 def test_save_state_mid_epoch_then_load_state_in_a_new_process(
     admin: Client, server: Server, tmp_path: Path
 ) -> None:

@@ -146,6 +146,7 @@ def test_resume_from_a_mid_epoch_checkpoint(
     admin.delete_loader(train)
 
 
+@pytest.mark.slow
 def test_ddp_on_two_cpu_processes_trains_on_distributed_shards(
     admin: Client, server: Server, dataset: tuple[str, Any], tmp_path: Path
 ) -> None:

@@ -79,6 +79,10 @@ def _writer(url: str, acked: list[str], stop: threading.Event) -> None:
                 acked.append(name)
 
 
+# The module's tests read one crash of a server with loaders and trainers: slow to set up.
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def crash(make_server: Callable[..., Server]) -> Iterator[Crash]:
     srv = make_server()

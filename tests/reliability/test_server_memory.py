@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
+
 from pinfeed import Loader
 from tests.conftest import Server
 
@@ -20,6 +22,8 @@ def _private_dirty(pid: int) -> int:
         return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("Private_Dirty:"))
 
 
+@pytest.mark.slow
+@pytest.mark.serial  # the server's private memory over six loaders
 def test_deleted_loaders_give_their_memory_back(make_server: Callable[..., Server]) -> None:
     server = make_server()
     server.start()

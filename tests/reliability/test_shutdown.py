@@ -17,6 +17,10 @@ from tests.conftest import Server
 from tests.reliability import trainers
 from tests.reliability.procs import descendants, gone, wait_for
 
+# The shutdown's wall-clock time against a bound; the module's tests share one stop (a
+# server with trainers attached: slow to set up).
+pytestmark = [pytest.mark.serial, pytest.mark.slow]
+
 
 @dataclass
 class Stopped:

@@ -83,6 +83,7 @@ def test_peer_with_another_uid_is_refused(rserver: Server, admin_r: Client) -> N
         admin_r.delete_loader(name)
 
 
+@pytest.mark.slow
 def test_existing_loose_run_dir_is_tightened_or_refused(
     make_server: Callable[..., Server],
 ) -> None:
@@ -97,6 +98,7 @@ def test_existing_loose_run_dir_is_tightened_or_refused(
     assert stat.S_IMODE(os.stat(run).st_mode) & 0o077 == 0, oct(os.stat(run).st_mode)
 
 
+@pytest.mark.serial  # counts the server's fds against a limit set from that count
 def test_accept_loop_survives_running_out_of_fds(make_server: Callable[..., Server]) -> None:
     srv = make_server()
     srv.start()

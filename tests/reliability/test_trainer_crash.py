@@ -10,6 +10,8 @@ from multiprocessing.context import ForkServerContext
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from pinfeed import Client, Loader
 from tests.conftest import Server
 from tests.helpers import assert_same, unique
@@ -139,6 +141,7 @@ def test_trainer_killed_at_an_epoch_boundary(
     admin_r.delete_loader(name)
 
 
+@pytest.mark.serial  # the server's fd and memfd counts, settled within a bound
 def test_attach_kill_cycles_leak_nothing(rserver: Server, admin_r: Client) -> None:
     pid = rserver.proc.pid  # type: ignore[union-attr]
     fast = _loader(admin_r, 64)
