@@ -28,6 +28,9 @@ from tests.reliability.procs import descendants, fd_targets, memfds, wait_for
 
 SCRIPT = Path(__file__).with_name("script.py")
 
+# A server's fds, memfds, processes and PSS counted: alone, after the parallel pass.
+pytestmark = pytest.mark.serial
+
 
 @pytest.fixture(scope="module")
 def own(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import psutil
+import pytest
 
 from pinfeed import Client, Loader
 from tests.conftest import Server
@@ -49,6 +50,7 @@ def _per_extra_worker(admin: Client, server: Server, cached: bool) -> tuple[int,
     return one, two - one
 
 
+@pytest.mark.serial  # the PSS of a server's process tree
 def test_a_worker_more_costs_the_same_pss_with_a_cache(
     make_server: Callable[..., Server],
 ) -> None:
