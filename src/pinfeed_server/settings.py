@@ -104,6 +104,15 @@ class Settings(BaseSettings):
         f"least 8); a loader over it gets 409 worker-limit; one loader may have at most "
         f"min(this, {MAX_WORKERS_PER_LOADER})",
     )
+    arbiter: bool = Field(
+        True,
+        description="the node arbiter divides the workers among autotuned loaders by their "
+        "trainers' stall and priority (GET /v1/node); false: each autotuned loader tunes "
+        "itself alone",
+    )
+    arbiter_interval_s: float = Field(
+        2.0, ge=0.05, le=600, description="seconds per arbiter round (one change at most)"
+    )
     http_max_rps: float = Field(
         50.0,
         ge=0,

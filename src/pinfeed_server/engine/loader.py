@@ -398,7 +398,10 @@ class LoaderEngine:
         the new configuration."""
         with self._reconfigure:
             old = self.config
-            new = change.applied_to(old)
+            try:
+                new = change.applied_to(old)
+            except ValueError as exc:
+                raise Conflict(f"loader {old.name!r}: {exc}") from None
             refusal = self.producer.executor.live_refusal(old, new, self.iterable)
             if refusal is not None:
                 raise Conflict(refusal)
