@@ -66,6 +66,7 @@ SECTIONS = [
     Section("autotune", "bench.autotune", what="autotune against fixed settings", minutes=9),
     Section("scale", "bench.scale", what="datasets at real size", minutes=5, data_dir=False),
     Section("w4-profile", "bench.profile_w4", what="where W4's CPU goes", minutes=0.5),
+    Section("node", "bench.node", what="one node, several trainers: the arbiter", minutes=14),
     Section("control", "bench.control", what="the control plane under load", minutes=5),
     Section("soak", "bench.soak", what="SIGKILLs, every batch checked", minutes=2, data_dir=False),
     Section("ray", "bench.ray", "main", "executor ray against local", [], 4, _ray, False),

@@ -139,8 +139,15 @@ class Client:
         return result
 
     def patch_loader(self, name: str, **changes: Any) -> dict[str, Any]:
-        """Change ``num_workers``/``prefetch_factor`` live."""
+        """Change ``num_workers``/``prefetch_factor`` (or ``priority``, ``min_workers``,
+        ``autotune``) live."""
         result: dict[str, Any] = self._request("PATCH", f"/v1/loaders/{name}", json=changes)
+        return result
+
+    def node(self) -> dict[str, Any]:
+        """The node: CPUs, budgets, every loader's workers and trainers' wait share, the
+        arbiter's last decisions (``GET /v1/node``)."""
+        result: dict[str, Any] = self._request("GET", "/v1/node")
         return result
 
     def delete_loader(self, name: str) -> None:

@@ -302,6 +302,7 @@ class NodePublic(BaseModel):
     """The node: its CPUs and budgets, every loader's workers and trainers' wait share,
     and the arbiter's last decisions (newest last)."""
 
+    uptime_s: float = Field(description="seconds since the server started (decisions' clock)")
     cpus: int = Field(description="CPUs this server may use (its affinity)")
     max_workers: int = Field(description="PINFEED_MAX_WORKERS")
     workers_used: int = Field(description="worker processes of all loaders on this node")

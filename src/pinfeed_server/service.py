@@ -536,6 +536,7 @@ class Service:
                 )
             )
         return NodePublic(
+            uptime_s=round(time.monotonic() - self.arbiter.started, 2),
             cpus=len(os.sched_getaffinity(0)),
             max_workers=self.budget.max_workers,
             workers_used=self.workers_used(),

@@ -22,12 +22,16 @@ is fixed demand that counts against PINFEED_MAX_WORKERS):
 3. A loader whose trainer does not wait (or has none) and whose workers are idle
    gives one back (``shrink``): CPU for the others.
 
-Hysteresis: each worker change is a trial. The round after it is ignored (workers
-start, rings grow), the next one is measured, and the change is kept only if it
-lowered ``S`` by ``max(MARGIN_ABS, MARGIN_REL * S)`` (a shrink: if it did not raise
-``S`` by that much); otherwise it is undone and that move is not tried again for
-``BLOCK_S`` seconds or until the node's scene changes (a loader or a trainer comes or
-goes, a priority changes). So a split is left only for one measured to be better:
+Measurement: a reading spans the time since the last change settled: ``SETTLE_S``
+(at least a round) after a change is never measured (workers start, rings grow), then
+at least ``MEASURE_S`` (at least a round) and at most ``WINDOW_S`` of it.
+
+Hysteresis: each worker change is a trial, judged on the first reading after it: kept
+only if it lowered ``S`` by ``max(MARGIN_ABS, MARGIN_REL * S)`` (a shrink: if it did
+not raise ``S`` by that much); otherwise it is undone and that move is not tried again
+for ``BLOCK_S`` seconds (twice that after each further undo of it) or until the node's
+scene changes (a loader or a trainer comes
+or goes, a priority changes). So a split is left only for one measured to be better:
 no oscillation.
 
 Guarantees: a loader never goes below ``min_workers``; a loader with a trainer
@@ -61,7 +65,12 @@ from pinfeed_server.node.budget import NodeBudget
 log = logging.getLogger("pinfeed.arbiter")
 
 MARGIN_ABS = 0.02  # a kept move lowers S by at least this (priority-weighted share)...
-MARGIN_REL = 0.05  # ... or by this share of S, whichever is larger
+MARGIN_REL = 0.01  # ... or by this share of S, whichever is larger; or it lowers S and
+GAIN = 1.05  # the receiver's samples/s rose by this factor (an insatiable one's stall
+# falls little per worker while its throughput grows much)
+SETTLE_S = 2.0  # after a change, this long (at least a round) is not measured
+MEASURE_S = 2.0  # a reading spans at least this long (at least a round) ...
+WINDOW_S = 6.0  # ... and at most this long
 BLOCK_S = 30.0  # an undone move is not tried again for this long (or a scene change)
 KEPT = 50  # decisions kept for GET /v1/node
 
@@ -123,7 +132,7 @@ class Trial:
     undo: list[tuple[str, LiveChange]]
     before: float  # S before the change
     key: tuple[str, ...]
-    skip: bool = True  # the round right after the change settles
+    rate_before: float = 0.0  # the receiver's samples/s before
 
 
 @dataclass
@@ -171,11 +180,16 @@ class NodeArbiter:
         self.started = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pinfeed-arbiter", daemon=True)
-        self._seen: dict[str, _Seen] = {}
+        # snapshots since the last change settled: (monotonic, every loader's counters)
+        self._history: collections.deque[tuple[float, dict[str, _Seen]]] = collections.deque()
+        self._settle_until = 0.0
+        self.settle_s = max(interval_s, SETTLE_S)
+        self.measure_s = max(interval_s, MEASURE_S)
         self.readings: dict[str, Reading] = {}
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=KEPT)
         self._trial: Trial | None = None
         self._blocked: dict[tuple[str, ...], float] = {}  # key -> until (monotonic)
+        self._strikes: dict[tuple[str, ...], int] = {}  # key -> times undone
         self._scene: frozenset[tuple[Any, ...]] = frozenset()
         self._next_round = 0.0
         self._changed_at = 0.0  # the last kept change (seconds since start)
@@ -205,31 +219,32 @@ class NodeArbiter:
                 log.exception("node arbiter round failed")
 
     # -- the round ---------------------------------------------------------------------
-    def _read(self) -> dict[str, Reading]:
-        """Every ready loader over the round since the last read (those first seen now
-        are read from the next round on)."""
+    def _snapshot(self) -> dict[str, _Seen]:
+        return {
+            name: _Seen(engine.tune_sample(), engine.config.num_workers)
+            for name, engine in self._loaders()
+            if engine.state == "ready"
+        }
+
+    def _read(self, base: dict[str, _Seen], now: dict[str, _Seen]) -> dict[str, Reading]:
+        """Every loader in both snapshots, over the time between them."""
         out: dict[str, Reading] = {}
-        seen: dict[str, _Seen] = {}
-        for name, engine in self._loaders():
-            if engine.state != "ready":
+        engines = dict(self._loaders())
+        for name, seen in now.items():
+            last, engine = base.get(name), engines.get(name)
+            if last is None or engine is None:
                 continue
-            cfg = engine.config
-            sample = engine.tune_sample()
-            seen[name] = _Seen(sample, cfg.num_workers)
-            last = self._seen.get(name)
-            if last is None:
-                continue
+            cfg, sample = engine.config, seen.sample
             dt = max(sample.t - last.sample.t, 1e-9)
-            workers = cfg.num_workers
             spec = cfg.autotune
             out[name] = Reading(
                 name=name,
                 priority=cfg.priority,
                 min_workers=cfg.min_workers,
-                workers=workers,
+                workers=cfg.num_workers,
                 prefetch_factor=cfg.prefetch_factor,
                 movable=spec is not None and engine.producer.executor.counts_workers,
-                ceiling=spec.max_workers if spec else workers,
+                ceiling=spec.max_workers if spec else cfg.num_workers,
                 max_prefetch=spec.max_prefetch_factor if spec else cfg.prefetch_factor,
                 trainers=engine.consumers.attached,
                 batches=sample.batches - last.sample.batches,
@@ -244,51 +259,75 @@ class NodeArbiter:
                     max(0.0, sample.busy_s - last.sample.busy_s) / dt / max(1, last.workers),
                 ),
             )
-        self._seen = seen
         return _with_floors(out)
 
     def round(self) -> Decision | None:
         """One round: measure, judge a trial in flight, else make at most one change.
-        Returns the decision made, if any (tests drive rounds directly)."""
+        Returns the decision made, if any (tests drive rounds directly).
+
+        Readings span the time since the last change settled (``settle_s`` after it:
+        workers start, rings grow), at least ``measure_s`` and at most ``WINDOW_S``;
+        a round with less measured time waits."""
         now = time.monotonic()
-        readings = self._read()
-        self.readings = readings
-        s = weighted_stall(readings)
+        snap = self._snapshot()
         scene = frozenset(
-            (r.name, r.trainers > 0, r.priority, r.min_workers, r.movable)
-            for r in readings.values()
+            (n, e.consumers.attached > 0, e.config.priority, e.config.min_workers)
+            for n, e in self._loaders()
+            if n in snap
         )
         if scene != self._scene:  # what was measured no longer holds
-            self._scene, self._blocked = scene, {}
+            self._scene, self._blocked, self._strikes = scene, {}, {}
+            self._history.clear()
         self._blocked = {k: u for k, u in self._blocked.items() if u > now}
+        if now < self._settle_until:
+            return None
+        self._history.append((now, snap))
+        while len(self._history) > 2 and now - self._history[1][0] >= WINDOW_S:
+            self._history.popleft()
+        t0, base = self._history[0]
+        if now - t0 < self.measure_s - 0.01:
+            return None
+        readings = self._read(base, snap)
+        self.readings = readings
+        s = weighted_stall(readings)
         trial = self._trial
         if trial is not None:
-            if trial.loader not in readings or (trial.donor and trial.donor not in readings):
-                self._trial = None  # a loader went (or stopped): nothing left to judge
-                return None
-            if trial.skip:
-                trial.skip = False
-                return None
             self._trial = None
+            if trial.loader not in readings or (trial.donor and trial.donor not in readings):
+                return None  # a loader went (or stopped): nothing left to judge
             return self._judge(trial, s, readings)
         decision = self._decide(readings, s)
         if decision is None and self.settled_at is None:
             self.settled_at = self._changed_at
         return decision
 
+    def _changed(self) -> None:
+        """A loader's workers or prefetch changed: measure afresh once it settled."""
+        self._history.clear()
+        self._settle_until = time.monotonic() + self.settle_s
+
     def _judge(self, trial: Trial, s: float, readings: dict[str, Reading]) -> Decision:
         margin = max(MARGIN_ABS, MARGIN_REL * trial.before)
-        # a shrink is kept unless it raised S; a worker more only if it lowered S
-        bound = trial.before + margin if trial.kind == "shrink" else trial.before - margin
-        kept = s <= bound
+        # a shrink is kept unless it raised S; a worker more only if it lowered S (by the
+        # margin, or at all with the receiver's throughput up by GAIN)
+        rate = readings[trial.loader].samples_per_s
+        if trial.kind == "shrink":
+            kept = s <= trial.before + margin
+        else:
+            gained = trial.rate_before > 0 and rate >= GAIN * trial.rate_before
+            kept = s <= trial.before - margin or (gained and s < trial.before)
         how = f"weighted stall {trial.before:.2f} -> {s:.2f}"
+        if trial.kind != "shrink":
+            how += f", {trial.loader} {trial.rate_before:.0f} -> {rate:.0f} samples/s"
         if kept:
             self._changed_at = self._t()
             self.settled_at = None
             return self._record("keep", trial.loader, trial.donor, readings, s, f"{how}: kept")
         for name, change in trial.undo:
             self._apply(name, change, "undo", f"{how}: undone")
-        self._blocked[trial.key] = time.monotonic() + BLOCK_S
+        # the same move undone again waits twice as long (until the scene changes)
+        strikes = self._strikes[trial.key] = self._strikes.get(trial.key, 0) + 1
+        self._blocked[trial.key] = time.monotonic() + BLOCK_S * 2 ** min(strikes - 1, 5)
         return self._record("undo", trial.loader, trial.donor, readings, s, f"{how}: undone")
 
     def _decide(self, readings: dict[str, Reading], s: float) -> Decision | None:
@@ -419,7 +458,7 @@ class NodeArbiter:
             self._changed_at = self._t()
         else:
             undo = [(n, back) for n, _, back in reversed(steps)]
-            self._trial = Trial(kind, r.name, donor, undo, s, key)
+            self._trial = Trial(kind, r.name, donor, undo, s, key, r.samples_per_s)
         return self._record(kind, r.name, donor, readings, s, reason)
 
     def _apply(self, name: str, change: LiveChange, kind: Kind, reason: str) -> bool:
@@ -430,6 +469,7 @@ class NodeArbiter:
         except PinfeedError as exc:
             log.info("loader %s: node arbiter %s refused: %s", name, kind, exc.detail)
             return False
+        self._changed()
         for n, engine in self._loaders():
             if n == name and engine.tuner is not None:  # the loader's own decision list
                 cfg = engine.config
