@@ -459,14 +459,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-workers", type=int, default=9, help="PINFEED_MAX_WORKERS")
     ap.add_argument("--interval", type=float, default=1.0, help="PINFEED_ARBITER_INTERVAL_S")
     ap.add_argument("--sweep-seconds", type=float, default=8.0)
-    ap.add_argument("--sweep-settle", type=float, default=3.0)
+    ap.add_argument("--sweep-settle", type=float, default=5.0)
     ap.add_argument("--quick", action="store_true", help="a smoke run (minutes; not published)")
     ap.add_argument("--data-dir", type=Path, default=Path("/tmp/pinfeed-bench-node"))
     ap.add_argument("--out", type=Path, default=results.RESULTS)
     args = ap.parse_args(argv)
     if args.quick:
         args.seconds, args.warmup, args.rounds = 20.0, 5.0, 1
-        args.sweep_seconds, args.sweep_settle = 2.0, 1.0
+        args.sweep_seconds, args.sweep_settle = 2.0, 4.0
     return args
 
 

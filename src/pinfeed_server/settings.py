@@ -116,8 +116,10 @@ class Settings(BaseSettings):
     http_max_rps: float = Field(
         50.0,
         ge=0,
-        description="requests a second the HTTP control plane serves; more wait their "
-        "turn, so a client polling flat out cannot take the trainers' CPU (0: no pace)",
+        description="requests a second the HTTP control plane serves each client (its "
+        "address and x-pinfeed-client header; probes apart); more wait their turn, so a "
+        "client polling flat out neither takes the trainers' CPU nor delays another "
+        "client (0: no pace)",
     )
     metrics_max_age_s: float = Field(
         1.0,
