@@ -123,33 +123,46 @@ URGENT = Job("urgent", 30, 1.0, 7.0, 4, "priority 4, started later")
 
 def trainer_main(spec: dict[str, Any]) -> int:
     """Wait for ``go`` on stdin, then read the loader, sleeping ``step_ms`` per batch,
-    until stdin closes; print ``[monotonic, samples, batches, wait_s]`` every 0.25 s."""
+    until stdin closes; a reporter thread prints ``[monotonic, samples, batches,
+    wait_s]`` every 0.25 s, the wait in progress included (a trainer blocked for a whole
+    window still reports it)."""
     from pinfeed import Loader
 
     step = spec["step_ms"] / 1e3
     stop = threading.Event()
+    state = {"samples": 0, "batches": 0, "wait": 0.0, "since": None}
+    lock = threading.Lock()
+
+    def report() -> None:
+        while not stop.wait(0.25):
+            now = time.monotonic()
+            with lock:
+                since = state["since"]
+                wait = state["wait"] + (now - since if since is not None else 0.0)
+                row = [now, state["samples"], state["batches"], wait]
+            print(json.dumps(row), flush=True)
+
     with Loader(spec["loader"], socket=spec["socket"], timeout=120) as loader:
         print(json.dumps({"event": "ready"}), flush=True)
         sys.stdin.readline()
         threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-        samples = batches = 0
-        wait = 0.0
-        last = 0.0
+        threading.Thread(target=report, daemon=True).start()
         it = iter(loader)
         while not stop.is_set():
             t0 = time.monotonic()
+            with lock:
+                state["since"] = t0
             try:
                 x, _ = next(it)
             except StopIteration:
                 it = iter(loader)
                 continue
             t1 = time.monotonic()
-            wait += t1 - t0
-            samples += int(x.shape[0])
-            batches += 1
-            if t1 - last >= 0.25:
-                print(json.dumps([t1, samples, batches, wait]), flush=True)
-                last = t1
+            with lock:
+                state["since"] = None
+                state["wait"] += t1 - t0
+                state["samples"] += int(x.shape[0])
+                state["batches"] += 1
             time.sleep(step)
     return 0
 

@@ -43,6 +43,7 @@ from pinfeed_server.engine.consumers import BatchItem, Consumers, EndItem, Error
 from pinfeed_server.engine.custom_sampler import oversize
 from pinfeed_server.engine.fed_plan import FedPlan
 from pinfeed_server.engine.iterable import MAX_TURN, IterablePlan, is_iterable, plan_len
+from pinfeed_server.engine.metric import built
 from pinfeed_server.engine.producer_handle import ProducerHandle
 from pinfeed_server.engine.producers import (
     Executor,
@@ -533,7 +534,7 @@ class LoaderEngine:
         )
 
     def status(self) -> LoaderStatus:
-        """Built without validation (``model_construct``: every value is typed here) and
+        """Built without validation (``metric.built``: every value is typed here) and
         with the loader's lock held only to read the members' positions."""
         ring = self.ring
         with self._cond:
@@ -545,24 +546,30 @@ class LoaderEngine:
             first = self.consumers.position(0, head)
         cuda = set(self.cuda_registered)
         members = [
-            MemberStatus.model_construct(
-                member=i, attached=up, position=list(pos), cuda_registered=i in cuda
+            built(
+                MemberStatus,
+                {"member": i, "attached": up, "position": list(pos), "cuda_registered": i in cuda},
             )
             for i, up, pos in raw
         ]
-        return LoaderStatus.model_construct(
-            state=self.state,
-            failure=self.failure.to_json() if self.failure else None,
-            ring_bytes=ring.size if ring else self.nslots * self.layout.slot_bytes,
-            slot_bytes=self.layout.slot_bytes,
-            slots=SlotCounts(**self.slots.counts(), total=ring.nslots if ring else self.nslots),
-            ring_segments=len(ring.space.parts) if ring else 0,  # one tuple: no lock
-            page_locked=bool(ring and ring.page_locked),
-            consumer_attached=any(up for _, up, _ in raw),
-            consumer_cuda_registered=bool(cuda),
-            members=members,
-            epoch=first[0],
-            position=first[1],
-            batches_per_epoch=self.batches_per_epoch,
-            worker_restarts=self.producer.restarts,
+        counts = self.slots.counts()
+        counts["total"] = ring.nslots if ring else self.nslots
+        return built(
+            LoaderStatus,
+            {
+                "state": self.state,
+                "failure": self.failure.to_json() if self.failure else None,
+                "batches_per_epoch": self.batches_per_epoch,
+                "ring_bytes": ring.size if ring else self.nslots * self.layout.slot_bytes,
+                "ring_segments": len(ring.space.parts) if ring else 0,  # one tuple: no lock
+                "slot_bytes": self.layout.slot_bytes,
+                "slots": built(SlotCounts, counts),
+                "page_locked": bool(ring and ring.page_locked),
+                "consumer_attached": any(up for _, up, _ in raw),
+                "consumer_cuda_registered": bool(cuda),
+                "epoch": first[0],
+                "position": first[1],
+                "worker_restarts": self.producer.restarts,
+                "members": members,
+            },
         )
