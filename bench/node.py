@@ -60,6 +60,10 @@ from bench import results
 from bench.server import REPO, BenchServer
 
 BATCH = 8
+# Decode draws no global RNG, and says so: any worker process makes any batch, so a live
+# change of num_workers replays nothing (a dataset that may draw keeps DataLoader's
+# per-worker RNG streams, and a loader running fewer processes than streams pays for it)
+PYTHON = {"factory": "bench.node:decode", "draws_rng": False}
 
 
 # -- the datasets ---------------------------------------------------------------------
@@ -250,7 +254,7 @@ def _loaders(
     for job in jobs:
         if job.name not in have:
             kwargs = {"length": 1 << 20, "cpu_ms": job.cpu_ms, "io_ms": job.io_ms}
-            c.create_dataset(job.name, "python", {"factory": "bench.node:decode", "kwargs": kwargs})
+            c.create_dataset(job.name, "python", PYTHON | {"kwargs": kwargs})
         extra: dict[str, Any] = {}
         if workers is None:
             extra["autotune"] = {"max_workers": 8, "interval_s": max(0.2, interval)}
@@ -378,7 +382,7 @@ def phase2(args: argparse.Namespace) -> dict[str, Any]:
 
     def urgent_loader(c: Any) -> None:
         kwargs = {"length": 1 << 20, "cpu_ms": URGENT.cpu_ms, "io_ms": URGENT.io_ms}
-        c.create_dataset(URGENT.name, "python", {"factory": "bench.node:decode", "kwargs": kwargs})
+        c.create_dataset(URGENT.name, "python", PYTHON | {"kwargs": kwargs})
         c.create_loader(
             URGENT.name,
             dataset=URGENT.name,
@@ -470,7 +474,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=float, default=10.0, help="the window starts here")
     ap.add_argument("--rounds", type=int, default=2, help="runs of each system (ABBA order)")
     ap.add_argument("--max-workers", type=int, default=9, help="PINFEED_MAX_WORKERS")
-    ap.add_argument("--interval", type=float, default=1.0, help="PINFEED_ARBITER_INTERVAL_S")
+    ap.add_argument("--interval", type=float, default=2.0, help="PINFEED_ARBITER_INTERVAL_S")
     ap.add_argument("--sweep-seconds", type=float, default=8.0)
     ap.add_argument("--sweep-settle", type=float, default=5.0)
     ap.add_argument("--quick", action="store_true", help="a smoke run (minutes; not published)")

@@ -130,6 +130,9 @@ class LoaderEngine:
         self._cursor = (0, 0)  # (epoch, index) the producer makes next
         self.cuda_registered: set[int] = set()
         self._threads: list[threading.Thread] = []
+        # member -> when the NEXT it waits on found no batch (monotonic); the node
+        # arbiter counts these waits before the trainer reports them
+        self._pending: dict[int, float] = {}
 
     def _producer_context(self, processes: int) -> ProducerContext:
         assert self.ring is not None
@@ -476,6 +479,7 @@ class LoaderEngine:
         with self._cond:
             self.consumers.leave(member, leased)
             self.cuda_registered.discard(member)
+            self._pending.pop(member, None)
             self._cond.notify_all()
         self.upkeep()
 
@@ -494,12 +498,15 @@ class LoaderEngine:
         deadline = time.monotonic() + timeout
         with self._cond:
             while (item := self.consumers.take(member)) is None:
+                self._pending.setdefault(member, time.monotonic())
                 if self.state == "failed" and self.failure is not None:
+                    self._pending.pop(member, None)
                     return ErrorItem(-1, -1, -1, self.failure)
                 if stop.is_set() or self.state in ("draining", "closed"):
                     stopping = ServerUnavailable(
                         f"loader {self.config.name!r} was deleted or is stopping"
                     )
+                    self._pending.pop(member, None)
                     return ErrorItem(-1, -1, -1, stopping.info())
                 lost = self.consumers.lost(self.config.group_timeout_s)
                 if lost:
@@ -508,11 +515,13 @@ class LoaderEngine:
                         f"been gone for over {self.config.group_timeout_s} s; the "
                         "group waits for them: restart them, or recreate the loader"
                     )
+                    self._pending.pop(member, None)
                     return ErrorItem(-1, -1, -1, gone.info())
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return None
+                    return None  # still pending: the data plane asks again
                 self._cond.wait(left)
+            self._pending.pop(member, None)
         if isinstance(item, BatchItem):
             self.stats.consumed(item.rows)
         return item
@@ -529,8 +538,10 @@ class LoaderEngine:
         busy = self.producer.busy_seconds() + self.stats.busy_s
         members = max(1, self.consumers.attached)
         st = self.stats
+        now = time.monotonic()
+        pending = sum(now - t for t in list(self._pending.values()))
         return Sample(
-            time.monotonic(), st.batches_consumed, st.samples_consumed, st.wait_s, busy, members
+            now, st.batches_consumed, st.samples_consumed, st.wait_s, busy, members, pending
         )
 
     def status(self) -> LoaderStatus:

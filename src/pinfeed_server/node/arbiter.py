@@ -22,9 +22,9 @@ is fixed demand that counts against PINFEED_MAX_WORKERS):
 3. A loader whose trainer does not wait (or has none) and whose workers are idle
    gives one back (``shrink``): CPU for the others.
 
-Measurement: a reading spans the time since the last change settled: ``SETTLE_S``
-(at least a round) after a change is never measured (workers start, rings grow), then
-at least ``MEASURE_S`` (at least a round) and at most ``WINDOW_S`` of it.
+Measurement: a reading spans the time since the last change settled: the round after
+a change is never measured (workers start, rings grow), then at least one round and at
+most ``WINDOW`` rounds of it (PINFEED_ARBITER_INTERVAL_S each).
 
 Hysteresis: each worker change is a trial, judged on the first reading after it: kept
 only if it lowered ``S`` by ``max(MARGIN_ABS, MARGIN_REL * S)`` (a shrink: if it did
@@ -68,9 +68,7 @@ MARGIN_ABS = 0.02  # a kept move lowers S by at least this (priority-weighted sh
 MARGIN_REL = 0.01  # ... or by this share of S, whichever is larger; or it lowers S and
 GAIN = 1.05  # the receiver's samples/s rose by this factor (an insatiable one's stall
 # falls little per worker while its throughput grows much)
-SETTLE_S = 2.0  # after a change, this long (at least a round) is not measured
-MEASURE_S = 2.0  # a reading spans at least this long (at least a round) ...
-WINDOW_S = 6.0  # ... and at most this long
+WINDOW = 3  # a reading spans at most this many rounds
 BLOCK_S = 30.0  # an undone move is not tried again for this long (or a scene change)
 KEPT = 50  # decisions kept for GET /v1/node
 
@@ -103,6 +101,12 @@ class Reading:
     @property
     def waiting(self) -> bool:
         return self.trainers > 0 and self.measured and self.wait_share >= WAIT_OK
+
+    @property
+    def quiet(self) -> bool:
+        """Its trainers do not wait: they got batches and waited under ``WAIT_OK`` (a
+        slow trainer needs no ``MIN_BATCHES`` for that; a blocked one got none)."""
+        return self.trainers > 0 and self.batches > 0 and self.wait_share < WAIT_OK
 
     @property
     def stall(self) -> float:
@@ -183,8 +187,9 @@ class NodeArbiter:
         # snapshots since the last change settled: (monotonic, every loader's counters)
         self._history: collections.deque[tuple[float, dict[str, _Seen]]] = collections.deque()
         self._settle_until = 0.0
-        self.settle_s = max(interval_s, SETTLE_S)
-        self.measure_s = max(interval_s, MEASURE_S)
+        self.settle_s = interval_s  # after a change, not measured
+        self.measure_s = interval_s  # a reading spans at least this ...
+        self.window_s = WINDOW * interval_s  # ... and at most this
         self.readings: dict[str, Reading] = {}
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=KEPT)
         self._trial: Trial | None = None
@@ -249,10 +254,14 @@ class NodeArbiter:
                 trainers=engine.consumers.attached,
                 batches=sample.batches - last.sample.batches,
                 samples_per_s=max(0, sample.samples - last.sample.samples) / dt,
-                # as autotune measures them: capped at 1 (a wait is reported with the
-                # batch after it; busy time counts queued tasks)
+                # as autotune measures them, capped at 1 (busy time counts queued
+                # tasks); a wait is reported with the batch after it, so a trainer blocked
+                # now has waited at least its NEXT's time unanswered (up to the span)
                 wait_share=min(
-                    1.0, max(0.0, sample.wait_s - last.sample.wait_s) / dt / sample.trainers
+                    1.0,
+                    max(sample.wait_s - last.sample.wait_s, min(sample.pending_s, dt))
+                    / dt
+                    / sample.trainers,
                 ),
                 busy_share=min(
                     1.0,
@@ -266,7 +275,7 @@ class NodeArbiter:
         Returns the decision made, if any (tests drive rounds directly).
 
         Readings span the time since the last change settled (``settle_s`` after it:
-        workers start, rings grow), at least ``measure_s`` and at most ``WINDOW_S``;
+        workers start, rings grow), at least ``measure_s`` and at most ``window_s``;
         a round with less measured time waits."""
         now = time.monotonic()
         snap = self._snapshot()
@@ -282,7 +291,7 @@ class NodeArbiter:
         if now < self._settle_until:
             return None
         self._history.append((now, snap))
-        while len(self._history) > 2 and now - self._history[1][0] >= WINDOW_S:
+        while len(self._history) > 2 and now - self._history[1][0] >= self.window_s:
             self._history.popleft()
         t0, base = self._history[0]
         if now - t0 < self.measure_s - 0.01:
@@ -380,9 +389,8 @@ class NodeArbiter:
                     readings,
                 )
         for r in sorted(movable, key=lambda r: r.busy_share):
-            quiet = r.trainers == 0 or (r.measured and r.wait_share < WAIT_OK)
             if (
-                quiet
+                (r.trainers == 0 or r.quiet)
                 and r.busy_share < IDLE
                 and r.workers > max(r.floor, 1)
                 and not self._is_blocked("shrink", r.name)
@@ -417,7 +425,7 @@ class NodeArbiter:
         idle = [d for d in cands if d.trainers == 0]
         if idle:
             return max(idle, key=lambda d: d.workers), "no trainer attached"
-        quiet = [d for d in cands if d.measured and d.wait_share < WAIT_OK]
+        quiet = [d for d in cands if d.quiet]
         if quiet:
             d = min(quiet, key=lambda d: d.busy_share)
             return d, f"its trainers wait {d.wait_share:.0%}"
@@ -536,7 +544,7 @@ class NodeArbiter:
         movable = [r for r in readings.values() if r.movable and r.workers > r.floor]
         yield from sorted((r for r in movable if r.trainers == 0), key=lambda r: -r.workers)
         yield from sorted(
-            (r for r in movable if r.trainers and r.measured and r.wait_share < WAIT_OK),
+            (r for r in movable if r.quiet),
             key=lambda r: r.busy_share,
         )
         yield from sorted(
