@@ -470,11 +470,11 @@ def _f(x: float | None, fmt: str = "{:.2f}") -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench node", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seconds", type=float, default=60.0, help="each system's run")
+    ap.add_argument("--seconds", type=float, default=75.0, help="each system's run")
     ap.add_argument("--warmup", type=float, default=10.0, help="the window starts here")
     ap.add_argument("--rounds", type=int, default=2, help="runs of each system (ABBA order)")
     ap.add_argument("--max-workers", type=int, default=9, help="PINFEED_MAX_WORKERS")
-    ap.add_argument("--interval", type=float, default=2.0, help="PINFEED_ARBITER_INTERVAL_S")
+    ap.add_argument("--interval", type=float, default=1.0, help="PINFEED_ARBITER_INTERVAL_S")
     ap.add_argument("--sweep-seconds", type=float, default=8.0)
     ap.add_argument("--sweep-settle", type=float, default=5.0)
     ap.add_argument("--quick", action="store_true", help="a smoke run (minutes; not published)")
