@@ -129,11 +129,12 @@ class Node:
         return decisions
 
     def settle(self) -> None:
-        """Rounds until no trial is in flight."""
+        """Rounds until no trial is in flight, then until a reading after it."""
         for _ in range(10):
             if self.arbiter.state().trial is None:
-                return
+                break
             self.run(1)
+        self.run(3)
 
     def split(self) -> dict[str, int]:
         return {n: e.config.num_workers for n, e in self.engines.items()}
