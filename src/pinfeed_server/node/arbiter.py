@@ -28,11 +28,11 @@ most ``WINDOW`` rounds of it (PINFEED_ARBITER_INTERVAL_S each).
 
 Hysteresis: each worker change is a trial, judged on the first reading after it: kept
 only if it lowered ``S`` by ``max(MARGIN_ABS, MARGIN_REL * S)`` and raised the
-receiver's samples/s by ``GAIN`` (a shrink: if it did not raise ``S`` by the margin); otherwise it is undone and that move is not tried again
-for ``BLOCK_S`` seconds (twice that after each further undo of it) or until the node's
-scene changes (a loader or a trainer comes
-or goes, a priority changes). So a split is left only for one measured to be better:
-no oscillation.
+receiver's samples/s by ``GAIN`` (a shrink: if it did not raise ``S`` by the margin);
+otherwise it is undone and that move is not tried again for ``BLOCK_S`` seconds (twice
+that after each further undo of it) or until the node's scene changes (a loader or a
+trainer comes or goes, a priority changes). So a split is left only for one measured to
+be better: no oscillation.
 
 Guarantees: a loader never goes below ``min_workers``; a loader with a trainer
 attached never goes to 0 workers unless its ``min_workers`` is 0 and its priority is
