@@ -67,6 +67,14 @@ SECTIONS = [
     Section("scale", "bench.scale", what="datasets at real size", minutes=5, data_dir=False),
     Section("w4-profile", "bench.profile_w4", what="where W4's CPU goes", minutes=0.5),
     Section("node", "bench.node", what="one node, several trainers: the arbiter", minutes=14),
+    Section(
+        "metrics-render",
+        "bench.metrics_render",
+        what="one fresh /metrics render, 50 loaders",
+        quick=["--renders", "50"],
+        minutes=0.3,
+        data_dir=False,
+    ),
     Section("control", "bench.control", what="the control plane under load", minutes=5),
     Section("soak", "bench.soak", what="SIGKILLs, every batch checked", minutes=2, data_dir=False),
     Section("ray", "bench.ray", "main", "executor ray against local", [], 4, _ray, False),
@@ -148,10 +156,6 @@ def main(argv: list[str]) -> int:
         return report.main(argv[1:])
     if head in BY_NAME:
         return BY_NAME[head].run(argv[1:])
-    if head == "metrics-render":  # a diagnostic: one fresh /metrics render, no result file
-        from bench import metrics_render
-
-        return metrics_render.main(argv[1:])
     if head.upper() in ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "W9"):
         from bench import suite
 

@@ -958,6 +958,21 @@ NODE_SYSTEMS = {
 }
 
 
+def metrics_render(r: Results, args: list[str]) -> str:
+    res = r.get("metrics-render")
+    if res is None:
+        return missing("metrics-render", "python -m bench metrics-render")
+    cpu, wall = res["cpu_ms"], res["wall_ms"]
+    loaded = (res.get("interference") or {}).get("runs_under_load")
+    return (
+        f"One fresh render of `/metrics` with {res['params']['loaders']} loaders, in the "
+        f"server's code without HTTP ({res['params']['renders']} renders): CPU p50 "
+        f"**{cpu['median']:.2f} ms** (min {cpu['min']:.2f}), wall p50 {wall['median']:.2f} ms "
+        f"(min {wall['min']:.2f}){' ' + LOADED + ' under load' if loaded else ''}.\n\n"
+        + provenance([res])
+    )
+
+
 def node(r: Results, args: list[str]) -> str:
     """Issue 26's benchmark: the arbiter against each loader's autotune, an equal split
     and the best static split; then the priority-4 trainer."""
@@ -1043,6 +1058,7 @@ RENDERERS: dict[str, Callable[[Results, list[str]], str]] = {
     "scale-detail": scale_detail,
     "control": control,
     "node": node,
+    "metrics-render": metrics_render,
     "control-detail": control_detail,
     "control-targets": control_targets,
     "ray": ray,
