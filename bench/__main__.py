@@ -67,6 +67,15 @@ SECTIONS = [
     Section("autotune", "bench.autotune", what="autotune against fixed settings", minutes=9),
     Section("scale", "bench.scale", what="datasets at real size", minutes=5, data_dir=False),
     Section("w4-profile", "bench.profile_w4", what="where W4's CPU goes", minutes=0.5),
+    Section("node", "bench.node", what="one node, several trainers: the arbiter", minutes=14),
+    Section(
+        "metrics-render",
+        "bench.metrics_render",
+        what="one fresh /metrics render, 50 loaders",
+        quick=["--renders", "50"],
+        minutes=0.3,
+        data_dir=False,
+    ),
     Section("control", "bench.control", what="the control plane under load", minutes=5),
     Section(
         "first-batch",
@@ -155,10 +164,6 @@ def main(argv: list[str]) -> int:
         return report.main(argv[1:])
     if head in BY_NAME:
         return BY_NAME[head].run(argv[1:])
-    if head == "metrics-render":  # a diagnostic: one fresh /metrics render, no result file
-        from bench import metrics_render
-
-        return metrics_render.main(argv[1:])
     if head.upper() == "W9":  # its own driver (per epoch, four jobs, a restart)
         return BY_NAME["w9"].run(argv[1:])
     if head.upper() in ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8"):

@@ -8,7 +8,8 @@ of its CPU time (``time.thread_time``: what a render takes from the cores) and i
 wall time. On a shared machine compare two trees by running them in turns, and read
 the minimum and the median.
 
-``python -m bench metrics-render [--loaders 50] [--renders 400]``
+``python -m bench metrics-render [--loaders 50] [--renders 400]`` writes
+``docs/results/metrics-render.json`` (``--out`` elsewhere).
 """
 
 from __future__ import annotations
@@ -37,7 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench metrics-render")
     parser.add_argument("--loaders", type=int, default=50)
     parser.add_argument("--renders", type=int, default=400)
+    parser.add_argument("--out", type=Path, default=None, help="folder of result files")
     args = parser.parse_args(argv)
+    from bench import results
+
+    envelope = results.start("metrics-render", vars(args))
+    foreign = results.ForeignCpu().start()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         settings = Settings(run_dir=root / "run", state_dir=root / "state", data_root=root)
@@ -74,9 +80,19 @@ def main(argv: list[str] | None = None) -> int:
                 wall.append(time.perf_counter() - w0)
         finally:
             service.close()
+    run = {"foreign": foreign.stop()}
+    result = envelope | {
+        "kind": "metrics-render",
+        "cpu_ms": results.spread([c * 1e3 for c in cpu]),
+        "wall_ms": results.spread([w * 1e3 for w in wall]),
+        "runs": [run],
+    }
+    result = results.finish(result, [run])
+    path = results.write(result, args.out)
     print(f"render, {args.loaders} loaders + 1 unstarted, {args.renders} renders")
     print(f"  cpu   {_ms(cpu)}")
     print(f"  wall  {_ms(wall)}")
+    print(f"wrote {path}")
     return 0
 
 

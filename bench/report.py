@@ -1091,6 +1091,100 @@ def w9(r: Results, args: list[str]) -> str:
     return w9_table(res)
 
 
+NODE_SYSTEMS = {
+    "arbiter": "node arbiter",
+    "autotune": "each loader's autotune",
+    "equal": "equal static split",
+    "best-static": "best static split",
+}
+
+
+def metrics_render(r: Results, args: list[str]) -> str:
+    res = r.get("metrics-render")
+    if res is None:
+        return missing("metrics-render", "python -m bench metrics-render")
+    cpu, wall = res["cpu_ms"], res["wall_ms"]
+    loaded = (res.get("interference") or {}).get("runs_under_load")
+    return (
+        f"One fresh render of `/metrics` with {res['params']['loaders']} loaders, in the "
+        f"server's code without HTTP ({res['params']['renders']} renders): CPU p50 "
+        f"**{cpu['median']:.2f} ms** (min {cpu['min']:.2f}), wall p50 {wall['median']:.2f} ms "
+        f"(min {wall['min']:.2f}){' ' + LOADED + ' under load' if loaded else ''}.\n\n"
+        + provenance([res])
+    )
+
+
+def node(r: Results, args: list[str]) -> str:
+    """Issue 26's benchmark: the arbiter against each loader's autotune, an equal split
+    and the best static split; then the priority-4 trainer."""
+    res = r.get("node")
+    if res is None:
+        return missing("node", "python -m bench node")
+    cells, jobs = res["cells"], [j for j in res["jobs"] if j["name"] != "urgent"]
+
+    def f2(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
+    arb = cells["arbiter"]["weighted_total"]["median"]
+    head = ["system", "workers (end of run)"]
+    head += [f"{j['name']} (p{j['priority']}): samples/s, stall" for j in jobs]
+    head += ["weighted total", "unweighted", "arbiter's / this"]
+    rows = []
+    for system, label in NODE_SYSTEMS.items():
+        c = cells.get(system)
+        if c is None:
+            continue
+        split = " / ".join(str(c["split"].get(j["name"], "-")) for j in jobs)
+        row = [label + flag(c), split]
+        for j in jobs:
+            t = c["trainers"][j["name"]]
+            row.append(f"{num(t['samples_per_s']['median'])}, {pct(t['stall_share']['median'])}")
+        w = c["weighted_total"]
+        row.append(f"{f2(w['median'])} ({f2(w['min'])}-{f2(w['max'])})")
+        row.append(f2(c["total"]["median"]))
+        row.append("-" if system == "arbiter" or not w["median"] else f"{arb / w['median']:.2f}x")
+        rows.append(row)
+    p2 = res["phase2"]
+    settle = cells["arbiter"].get("settle_s") or {}
+    lines = [
+        table(head, rows),
+        "",
+        f"Weighted total: sum of priority x (1 - stall share) over the three trainers (a "
+        f"trainer never waiting counts its priority); medians of {res['params']['rounds']} "
+        f"rounds, min-max in brackets. Best static split found by trying all "
+        f"{len(res['sweep'])} splits of {res['params']['max_workers']} workers: "
+        + " / ".join(str(res["best_split"][j["name"]]) for j in jobs)
+        + f". The arbiter settled (its last kept change) {f2(settle.get('median'))} s "
+        f"after the trainers started (min-max {f2(settle.get('min'))}-"
+        f"{f2(settle.get('max'))}).",
+        "",
+        f"Phase 2: the priority-4 trainer alone made "
+        f"{num((p2['alone'] or {}).get('samples_per_s'))} samples/s; started beside the "
+        f"three others, {num((p2['with_others'] or {}).get('samples_per_s'))} samples/s "
+        f"(**{f2(p2['share_of_alone'])}x** of alone), the arbiter's last kept change "
+        f"{f2(p2['settle_s'])} s after it started; workers then "
+        + ", ".join(f"{k} {v}" for k, v in p2["workers_at_end"].items())
+        + f". Floors (min_workers; no waiting trainer at 0 workers) checked on "
+        f"{p2['floor_checks']} polls of GET /v1/node: {len(p2['floors_broken'])} broken.",
+        "",
+        table(
+            ["target", "value", "goal", ""],
+            [
+                [
+                    t["target"],
+                    f2(t["value"]),
+                    t["goal"],
+                    "met" if t["ok"] else "**missed**",
+                ]
+                for t in res.get("targets", [])
+            ],
+        ),
+        "",
+        provenance([res]),
+    ]
+    return "\n".join(lines)
+
+
 RENDERERS: dict[str, Callable[[Results, list[str]], str]] = {
     "headline": headline,
     "throughput": throughput,
@@ -1105,6 +1199,8 @@ RENDERERS: dict[str, Callable[[Results, list[str]], str]] = {
     "scale": scale,
     "scale-detail": scale_detail,
     "control": control,
+    "node": node,
+    "metrics-render": metrics_render,
     "control-detail": control_detail,
     "control-targets": control_targets,
     "ray": ray,

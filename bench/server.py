@@ -18,12 +18,15 @@ class BenchServer(Server):
     """``with BenchServer(data_root) as srv:`` a fresh server; ``srv.url``, ``srv.socket``,
     ``srv.pid``, ``srv.start_s`` (seconds to a healthy /healthz)."""
 
-    def __init__(self, data_root: Path, *, log_level: str = "warning") -> None:
+    def __init__(
+        self, data_root: Path, *, log_level: str = "warning", env: dict[str, str] | None = None
+    ) -> None:
+        """``env``: more ``PINFEED_*`` settings."""
         root = Path(tempfile.mkdtemp(prefix="pinfeed-bench-"))
         from bench.data import PLUGINS
 
-        env = {"PINFEED_LOG_LEVEL": log_level, "PINFEED_ALLOWED_PLUGINS": json.dumps(PLUGINS)}
-        super().__init__(root, env=env, data=data_root)
+        base = {"PINFEED_LOG_LEVEL": log_level, "PINFEED_ALLOWED_PLUGINS": json.dumps(PLUGINS)}
+        super().__init__(root, env=base | (env or {}), data=data_root)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
         try:

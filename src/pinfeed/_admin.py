@@ -18,6 +18,7 @@ from urllib.parse import quote
 import httpx
 
 from pinfeed.errors import PinfeedError, ProblemError, ServerUnavailable, error_from_slug
+from pinfeed.protocol import HTTP_CLIENT_HEADER
 
 DEFAULT_URL = "http://127.0.0.1:8321"
 
@@ -39,6 +40,9 @@ class Client:
         url = url or os.environ.get("PINFEED_URL", DEFAULT_URL)
         token = token if token is not None else os.environ.get("PINFEED_TOKEN")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        # The server paces each client apart (its address and this header): one
+        # process's Client is one client, whatever else runs on the node's loopback.
+        headers[HTTP_CLIENT_HEADER] = f"pinfeed-{os.getpid()}"
         self._http = httpx.Client(
             base_url=url, headers=headers, timeout=timeout, transport=transport
         )
@@ -149,8 +153,15 @@ class Client:
         return result
 
     def patch_loader(self, name: str, **changes: Any) -> dict[str, Any]:
-        """Change ``num_workers``/``prefetch_factor`` live."""
+        """Change ``num_workers``/``prefetch_factor`` (or ``priority``, ``min_workers``,
+        ``autotune``) live."""
         result: dict[str, Any] = self._request("PATCH", f"/v1/loaders/{name}", json=changes)
+        return result
+
+    def node(self) -> dict[str, Any]:
+        """The node: CPUs, budgets, every loader's workers and trainers' wait share, the
+        arbiter's last decisions (``GET /v1/node``)."""
+        result: dict[str, Any] = self._request("GET", "/v1/node")
         return result
 
     def delete_loader(self, name: str) -> None:

@@ -39,6 +39,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 PROTOCOL_VERSION = 4
+# HTTP, not the socket: the header a client names itself with; the control plane paces
+# each (address, this header) apart (pinfeed_server/api/throttle.py).
+HTTP_CLIENT_HEADER = "x-pinfeed-client"
 
 ATTACH, NEXT, RELEASE, SKIP, SEEK, CUDA = map(ord, "ANRSKC")  # client -> server
 CREATE, EPOCH, FEED = map(ord, "OHF")  # client -> server: pinfeed.DataLoader's

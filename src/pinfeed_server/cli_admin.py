@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -239,59 +240,87 @@ def _ms(seconds: float | None) -> str:
 
 
 def status(url: UrlOpt = None, token: TokenOpt = None, as_json: JsonOpt = False) -> None:
-    """A table of loaders: state, queue fill, throughput, consumer wait share and p99."""
+    """The node and its loaders: state, queue fill, samples/s, the trainers' wait share
+    and p99, workers; then the node arbiter's last decisions. Fits 80 columns."""
     # The same types the server renders: the JSON parsed back, read by attribute.
     from pinfeed_server.engine.stats import StatsSnapshot
     from pinfeed_server.engine.status import LoaderStatus
+    from pinfeed_server.schemas import NodePublic
 
     with _client(url, token) as c:
         rows = [(lo, c.loader_stats(lo["name"])) for lo in c.loaders()]
+        node = NodePublic.model_validate(c.node())
     if as_json:
-        return _json([{"loader": lo, "stats": st} for lo, st in rows])
-    table = Table(
-        "loader",
-        "dataset",
-        "state",
-        "ready/slots",
-        "epoch.pos",
-        "samples/s",
-        "MB/s",
-        "wait share",
-        "wait p99",
-        "consumer",
-        "workers",
-        "autotune",
+        return _json(
+            {
+                "loaders": [{"loader": lo, "stats": st} for lo, st in rows],
+                "node": node.model_dump(mode="json"),
+            }
+        )
+    arb = node.arbiter
+    if not arb.enabled:
+        mode = "each loader tunes itself (PINFEED_ARBITER=false)"
+    elif arb.trial:
+        mode = f"arbiter trying a {arb.trial['kind']} for {arb.trial['loader']}"
+    elif arb.settled:
+        mode = f"arbiter settled (last change at {arb.settled_after_s or 0:.0f} s)"
+    else:
+        mode = "arbiter measuring"
+    stall = "-" if arb.weighted_stall is None else f"{arb.weighted_stall:.2f}"
+    console.print(
+        f"node: {node.cpus} CPUs, workers {node.workers_used}/{node.max_workers}, "
+        f"ring memory {_mb(node.shm_used_bytes)}/{_mb(node.shm_budget_bytes)} MB; "
+        f"{mode}; weighted stall {stall}",
+        soft_wrap=False,
     )
+    prio = {lo.name: lo for lo in node.loaders}
+    # Short, whole headers and no box: every column readable in 80 columns (rich cuts
+    # headers to their column's width, so they are chosen to fit).
+    table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
+    for head, justify in (
+        ("loader", "left"),
+        ("state", "left"),
+        ("ready", "right"),
+        ("epoch.pos", "right"),
+        ("samples/s", "right"),
+        ("wait", "right"),
+        ("wait p99", "right"),
+        ("trainers", "right"),
+        ("workers", "right"),
+        ("prio", "right"),
+    ):
+        table.add_column(head, justify=justify, no_wrap=head != "loader")  # type: ignore[arg-type]
     for lo, body in rows:
         live, st = LoaderStatus.model_validate(lo), StatsSnapshot.model_validate(body)
+        mine = prio.get(lo["name"])
+        workers = f"{lo['num_workers']}x{lo['prefetch_factor']}"
+        if mine is not None and not mine.fixed:
+            workers += "*"  # the arbiter (or autotune) moves it
         table.add_row(
             lo["name"],
-            lo["dataset"],
             live.state,
             f"{live.slots.ready}/{live.slots.total}",
-            f"{live.epoch}.{live.position}/{live.batches_per_epoch}",
+            f"{live.epoch}.{live.position}",
             f"{st.samples_per_s:.0f}",
-            _mb(int(st.bytes_per_s)),
             f"{st.consumer_wait_share:.0%}",
             _ms(st.consumer_wait_p99_s),
-            _consumer(lo, live.consumer_attached),
-            f"{lo['num_workers']}x{lo['prefetch_factor']}",
-            _autotune(st.autotune),
+            _trainers(lo, mine.trainers if mine else int(live.consumer_attached)),
+            workers,
+            str(lo.get("priority", 1)),
         )
     console.print(table)
+    console.print("workers: processes x prefetch_factor; *: autotuned (moved by the arbiter)")
+    if node.decisions:
+        console.print("last decisions:")
+        for d in node.decisions[-5:]:
+            donor = f" from {d.donor}" if d.donor else ""
+            line = f"  {d.t:7.1f}s {d.kind} {d.loader}{donor}: {d.reason}"
+            console.print(line, overflow="ellipsis", no_wrap=True, crop=True, markup=False)
 
 
-def _consumer(loader: dict[str, Any], attached: bool) -> str:
-    """Who reads the loader: a pinfeed.DataLoader's owner pid, or whether one attached."""
+def _trainers(loader: dict[str, Any], count: int) -> str:
+    """Who reads the loader: a pinfeed.DataLoader's owner pid, or how many trainers."""
     owner = loader.get("owner")
     if owner:
-        return f"pid {owner['pid']}" + ("" if owner["attached"] else " (gone, kept)")
-    return "attached" if attached else "-"
-
-
-def _autotune(report: dict[str, Any] | None) -> str:
-    """Autotune's state and its last decision's reason, for the status table."""
-    if not report:
-        return "-"
-    last = report["decisions"][-1]["reason"] if report["decisions"] else "measuring"
-    return f"{'settled' if report['settled'] else 'tuning'}: {last}"
+        return f"pid {owner['pid']}" + ("" if owner["attached"] else " gone")
+    return str(count)

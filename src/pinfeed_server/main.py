@@ -7,12 +7,13 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi_offline import FastAPIOffline
 
 from pinfeed import __version__
 from pinfeed_server.api.guards import RequestGuard
 from pinfeed_server.api.openapi import install_openapi
 from pinfeed_server.api.problems import install_handlers
-from pinfeed_server.api.routes import datasets, health, loaders, metrics
+from pinfeed_server.api.routes import datasets, health, loaders, metrics, node, page
 from pinfeed_server.api.throttle import Throttle
 from pinfeed_server.datasets import KINDS
 from pinfeed_server.malloc import return_big_buffers
@@ -30,6 +31,10 @@ TAGS = [
         "name": "loaders",
         "description": "Loaders: DataLoader's arguments over a dataset; each "
         "keeps a prefetch ring of ready batches in page-locked shared memory.",
+    },
+    {
+        "name": "node",
+        "description": "The node: CPUs, budgets, and the arbiter's division of the workers.",
     },
     {"name": "metrics", "description": "Prometheus metrics, labelled per loader."},
 ]
@@ -50,7 +55,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             service.close()
 
-    app = FastAPI(
+    # /docs and /redoc from the Swagger UI and ReDoc assets fastapi-offline ships (no
+    # CDN: a GPU node often has no internet).
+    app = FastAPIOffline(
         title="pinfeed",
         version=__version__,
         description="Node-local batch server: DataLoader-identical batches in page-locked "
@@ -71,5 +78,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(metrics.router)
     app.include_router(datasets.router)
     app.include_router(loaders.router)
+    app.include_router(node.router)
+    app.include_router(page.router)
     logging.getLogger("pinfeed").setLevel(settings.log_level.upper())
     return app

@@ -9,7 +9,7 @@ bottom layer, below the engine and the cache, which both declare metrics.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel
 
@@ -39,3 +39,26 @@ def metric_fields(model: type[BaseModel]) -> tuple[tuple[str, Metric], ...]:
         for m in info.metadata
         if isinstance(m, Metric)
     )
+
+
+M = TypeVar("M", bound=BaseModel)
+_FIELDS: dict[type[BaseModel], set[str]] = {}
+
+
+def built(cls: type[M], values: dict[str, Any]) -> M:
+    """``cls.model_construct(**values)`` for ``values`` that name every field, without
+    its Python loop over the fields (aliases, defaults) or validation: the same four
+    attributes set, and one fields-set per class shared by its instances (every field is
+    given, so none is ever added). A scrape builds a status and a snapshot per loader:
+    for ~20 fields that loop takes ~10 us, this ~1 us (tests/api/test_stats.py checks
+    it against model_construct)."""
+    fields = _FIELDS.get(cls)
+    if fields is None:
+        fields = _FIELDS.setdefault(cls, set(cls.model_fields))
+    obj = cls.__new__(cls)
+    object.__setattr__(obj, "__dict__", values)
+    object.__setattr__(obj, "__pydantic_fields_set__", fields)
+    object.__setattr__(obj, "__pydantic_extra__", None)
+    object.__setattr__(obj, "__pydantic_private__", None)
+    return obj
+

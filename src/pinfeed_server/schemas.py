@@ -171,6 +171,16 @@ class LoaderPatch(BaseModel):
     autotune: AutotuneSpec | None = Field(
         None, description="turn autotune on (null: off); explicit values alone turn it off"
     )
+    priority: int | None = Field(
+        None, ge=1, le=100, strict=True, description="the node arbiter's weight (autotune stays)"
+    )
+    min_workers: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_WORKERS,
+        strict=True,
+        description="the workers the node arbiter never takes (autotune stays)",
+    )
 
 
 class LoaderOwner(BaseModel):
@@ -252,6 +262,67 @@ class LoaderStatsPublic(StatsSnapshot):
             ]
         }
     )
+
+
+class NodeLoader(BaseModel):
+    """One loader as the node arbiter sees it (its last round: ``null`` before one)."""
+
+    name: str
+    priority: int
+    min_workers: int
+    workers: int = Field(description="worker processes now")
+    max_workers: int = Field(description="autotune's max_workers; a fixed loader: its own")
+    fixed: bool = Field(
+        description="no autotune (or an executor off this node): its workers are fixed demand"
+    )
+    counts_workers: bool = Field(description="its processes take this node's CPUs")
+    trainers: int = Field(description="trainers attached")
+    wait_share: float | None = Field(description="its trainers' wait share over the last round")
+    busy_share: float | None = Field(description="its workers' busy share over the last round")
+    samples_per_s: float | None = Field(description="consumed over the last round")
+    weighted_stall: float | None = Field(description="priority x wait share (0 without trainer)")
+
+
+class NodeDecision(BaseModel):
+    """One decision of the arbiter (``t``: seconds since the server started)."""
+
+    t: float
+    kind: Literal["grow", "move", "shrink", "prefetch", "keep", "undo", "room", "refused"]
+    loader: str
+    donor: str | None
+    workers: dict[str, int] = Field(description="the workers of the loaders it changed, after")
+    weighted_stall: float = Field(description="the node's weighted stall it was judged on")
+    reason: str
+
+
+class ArbiterPublic(BaseModel):
+    enabled: bool = Field(description="PINFEED_ARBITER")
+    interval_s: float = Field(description="PINFEED_ARBITER_INTERVAL_S")
+    settled: bool = Field(description="its last round changed nothing and no trial is running")
+    settled_after_s: float | None = Field(
+        description="when its last kept change was (seconds since the server started)"
+    )
+    weighted_stall: float | None = Field(
+        description="sum of priority x wait share over loaders with a trainer, last round"
+    )
+    trial: dict[str, Any] | None = Field(
+        description="a change being measured ({kind, loader, donor})"
+    )
+
+
+class NodePublic(BaseModel):
+    """The node: its CPUs and budgets, every loader's workers and trainers' wait share,
+    and the arbiter's last decisions (newest last)."""
+
+    uptime_s: float = Field(description="seconds since the server started (decisions' clock)")
+    cpus: int = Field(description="CPUs this server may use (its affinity)")
+    max_workers: int = Field(description="PINFEED_MAX_WORKERS")
+    workers_used: int = Field(description="worker processes of all loaders on this node")
+    shm_budget_bytes: int
+    shm_used_bytes: int
+    arbiter: ArbiterPublic
+    loaders: list[NodeLoader]
+    decisions: list[NodeDecision]
 
 
 class Health(BaseModel):

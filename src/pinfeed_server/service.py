@@ -18,7 +18,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,10 +48,19 @@ from pinfeed_server.engine.producers import Zygotes, configure_forkserver, execu
 from pinfeed_server.engine.producers.inline import GLOBAL_RNG
 from pinfeed_server.engine.stats import StatsSnapshot
 from pinfeed_server.engine.status import LoaderStatus
+from pinfeed_server.node.arbiter import NodeArbiter
 from pinfeed_server.node.budget import NodeBudget
-from pinfeed_server.node.tuning import TuningLoop
 from pinfeed_server.registry import DuplicateName, Registry
-from pinfeed_server.schemas import DEMO_PARAMS, DatasetCreate, LoaderCreate, LoaderPatch
+from pinfeed_server.schemas import (
+    DEMO_PARAMS,
+    ArbiterPublic,
+    DatasetCreate,
+    LoaderCreate,
+    LoaderPatch,
+    NodeDecision,
+    NodeLoader,
+    NodePublic,
+)
 from pinfeed_server.settings import Settings
 
 log = logging.getLogger("pinfeed")
@@ -60,6 +69,8 @@ DEMO_DATASET = DatasetCreate.model_validate(
     {"name": "demo", "kind": "synthetic", "params": DEMO_PARAMS}
 )
 DEMO_LOADER = LoaderCreate(name="demo", dataset="demo", batch_size=10)
+# What a live change may change, recorded in the registry's row.
+LIVE_FIELDS = {"num_workers", "prefetch_factor", "autotune", "priority", "min_workers"}
 # A trainer-made loader's zygote, apart from the registered datasets' ('~' is in no name).
 OWNED_ZYGOTE = "~"
 
@@ -100,10 +111,13 @@ class Service:
             self._cache_reservations,
             settings.cache_budget,
         )
-        self.tuning = TuningLoop(
+        self.arbiter = NodeArbiter(
             lambda: list(self.loaders.items()),
-            lambda name: settings.max_workers - self.budget.workers_used(name),
+            self.budget,
             self.reconfigure,
+            self._lock,
+            enabled=settings.arbiter,
+            interval_s=settings.arbiter_interval_s,
         )
         self._owned: dict[str, Owned] = {}  # loaders made by trainers (pinfeed.DataLoader)
         self._closed = threading.Event()
@@ -133,7 +147,7 @@ class Service:
         self.restore()
         if self.settings.demo:
             self._ensure_demo()
-        self.tuning.start()
+        self.arbiter.start()
         if self.settings.idle_exit_s is not None:
             threading.Thread(target=self._exit_when_idle, name="pinfeed-idle", daemon=True).start()
         log.info("data plane on %s", self.settings.socket_path)
@@ -172,7 +186,7 @@ class Service:
 
     def close(self) -> None:
         self._closed.set()
-        self.tuning.close()
+        self.arbiter.close()
         with self._lock:
             engines = list(self.loaders.values())
             self.loaders.clear()
@@ -367,7 +381,7 @@ class Service:
         except ConfigError as exc:
             raise errors.InvalidRequest(str(exc)) from None
         workers = cfg.num_workers if ready.executor.counts_workers else 0
-        self.budget.admit(cfg, ring_slots(cfg) * ready.layout.slot_bytes, workers)
+        self._admit(cfg, ring_slots(cfg) * ready.layout.slot_bytes, workers)
         # The dataset's zygote starts with the first local worker process, in the
         # loader's boot thread (state "starting"); one that cannot start fails the
         # loader with the reason.
@@ -489,7 +503,7 @@ class Service:
         except ConfigError as exc:
             raise errors.InvalidRequest(str(exc)) from None
         workers = cfg.num_workers if ready.executor.counts_workers else 0
-        self.budget.admit(cfg, ring_slots(cfg) * ready.layout.slot_bytes, workers)
+        self._admit(cfg, ring_slots(cfg) * ready.layout.slot_bytes, workers)
         zygote = functools.partial(
             self.zygotes.get, OWNED_ZYGOTE + name, objects, shipped.KIND.name, {}, fd
         )
@@ -520,6 +534,17 @@ class Service:
                 owned.attached = False
                 return
         self.delete_loader(name)
+
+    def _admit(
+        self, config: LoaderConfig, ring_bytes: int, workers: int, replaces: str | None = None
+    ) -> None:
+        """The node budget's admission, after the arbiter made what room it can: workers
+        of autotuned loaders above their floors go to a loader that would not fit."""
+        short = self.budget.workers_used(replaces or config.name) + workers
+        short -= self.budget.max_workers
+        if short > 0:
+            self.arbiter.make_room(short, config.name, config.priority)
+        self.budget.admit(config, ring_bytes, workers, replaces)
 
     def _engine(self, name: str) -> LoaderEngine:
         engine = self.loaders.get(name)
@@ -580,6 +605,48 @@ class Service:
                 continue  # deleted while we listed
         return out
 
+    def node(self) -> NodePublic:
+        """The node as GET /v1/node shows it."""
+        state = self.arbiter.state()
+        loaders = []
+        for name, engine in sorted(list(self.loaders.items())):
+            cfg, r = engine.config, state.readings.get(name)
+            counts = engine.producer.executor.counts_workers
+            loaders.append(
+                NodeLoader(
+                    name=name,
+                    priority=cfg.priority,
+                    min_workers=cfg.min_workers,
+                    workers=cfg.num_workers,
+                    max_workers=cfg.autotune.max_workers if cfg.autotune else cfg.num_workers,
+                    fixed=cfg.autotune is None or not counts,
+                    counts_workers=counts,
+                    trainers=engine.consumers.attached,
+                    wait_share=None if r is None else r.wait_share,
+                    busy_share=None if r is None else r.busy_share,
+                    samples_per_s=None if r is None else r.samples_per_s,
+                    weighted_stall=None if r is None else r.stall,
+                )
+            )
+        return NodePublic(
+            uptime_s=round(time.monotonic() - self.arbiter.started, 2),
+            cpus=len(os.sched_getaffinity(0)),
+            max_workers=self.budget.max_workers,
+            workers_used=self.workers_used(),
+            shm_budget_bytes=self.budget.max_shm_bytes,
+            shm_used_bytes=self.shm_used(),
+            arbiter=ArbiterPublic(
+                enabled=state.enabled,
+                interval_s=state.interval_s,
+                settled=state.settled,
+                settled_after_s=state.settled_after_s,
+                weighted_stall=state.weighted_stall,
+                trial=state.trial,
+            ),
+            loaders=loaders,
+            decisions=[NodeDecision.model_validate(asdict(d)) for d in state.decisions],
+        )
+
     def loader_stats(self, name: str) -> StatsSnapshot:
         if name in self._unstarted:
             return StatsSnapshot.zeros(name, self._unstarted[name]["config"]["num_workers"])
@@ -607,21 +674,30 @@ class Service:
             autotune = None
         else:
             autotune = KEEP
-        self.reconfigure(name, LiveChange(body.num_workers, body.prefetch_factor, autotune))
+        change = LiveChange(
+            body.num_workers, body.prefetch_factor, autotune, body.priority, body.min_workers
+        )
+        self.reconfigure(name, change, make_room=True)
         return self.describe_loader(name)
 
-    def reconfigure(self, name: str, change: LiveChange) -> LoaderConfig:
-        """A live change of loader ``name`` (a PATCH, or autotune's), admitted by the node
-        budget and applied by the engine, then recorded in the registry."""
+    def reconfigure(self, name: str, change: LiveChange, make_room: bool = False) -> LoaderConfig:
+        """A live change of loader ``name`` (a PATCH, or the arbiter's), admitted by the
+        node budget and applied by the engine, then recorded in the registry.
+        ``make_room``: a PATCH, which the arbiter makes room for as for a new loader (its
+        own changes never take from others this way)."""
         with self._lock:
             if name in self._unstarted:
                 raise errors.Conflict(f"loader {name!r} failed to start; delete and recreate it")
             engine = self._engine(name)
-            admit = functools.partial(self.budget.admit, replaces=name)
+            if make_room:
+                admit = functools.partial(self._admit, replaces=name)
+            else:
+                admit = functools.partial(self.budget.admit, replaces=name)
             config = engine.reconfigure(change, admit)
-            row = next(r for r in self.registry.loaders() if r["name"] == name)
-            live = config.model_dump(include={"num_workers", "prefetch_factor", "autotune"})
-            self.registry.update_loader(name, row["config"] | live)
+            row = next((r for r in self.registry.loaders() if r["name"] == name), None)
+            if row is not None:  # a trainer's own loader is not in the registry
+                live = config.model_dump(include=LIVE_FIELDS)
+                self.registry.update_loader(name, row["config"] | live)
             return config
 
     def delete_loader(self, name: str) -> None:

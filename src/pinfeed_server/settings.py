@@ -115,11 +115,22 @@ class Settings(BaseSettings):
         f"least 8); a loader over it gets 409 worker-limit; one loader may have at most "
         f"min(this, {MAX_WORKERS_PER_LOADER})",
     )
+    arbiter: bool = Field(
+        True,
+        description="the node arbiter divides the workers among autotuned loaders by their "
+        "trainers' stall and priority (GET /v1/node); false: each autotuned loader tunes "
+        "itself alone",
+    )
+    arbiter_interval_s: float = Field(
+        2.0, ge=0.05, le=600, description="seconds per arbiter round (one change at most)"
+    )
     http_max_rps: float = Field(
         50.0,
         ge=0,
-        description="requests a second the HTTP control plane serves; more wait their "
-        "turn, so a client polling flat out cannot take the trainers' CPU (0: no pace)",
+        description="requests a second the HTTP control plane serves each client (its "
+        "address and x-pinfeed-client header; probes apart); more wait their turn, so a "
+        "client polling flat out neither takes the trainers' CPU nor delays another "
+        "client (0: no pace)",
     )
     metrics_max_age_s: float = Field(
         1.0,

@@ -156,6 +156,28 @@ def test_a_stale_body_is_served_at_once_while_one_render_refreshes_it() -> None:
     asyncio.run(scenario())
 
 
+def test_a_periodic_scraper_finds_a_body_rendered_ahead_of_it() -> None:
+    """Prometheus every 15 s misses a 1 s cache: here every 0.6 s against 0.2 s. From
+    the gaps the cache renders max_age / 2 before the next scrape, which is then served
+    at once, a body younger than max_age, one render per scrape."""
+
+    async def scenario() -> list[tuple[bytes, float]]:
+        cache = _CountingCache(0.2)
+        served = []
+        for _ in range(5):
+            t0 = time.monotonic()
+            body = await cache.get()
+            served.append((body, time.monotonic() - cache._at))
+            await asyncio.sleep(0.6 - (time.monotonic() - t0))
+        return served
+
+    served = asyncio.run(scenario())
+    # the first two render at the scrape (no period known); then rendered ahead
+    assert [b for b, _ in served] == [b"1", b"2", b"3", b"4", b"5"]
+    for _, age in served[2:]:
+        assert 0.02 < age < 0.2  # rendered before the scrape, younger than max_age
+
+
 def _loader_families(text: str) -> list[str]:
     """Each ``pinfeed_loader_*`` family's text (HELP, TYPE, samples), in name order:
     families may come in any order, a family's lines may not."""

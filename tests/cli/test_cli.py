@@ -96,12 +96,34 @@ def test_loaders_add_ls_show_set_rm_and_status(server: Server) -> None:
     assert json.loads(ok(server, "loaders", "show", name))["loader"]["num_workers"] == 1
 
     status = ok(server, "status")
-    assert name in status and "wait share" in status and "wait p99" in status
-    [row] = [r for r in json.loads(ok(server, "status", "--json")) if r["loader"]["name"] == name]
+    assert name in status and "wait p99" in status and "node:" in status
+    shown = json.loads(ok(server, "status", "--json"))
+    [row] = [r for r in shown["loaders"] if r["loader"]["name"] == name]
     assert "consumer_wait_share" in row["stats"]
+    assert shown["node"]["max_workers"] >= 1
 
     assert "deleted" in ok(server, "loaders", "rm", name)
     assert name not in ok(server, "loaders", "ls")
+    ok(server, "datasets", "rm", ds)
+
+
+def test_status_fits_80_columns(server: Server) -> None:
+    """Every header whole, no line over 80 (rich used to cut each header to "loa…")."""
+    ds, name = unique("cli-ds"), unique("a-longer-loader-name")
+    ok(server, "datasets", "add", ds, "synthetic", "--params", SYNTHETIC)
+    ok(server, "loaders", "add", name, ds, "--batch-size", "4")
+    env: dict[str, str | None] = {"COLUMNS": "80", "PINFEED_TOKEN": None, "PINFEED_URL": None}
+    result = CliRunner().invoke(app, ["status", "--url", server.url], env=env)
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert all(len(line) <= 80 for line in lines), result.output
+    [head] = [line for line in lines if line.lstrip().startswith("loader")]
+    for word in ("loader", "state", "ready", "epoch.pos", "samples/s", "wait", "wait p99"):
+        assert word in head, head
+    for word in ("trainers", "workers", "prio"):
+        assert word in head, head
+    assert "…" not in head
+    ok(server, "loaders", "rm", name)
     ok(server, "datasets", "rm", ds)
 
 

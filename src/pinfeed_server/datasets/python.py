@@ -19,6 +19,13 @@ from pinfeed_server.plugins import SPEC, PluginError, resolve
 class PythonParams(Params):
     factory: str = Field(pattern=SPEC)
     kwargs: dict[str, Any] = Field(default_factory=dict)
+    draws_rng: bool = Field(
+        True,
+        description="its __getitem__ may draw from the global random/torch/numpy RNGs, "
+        "which DataLoader seeds per worker (pinfeed keeps those streams); false: it draws "
+        "none, so any worker process may make any batch and a live change of num_workers "
+        "(PATCH, the node arbiter) costs no RNG replay",
+    )
 
 
 def build(p: PythonParams, ctx: DatasetContext) -> Any:

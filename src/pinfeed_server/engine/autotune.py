@@ -66,6 +66,9 @@ class Sample:
     wait_s: float
     busy_s: float
     trainers: int
+    # NEXTs the server holds unanswered now, summed over trainers: a trainer blocked for
+    # a whole interval has reported no wait yet (a wait comes with the NEXT after it)
+    pending_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -130,7 +130,23 @@ class LoaderFields(BaseModel):
         None,
         description="set num_workers and prefetch_factor from the trainers' wait share and "
         "the workers' busy share ({max_workers, max_prefetch_factor, interval_s}); a PATCH "
-        "of explicit values turns it off",
+        "of explicit values turns it off. With the node arbiter (PINFEED_ARBITER) the node "
+        "divides its workers among autotuned loaders (GET /v1/node)",
+    )
+    priority: int = Field(
+        1,
+        ge=1,
+        le=100,
+        description="the node arbiter's weight of this loader's trainers' stall: when the "
+        "loaders want more workers than the node has, a stalled priority-4 trainer counts "
+        "as four stalled priority-1 trainers",
+    )
+    min_workers: int = Field(
+        0,
+        ge=0,
+        le=MAX_WORKERS,
+        description="the workers the node arbiter never takes from this loader (at most "
+        "num_workers, and autotune's max_workers)",
     )
 
     executor: str = Field(
@@ -150,6 +166,11 @@ class LoaderFields(BaseModel):
     def _persistent_needs_workers(self) -> LoaderFields:
         if self.persistent_workers and self.num_workers == 0:
             raise ValueError("persistent_workers option needs num_workers > 0")  # DataLoader's
+        return self
+
+    @model_validator(mode="after")
+    def _min_workers_fit(self) -> LoaderFields:
+        check_min_workers(self)
         return self
 
     @model_validator(mode="after")
@@ -206,6 +227,20 @@ class LoaderConfig(LoaderFields):
     def _persistent_needs_workers(self) -> LoaderConfig:
         # A live PATCH may take a persistent loader to 0 (its workers' streams stay).
         return self
+
+
+def check_min_workers(fields: LoaderFields) -> None:
+    """``ValueError`` unless min_workers <= num_workers (a loader starts with its
+    guarantee, and a live change keeps it) and <= autotune's max_workers."""
+    if fields.min_workers > fields.num_workers:
+        raise ValueError(
+            f"min_workers {fields.min_workers} must be <= num_workers {fields.num_workers}"
+        )
+    if fields.autotune is not None and fields.min_workers > fields.autotune.max_workers:
+        raise ValueError(
+            f"min_workers {fields.min_workers} must be <= autotune.max_workers "
+            f"{fields.autotune.max_workers}"
+        )
 
 
 def streams_of(config: LoaderConfig) -> int:
@@ -266,16 +301,21 @@ class LiveChange:
     num_workers: int | None = None
     prefetch_factor: int | None = None
     autotune: AutotuneSpec | None = KEEP
+    priority: int | None = None
+    min_workers: int | None = None
 
     def applied_to(self, config: LoaderConfig) -> LoaderConfig:
+        """``config`` changed; ``ValueError`` when the result breaks a rule of the fields
+        (min_workers above num_workers or above autotune's max_workers)."""
         update: dict[str, Any] = {}
-        if self.num_workers is not None:
-            update["num_workers"] = self.num_workers
-        if self.prefetch_factor is not None:
-            update["prefetch_factor"] = self.prefetch_factor
+        for key in ("num_workers", "prefetch_factor", "priority", "min_workers"):
+            if getattr(self, key) is not None:
+                update[key] = getattr(self, key)
         if self.autotune is not KEEP:
             update["autotune"] = self.autotune
-        return config.model_copy(update=update)
+        new = config.model_copy(update=update)
+        check_min_workers(new)
+        return new
 
 
 def prefetch_depth(config: LoaderConfig) -> int:

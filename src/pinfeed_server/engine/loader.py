@@ -57,6 +57,7 @@ from pinfeed_server.engine.ring import Ring, SlotState, SlotTable
 from pinfeed_server.engine.sampler import BatchPlan, with_last
 from pinfeed_server.engine.stats import LoaderStats, StatsSnapshot
 from pinfeed_server.engine.status import LoaderState, LoaderStatus, MemberStatus, SlotCounts
+from pinfeed_server.metric import built
 
 log = logging.getLogger("pinfeed.loader")
 
@@ -129,6 +130,9 @@ class LoaderEngine:
         self._cursor = (0, 0)  # (epoch, index) the producer makes next
         self.cuda_registered: set[int] = set()
         self._threads: list[threading.Thread] = []
+        # member -> when the NEXT it waits on found no batch (monotonic); the node
+        # arbiter counts these waits before the trainer reports them
+        self._pending: dict[int, float] = {}
 
     def _producer_context(self, processes: int) -> ProducerContext:
         assert self.ring is not None
@@ -398,7 +402,10 @@ class LoaderEngine:
         the new configuration."""
         with self._reconfigure:
             old = self.config
-            new = change.applied_to(old)
+            try:
+                new = change.applied_to(old)
+            except ValueError as exc:
+                raise Conflict(f"loader {old.name!r}: {exc}") from None
             refusal = self.producer.executor.live_refusal(old, new, self.iterable)
             if refusal is not None:
                 raise Conflict(refusal)
@@ -472,6 +479,7 @@ class LoaderEngine:
         with self._cond:
             self.consumers.leave(member, leased)
             self.cuda_registered.discard(member)
+            self._pending.pop(member, None)
             self._cond.notify_all()
         self.upkeep()
 
@@ -490,12 +498,15 @@ class LoaderEngine:
         deadline = time.monotonic() + timeout
         with self._cond:
             while (item := self.consumers.take(member)) is None:
+                self._pending.setdefault(member, time.monotonic())
                 if self.state == "failed" and self.failure is not None:
+                    self._pending.pop(member, None)
                     return ErrorItem(-1, -1, -1, self.failure)
                 if stop.is_set() or self.state in ("draining", "closed"):
                     stopping = ServerUnavailable(
                         f"loader {self.config.name!r} was deleted or is stopping"
                     )
+                    self._pending.pop(member, None)
                     return ErrorItem(-1, -1, -1, stopping.info())
                 lost = self.consumers.lost(self.config.group_timeout_s)
                 if lost:
@@ -504,11 +515,13 @@ class LoaderEngine:
                         f"been gone for over {self.config.group_timeout_s} s; the "
                         "group waits for them: restart them, or recreate the loader"
                     )
+                    self._pending.pop(member, None)
                     return ErrorItem(-1, -1, -1, gone.info())
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return None
+                    return None  # still pending: the data plane asks again
                 self._cond.wait(left)
+            self._pending.pop(member, None)
         if isinstance(item, BatchItem):
             self.stats.consumed(item.rows)
         return item
@@ -525,12 +538,14 @@ class LoaderEngine:
         busy = self.producer.busy_seconds() + self.stats.busy_s
         members = max(1, self.consumers.attached)
         st = self.stats
+        now = time.monotonic()
+        pending = sum(now - t for t in list(self._pending.values()))
         return Sample(
-            time.monotonic(), st.batches_consumed, st.samples_consumed, st.wait_s, busy, members
+            now, st.batches_consumed, st.samples_consumed, st.wait_s, busy, members, pending
         )
 
     def status(self) -> LoaderStatus:
-        """Built without validation (``model_construct``: every value is typed here) and
+        """Built without validation (``metric.built``: every value is typed here) and
         with the loader's lock held only to read the members' positions."""
         ring = self.ring
         with self._cond:
@@ -542,24 +557,30 @@ class LoaderEngine:
             first = self.consumers.position(0, head)
         cuda = set(self.cuda_registered)
         members = [
-            MemberStatus.model_construct(
-                member=i, attached=up, position=list(pos), cuda_registered=i in cuda
+            built(
+                MemberStatus,
+                {"member": i, "attached": up, "position": list(pos), "cuda_registered": i in cuda},
             )
             for i, up, pos in raw
         ]
-        return LoaderStatus.model_construct(
-            state=self.state,
-            failure=self.failure.to_json() if self.failure else None,
-            ring_bytes=ring.size if ring else self.nslots * self.layout.slot_bytes,
-            slot_bytes=self.layout.slot_bytes,
-            slots=SlotCounts(**self.slots.counts(), total=ring.nslots if ring else self.nslots),
-            ring_segments=len(ring.space.parts) if ring else 0,  # one tuple: no lock
-            page_locked=bool(ring and ring.page_locked),
-            consumer_attached=any(up for _, up, _ in raw),
-            consumer_cuda_registered=bool(cuda),
-            members=members,
-            epoch=first[0],
-            position=first[1],
-            batches_per_epoch=self.batches_per_epoch,
-            worker_restarts=self.producer.restarts,
+        counts = self.slots.counts()
+        counts["total"] = ring.nslots if ring else self.nslots
+        return built(
+            LoaderStatus,
+            {
+                "state": self.state,
+                "failure": self.failure.to_json() if self.failure else None,
+                "batches_per_epoch": self.batches_per_epoch,
+                "ring_bytes": ring.size if ring else self.nslots * self.layout.slot_bytes,
+                "ring_segments": len(ring.space.parts) if ring else 0,  # one tuple: no lock
+                "slot_bytes": self.layout.slot_bytes,
+                "slots": built(SlotCounts, counts),
+                "page_locked": bool(ring and ring.page_locked),
+                "consumer_attached": any(up for _, up, _ in raw),
+                "consumer_cuda_registered": bool(cuda),
+                "epoch": first[0],
+                "position": first[1],
+                "worker_restarts": self.producer.restarts,
+                "members": members,
+            },
         )

@@ -118,15 +118,21 @@ class ProducerContext:
 
     @property
     def draws_rng(self) -> bool:
-        return draws_rng(self.kind, self.config) or self.code.collate_fn is not None
+        return draws_rng(self.kind, self.config, self.params) or self.code.collate_fn is not None
 
 
-def draws_rng(kind: Kind[Any], config: LoaderConfig) -> bool:
+def draws_rng(kind: Kind[Any], config: LoaderConfig, params: dict[str, Any] | None = None) -> bool:
     """Whether making a batch may draw from the global RNGs (the dataset's kind says so,
-    or the loader's ``transform`` or ``collate_fn`` might; shipped code is the
-    ``shipped`` kind's, which may): then each batch must come from its own stream's RNG
-    state, and a stream moved elsewhere is replayed (``seeding.py``)."""
-    return kind.draws_rng or config.transform is not None or config.collate_fn is not None
+    unless its params declare ``draws_rng: false``, or the loader's ``transform`` or
+    ``collate_fn`` might; shipped code is the ``shipped`` kind's, which may): then each
+    batch must come from its own stream's RNG state, and a stream moved elsewhere is
+    replayed (``seeding.py``)."""
+    declared = (params or {}).get("draws_rng", True)
+    return (
+        (kind.draws_rng and declared is not False)
+        or config.transform is not None
+        or config.collate_fn is not None
+    )
 
 
 class Producer(Protocol):

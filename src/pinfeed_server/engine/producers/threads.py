@@ -53,7 +53,7 @@ class ThreadExecutor:
                 f"loader {config.name!r}: executor 'thread' does not take an IterableDataset "
                 "(its iterators are per-worker streams); use executor 'local'"
             )
-        if draws_rng(kind, config):
+        if draws_rng(kind, config, None):
             return (
                 f"loader {config.name!r}: executor 'thread' serves datasets that draw no "
                 f"global RNG, and a {kind.name!r} dataset, a transform or a collate_fn may "
