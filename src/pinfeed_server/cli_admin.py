@@ -274,9 +274,10 @@ def status(url: UrlOpt = None, token: TokenOpt = None, as_json: JsonOpt = False)
         soft_wrap=False,
     )
     prio = {lo.name: lo for lo in node.loaders}
-    # Short, whole headers and no box: every column readable in 80 columns (rich cuts
-    # headers to their column's width, so they are chosen to fit).
-    table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
+    # Short, whole headers, no box, the box's one space between columns and no padding:
+    # every column readable in 80 columns (rich cuts headers to their column's width, so
+    # they are chosen to fit); a long loader name folds instead of squeezing the numbers.
+    table = Table(box=box.SIMPLE_HEAD, padding=0, show_edge=False)
     for head, justify in (
         ("loader", "left"),
         ("state", "left"),
@@ -289,7 +290,10 @@ def status(url: UrlOpt = None, token: TokenOpt = None, as_json: JsonOpt = False)
         ("workers", "right"),
         ("prio", "right"),
     ):
-        table.add_column(head, justify=justify, no_wrap=head != "loader")  # type: ignore[arg-type]
+        if head == "loader":
+            table.add_column(head, overflow="fold", min_width=12, ratio=1)
+        else:
+            table.add_column(head, justify=justify, no_wrap=True)  # type: ignore[arg-type]
     for lo, body in rows:
         live, st = LoaderStatus.model_validate(lo), StatsSnapshot.model_validate(body)
         mine = prio.get(lo["name"])

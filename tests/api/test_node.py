@@ -36,9 +36,15 @@ def test_node_shows_the_budget_and_every_loader(make_server: MakeServer) -> None
         assert room["loader"] == "auto" and "room for loader 'new'" in room["reason"]
         assert room["workers"] == {"auto": 1}
 
+        # the autotuned loader, with no trainer and min_workers 0, gives its last worker
+        # (it makes its batches in the server's thread)
+        c.create_loader("more", dataset="d", batch_size=4, num_workers=1)
+        workers = {lo["name"]: lo["workers"] for lo in c.node()["loaders"]}
+        assert workers == {"auto": 0, "fixed": 1, "new": 1, "more": 1}
+
         # nobody is above the floor any more: refused, with the reason
-        with pytest.raises(WorkerLimit):
-            c.create_loader("more", dataset="d", batch_size=4, num_workers=1)
+        with pytest.raises(WorkerLimit, match="worker"):
+            c.create_loader("most", dataset="d", batch_size=4, num_workers=1)
 
 
 def test_priority_and_min_workers_are_validated_and_live(make_server: MakeServer) -> None:

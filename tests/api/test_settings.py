@@ -49,6 +49,8 @@ def test_every_setting_reads_its_env_var(monkeypatch: pytest.MonkeyPatch, tmp_pa
         "RAY_ADDRESS": "127.0.0.1:6379",
         "ACCEPT_OBJECTS": "false",
         "IDLE_EXIT_S": "30",
+        "ARBITER": "false",
+        "ARBITER_INTERVAL_S": "0.5",
         "CACHE_MAX_BYTES": "524288",
         "CACHE_DIR": str(tmp_path / "caches"),
     }
@@ -69,6 +71,7 @@ def test_every_setting_reads_its_env_var(monkeypatch: pytest.MonkeyPatch, tmp_pa
     assert (s.max_workers, s.http_max_rps, s.metrics_max_age_s) == (12, 20.5, 0.0)
     assert TOKEN not in repr(s) and s.ray_address == "127.0.0.1:6379"
     assert (s.accept_objects, s.idle_exit_s) == (False, 30.0)
+    assert (s.arbiter, s.arbiter_interval_s) == (False, 0.5)
     s.model_copy(update={"ray_address": None}).check_safe()  # no Ray head here
 
 

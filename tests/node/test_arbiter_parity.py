@@ -63,5 +63,5 @@ def test_arbiter_moves_keep_every_batch_and_augmentation(node: Server) -> None:
     _check(got[0], want)
     _check(got[1], want)
     moves = [d for d in decisions if d["kind"] in MOVES]
-    assert len(moves) >= 6, decisions  # the arbiter moved workers all along
+    assert len(moves) >= 3, decisions  # the arbiter moved workers while both read
     assert len({tuple(sorted(w.items())) for w in seen_workers}) >= 2, seen_workers

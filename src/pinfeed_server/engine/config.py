@@ -230,16 +230,17 @@ class LoaderConfig(LoaderFields):
 
 
 def check_min_workers(fields: LoaderFields) -> None:
-    """``ValueError`` unless min_workers <= num_workers (a loader starts with its
-    guarantee, and a live change keeps it) and <= autotune's max_workers."""
-    if fields.min_workers > fields.num_workers:
-        raise ValueError(
-            f"min_workers {fields.min_workers} must be <= num_workers {fields.num_workers}"
-        )
+    """``ValueError`` unless min_workers <= autotune's max_workers (checked first: no
+    live change can meet it) and <= num_workers (a loader starts with its guarantee,
+    and a live change keeps it)."""
     if fields.autotune is not None and fields.min_workers > fields.autotune.max_workers:
         raise ValueError(
             f"min_workers {fields.min_workers} must be <= autotune.max_workers "
             f"{fields.autotune.max_workers}"
+        )
+    if fields.min_workers > fields.num_workers:
+        raise ValueError(
+            f"min_workers {fields.min_workers} must be <= num_workers {fields.num_workers}"
         )
 
 
