@@ -3,6 +3,7 @@
 from pinfeed._admin import Client
 from pinfeed._dataloader import DataLoader
 from pinfeed._loader import Loader
+from pinfeed.elastic import merge_states
 from pinfeed.errors import (
     BatchTooLarge,
     Conflict,
@@ -12,6 +13,7 @@ from pinfeed.errors import (
     InternalError,
     InvalidPosition,
     InvalidRequest,
+    InvalidState,
     LoaderBusy,
     LoaderFailed,
     LoaderNotFound,
@@ -44,6 +46,7 @@ __all__ = [
     "InternalError",
     "InvalidPosition",
     "InvalidRequest",
+    "InvalidState",
     "Loader",
     "LoaderBusy",
     "LoaderFailed",
@@ -62,4 +65,5 @@ __all__ = [
     "Unshippable",
     "UnsupportedMediaType",
     "WorkerLimit",
+    "merge_states",
 ]

@@ -105,7 +105,7 @@ class InlineProducer:
         with GLOBAL_RNG:
             server = capture()
             try:
-                reseed = self.streams.prepare(task.epoch, task.index)
+                reseed = self.streams.prepare(task.epoch, task.index, task.seq)
                 if reseed is not None:
                     apply(reseed, self._dataset, worker=False)
                 elif self._rng is not None:
@@ -137,7 +137,7 @@ class InlineProducer:
         with GLOBAL_RNG:
             server, info = capture(), torch_worker._worker_info
             try:
-                reseed = self.streams.prepare(task.epoch, task.index)
+                reseed = self.streams.prepare(task.epoch, task.index, task.seq)
                 if reseed is not None:
                     self._workers.reseed(reseed)
                 self._workers.enter(task.index)

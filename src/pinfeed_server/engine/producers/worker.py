@@ -188,7 +188,8 @@ def worker_main(worker_id: int, conn: Connection, spec: WorkerSpec) -> None:
         task = decode_task(message[1:])
         result, seeded = maker.make(task)
         if spec.snapshots and seeded:  # the worker's RNG state after the batch
-            conn.send_bytes(encode_pickled(SNAPSHOT_TAG, (task.epoch, task.index, dump_state())))
+            snapshot = (task.epoch, task.index, dump_state(), task.seq)
+            conn.send_bytes(encode_pickled(SNAPSHOT_TAG, snapshot))
         conn.send_bytes(RESULT_TAG + encode_result(result))
     maker.close()
     del base
