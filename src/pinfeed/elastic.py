@@ -409,13 +409,11 @@ def _resume(state: Mapping[str, Any], target: Target) -> Resumed:
 
 
 def _within(epoch: int, index: int, elastic: Elastic | None) -> Resumed:
-    """A position as it stands, in its elastic epoch if it is inside one."""
-    inside = elastic is not None and elastic.epoch == epoch
-    if inside and elastic is not None and index < elastic.start:
-        raise InvalidState(
-            f"batch {index} of epoch {epoch} is before its resumed batches ({elastic.start}..)"
-        )
-    return Resumed(epoch, index, elastic if inside else None)
+    """A position as it stands, in its elastic epoch if it is inside one (where a batch
+    before the epoch's first is its first: nothing of it was consumed yet)."""
+    if elastic is None or elastic.epoch != epoch:
+        return Resumed(epoch, index, None)
+    return Resumed(epoch, max(index, elastic.start), elastic)
 
 
 def _next_stage(

@@ -298,6 +298,7 @@ class LoaderEngine:
         """Produce from (epoch, index) on until a seek (new generation) or stop."""
         plan = self.sampler
         fed = plan if isinstance(plan, FedPlan) else None
+        index = max(index, plan.span(epoch)[0])  # an elastic epoch starts at its first
         while not self._stop.is_set():
             batches = plan.batches(epoch, index)
             # A trainer-fed epoch's end is known only once its sampler ran out, after its
@@ -614,7 +615,8 @@ class LoaderEngine:
 
     def position(self, member: int) -> tuple[int, int]:
         with self._cond:
-            return self.consumers.position(member, self.publisher.head)
+            epoch, index = self.consumers.position(member, self.publisher.head)
+            return epoch, max(index, self.sampler.span(epoch)[0])  # an elastic epoch's first
 
     def next_item(self, member: int, stop: threading.Event, timeout: float = 0.5) -> Item | None:
         """The member's next item in sampler order, or None if none came within
