@@ -23,7 +23,7 @@ from typing import Any, NoReturn
 
 from pinfeed import protocol as p
 from pinfeed._connection import Connection
-from pinfeed.elastic import STATE_VERSION
+from pinfeed.elastic import NO_ELASTIC, STATE_VERSION
 from pinfeed.errors import ServerUnavailable, error_from_info
 
 
@@ -284,9 +284,7 @@ class Epochs:
             "world_size": config.world_size,
             "batch_size": config.batch_size,
             "plan": self._plan(),
-            "elastic": None
-            if elastic is None
-            else {k: v for k, v in elastic.items() if k != "end"},
+            "elastic": NO_ELASTIC if elastic is None else {k: elastic[k] for k in NO_ELASTIC},
         }
 
     def _plan(self) -> dict[str, Any] | None:

@@ -15,30 +15,40 @@ left. The following epochs are DistributedSampler(W')'s.
 The state format (``Loader.state_dict()``; ``merge_states`` of every rank's; version 2)::
 
     {"version": 2,
-     "loader": "train-0",                       the loader that saved it (not checked)
-     "epoch": 3, "index": 17,                   this rank's next batch (version 1's keys)
-     "rank": 0, "world_size": 4,                its sharding (world_size null: none)
+     "loader": "train-0",                       the loader that saved it (rank 0's, in a
+                                                state of every rank; not checked)
+     "epoch": 3, "index": 17,                   this rank's next batch (version 1's keys;
+                                                in a state of every rank, the earliest)
+     "rank": 0, "world_size": 4,                its sharding (world_size null: none; rank
+                                                null in a state of every rank)
      "batch_size": 32,
      "plan": {"length": 50000, "shuffle": true, "seed": 7, "drop_last": false},
                                                 null: the loader's plan cannot be respread
                                                 (a custom sampler, an IterableDataset)
-     "elastic": null | {                        the epoch is itself a resumed one:
-        "epoch": 3, "start": 12,                its batches are numbered from ``start``
-        "stages": [{"world_size": 8, "batch_size": 32, "start": 0,
-                    "reached": [12, 12, 11, null, ...]}]},
-                                                the stages before the current one: each
-                                                rank's next batch when it ended (null: the
-                                                rank had finished the stage)
+     "elastic": {"epoch": 3, "start": 12,       the epoch is itself a resumed one: its
+        "stages": [[8, 32, 0, [12, 12, 11, null, 12, 12, 12, 12]]]},
+                                                batches are numbered from ``start``; the
+                                                stages before the current one, each
+                                                [world_size, batch_size, start, every
+                                                rank's next batch when it ended (null: it
+                                                had finished the stage)]. Not in one:
+                                                {"epoch": null, "start": 0, "stages": []}
      "ranks": [[3, 17], [3, 17], [3, 16], [4, 0]]}
                                                 every rank's (epoch, index): present in a
                                                 gathered or merged state, absent in one
                                                 rank's own
 
+Every value is a number, a string, null, a list of such, or a dict of fixed keys, so
+the structure is the same whatever the position (``torch.distributed.checkpoint``
+flattens dicts and needs the keys it saved at load), it survives
+``torch.load(weights_only=True)``, and JSON.
+
 ``Loader.state_dict()`` gathers ``ranks`` itself under an initialized
 ``torch.distributed`` (an all-gather: every rank calls it, as Lightning, Accelerate and
-``torch.distributed.checkpoint`` do), so a checkpoint that keeps rank 0's state alone
-still has every rank's position; ``merge_states`` builds the same from the per-rank
-states of a job without a process group.
+``torch.distributed.checkpoint`` do), and the gathered state is the same on every rank,
+so a checkpoint that keeps rank 0's state alone still has every rank's position (and
+``torch.distributed.checkpoint`` may keep any rank's copy); ``merge_states`` builds the
+same from the per-rank states of a job without a process group.
 
 What a loading rank does (``resume``): at the same world size and batch size it goes on
 from its own position in ``ranks`` (in the same stage); else it starts the next stage
@@ -113,21 +123,16 @@ class Stage:
     start: int
     reached: tuple[int | None, ...]  # per rank: its next batch; None: it had finished
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "world_size": self.world_size,
-            "batch_size": self.batch_size,
-            "start": self.start,
-            "reached": list(self.reached),
-        }
+    def to_json(self) -> list[Any]:
+        """A list (not a dict): a leaf for ``torch.distributed.checkpoint``."""
+        return [self.world_size, self.batch_size, self.start, list(self.reached)]
 
     @classmethod
     def from_json(cls, data: Any) -> Stage:
         try:
-            reached = tuple(None if r is None else int(r) for r in data["reached"])
-            stage = cls(
-                int(data["world_size"]), int(data["batch_size"]), int(data["start"]), reached
-            )
+            world_size, batch_size, start, reached_json = data
+            reached = tuple(None if r is None else int(r) for r in reached_json)
+            stage = cls(int(world_size), int(batch_size), int(start), reached)
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidState(f"a state's elastic stage is malformed: {exc!r}") from None
         if stage.world_size < 1 or stage.batch_size < 1 or len(reached) != stage.world_size:
@@ -153,13 +158,18 @@ class Elastic:
 
     @classmethod
     def from_json(cls, data: Any) -> Elastic | None:
-        if data is None:
+        """The record of a state, RESUMED or ATTACHED (None: not in an elastic epoch)."""
+        if data is None or data.get("epoch") is None:
             return None
         try:
             stages = tuple(Stage.from_json(s) for s in data["stages"])
             return cls(int(data["epoch"]), int(data["start"]), stages)
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidState(f"a state's elastic record is malformed: {exc!r}") from None
+
+
+NO_ELASTIC: dict[str, Any] = {"epoch": None, "start": 0, "stages": []}
+"""A state's ``elastic`` outside an elastic epoch (the same keys as in one)."""
 
 
 # -- DistributedSampler's rule, on any order ------------------------------------------------
@@ -308,11 +318,24 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                 f"{world} is needed (no rank's samples may be lost or repeated)"
             )
         positions = [by_rank[r] for r in range(world)]
-    merged = dict(states[0])
-    merged.pop("rank", None)
-    merged["epoch"], merged["index"] = min(positions)
-    merged["ranks"] = [list(p) for p in positions]
-    return merged
+    rank0 = next((s for s in states if s.get("rank") == 0), states[0])
+    return every_rank(dict(states[0]), str(rank0.get("loader")), positions)
+
+
+def every_rank(
+    state: dict[str, Any], loader: str, positions: Sequence[tuple[int, int]]
+) -> dict[str, Any]:
+    """``state`` as a state of every rank: their positions, and nothing one rank's (so
+    that every rank's copy is the same)."""
+    epoch, index = min(positions)
+    return {
+        **state,
+        "loader": loader,
+        "epoch": epoch,
+        "index": index,
+        "rank": None,
+        "ranks": [list(p) for p in positions],
+    }
 
 
 def gather(state: dict[str, Any]) -> dict[str, Any]:
@@ -324,16 +347,18 @@ def gather(state: dict[str, Any]) -> dict[str, Any]:
     world = state.get("world_size")
     if world is None or not (dist.is_available() and dist.is_initialized()):
         return state
-    mine = (int(state["rank"]), int(state["epoch"]), int(state["index"]))
+    mine = (int(state["rank"]), int(state["epoch"]), int(state["index"]), str(state["loader"]))
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     by_rank: dict[int, tuple[int, int]] = {}
-    for rank, epoch, index in everyone:
+    names: dict[int, str] = {}
+    for rank, epoch, index, name in everyone:
+        names[rank] = name
         if by_rank.setdefault(rank, (epoch, index)) != (epoch, index):
             return state  # two processes on one loader rank, apart: nothing to trust
     if sorted(by_rank) != list(range(world)):
         return state
-    return {**state, "ranks": [list(by_rank[r]) for r in range(world)]}
+    return every_rank(state, names[0], [by_rank[r] for r in range(world)])
 
 
 @dataclass(frozen=True)
@@ -364,7 +389,7 @@ def resume(state: Mapping[str, Any], target: Target) -> Resumed:
         return _resume(state, target)
     except InvalidState:
         raise
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise InvalidState(f"a malformed state: {exc!r}") from None
 
 

@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from pinfeed import InvalidState, merge_states
+from pinfeed import elastic as el_mod
 from pinfeed.elastic import (
     STATE_VERSION,
     Elastic,
@@ -44,7 +45,7 @@ def _state(plan: Plan, rank: int, world: int, batch: int, pos: tuple[int, int], 
         "world_size": world,
         "batch_size": batch,
         "plan": plan.to_json(),
-        "elastic": el,
+        "elastic": el or el_mod.NO_ELASTIC,
     }
 
 

@@ -4,10 +4,12 @@
 
 Rank r reads loader ``PREFIX-r``. PHASE ``first``: train K batches of epoch 0, then
 ``state_dict()`` (gathered over the process group: every rank calls it) and rank 0
-saves it to ``OUT/ckpt.pt``; train 2 batches more (lost with the job) and stop; each
-rank saves the samples it had at the checkpoint to ``OUT/first-rank{r}.pt``. PHASE
-``resume``: every rank loads ``OUT/ckpt.pt`` (rank 0's file), trains the rest of
-epoch 0 and all of epoch 1, and saves them to ``OUT/resume-rank{r}.pt``.
+saves it to ``OUT/ckpt.pt``, and ``torch.distributed.checkpoint`` saves the loader to
+``OUT/dcp``; train 2 batches more (lost with the job) and stop; each rank saves the
+samples it had at the checkpoint to ``OUT/first-rank{r}.pt``. PHASE ``resume``: every
+rank loads ``OUT/ckpt.pt`` (rank 0's file), or, PHASE ``resume-dcp``, the loader from
+``OUT/dcp``, trains the rest of epoch 0 and all of epoch 1, and saves them to
+``OUT/resume-rank{r}.pt``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo, for `t
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from pinfeed import Loader
 
@@ -42,13 +45,16 @@ def main() -> None:
                     state = loader.state_dict()  # a collective: every rank is here
                     if rank == 0:
                         torch.save(state, out / "ckpt.pt")
+                    dcp.save({"loader": loader}, checkpoint_id=str(out / "dcp"))
                     torch.save(seen, out / f"first-rank{rank}.pt")
                 if step == k + 1:
                     break
             dist.barrier()
         else:
-            state = torch.load(out / "ckpt.pt", weights_only=True)
-            loader.load_state_dict(state)
+            if phase == "resume-dcp":  # the loader's state_dict() is the template
+                dcp.load({"loader": loader}, checkpoint_id=str(out / "dcp"))
+            else:
+                loader.load_state_dict(torch.load(out / "ckpt.pt", weights_only=True))
             epochs = []
             for epoch in range(2):
                 loader.set_epoch(epoch)  # after the load: epoch 0 keeps its position

@@ -1,11 +1,13 @@
 """The elastic guarantee under torchrun (gloo, CPU): a 4-rank job checkpoints mid-epoch
-(``state_dict()`` gathered over the process group, rank 0's file kept) and dies; the
-job resumed on 3 ranks, and on 6, delivers every sample of that epoch once with what
-the 4 ranks had (beyond the stated padding), as many batches on every rank, and then
-epoch 1 of DistributedSampler(3) (of 6), batch for batch."""
+(``state_dict()`` gathered over the process group, rank 0's file kept; and through
+``torch.distributed.checkpoint``) and dies; the job resumed on 3 ranks, and on 6,
+delivers every sample of that epoch once with what the 4 ranks had (beyond the stated
+padding), as many batches on every rank, and then epoch 1 of DistributedSampler(3)
+(of 6), batch for batch."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -58,9 +60,14 @@ def checkpoint(
             admin.delete_loader(name)
 
 
-@pytest.mark.parametrize("new_world", [3, 6])
+@pytest.mark.parametrize(("new_world", "phase"), [(3, "resume"), (6, "resume"), (3, "resume-dcp")])
 def test_torchrun_resumes_at_another_world_size(
-    admin: Client, server: Server, checkpoint: tuple[str, Path], new_world: int, tmp_path: Path
+    admin: Client,
+    server: Server,
+    checkpoint: tuple[str, Path],
+    new_world: int,
+    phase: str,
+    tmp_path: Path,
 ) -> None:
     ds, first = checkpoint
     state = torch.load(first / "ckpt.pt", weights_only=True)
@@ -68,9 +75,9 @@ def test_torchrun_resumes_at_another_world_size(
     before = [torch.load(first / f"first-rank{r}.pt") for r in range(4)]
     names = _loaders(admin, ds, new_world)
     (tmp_path / "ckpt.pt").write_bytes((first / "ckpt.pt").read_bytes())
-    torchrun(
-        new_world, names[0].rsplit("-", 1)[0], str(server.socket), str(tmp_path), "resume", "0"
-    )
+    shutil.copytree(first / "dcp", tmp_path / "dcp")
+    prefix = names[0].rsplit("-", 1)[0]
+    torchrun(new_world, prefix, str(server.socket), str(tmp_path), phase, "0")
     after, counts = [], []
     for rank in range(new_world):
         rest, following = torch.load(tmp_path / f"resume-rank{rank}.pt")
