@@ -27,7 +27,7 @@ SCRIPT = REPO / "tests" / "features" / "elastic_ddp.py"
 K = 4  # batches each rank trains before the checkpoint (of 8 per rank at 4 ranks)
 
 
-def torchrun(nproc: int, *args: str) -> None:
+def torchrun(nproc: int, *args: str, script: Path = SCRIPT) -> None:
     subprocess.run(
         [
             sys.executable,
@@ -37,7 +37,7 @@ def torchrun(nproc: int, *args: str) -> None:
             "--nnodes=1",
             "--master-addr=127.0.0.1",
             f"--master-port={free_port()}",
-            str(SCRIPT),
+            str(script),
             *args,
         ],
         cwd=REPO,
