@@ -284,10 +284,19 @@ def seed_rngs(base_seed: int, worker_id: int) -> int:
     return seed
 
 
-def apply(reseed: Reseed, dataset: Any, init_fn: Any = None, *, worker: bool = True) -> None:
+def apply(
+    reseed: Reseed,
+    dataset: Any,
+    init_fn: Any = None,
+    *,
+    worker: bool = True,
+    collate_fn: Any = None,
+) -> None:
     """Seed as DataLoader's worker ``reseed.worker_id``; in a worker process also set
-    ``get_worker_info()`` and call ``worker_init_fn``; then replay. A sample that raises
-    in the replay raised in the original run too: its draws up to the raise count."""
+    ``get_worker_info()`` and call ``worker_init_fn``; then replay: each earlier batch's
+    samples fetched and, with a ``collate_fn`` (which may draw too), collated, as
+    DataLoader's fetcher does. A sample that raises in the replay raised in the original
+    run too: its draws up to the raise count."""
     seed = seed_rngs(reseed.base_seed, reseed.worker_id)
     if worker:
         torch_worker._worker_info = torch_worker.WorkerInfo(
@@ -299,7 +308,9 @@ def apply(reseed: Reseed, dataset: Any, init_fn: Any = None, *, worker: bool = T
         load_state(reseed.state)
     for indices in reseed.replay:
         try:
-            fetch_samples(dataset, indices)
+            samples = fetch_samples(dataset, indices)
+            if collate_fn is not None:
+                collate_fn(samples)
         except Exception:  # the original batch raised here too, after the same draws
             continue
 
@@ -312,8 +323,9 @@ class WorkerRngs:
     further stream gets its own shallow copy of the dataset (as DataLoader's workers
     each have theirs), for ``worker_init_fn`` to set up."""
 
-    def __init__(self, dataset: Any, streams: int, init_fn: Any) -> None:
+    def __init__(self, dataset: Any, streams: int, init_fn: Any, collate_fn: Any = None) -> None:
         self.dataset = dataset  # the current stream's
+        self._collate_fn = collate_fn
         try:
             self._pristine = copy.copy(dataset)  # before any worker_init_fn
         except Exception:  # not copyable: further streams share it
@@ -331,7 +343,7 @@ class WorkerRngs:
             fresh = self._pristine if self._pristine is self.dataset else copy.copy(self._pristine)
             self._datasets[w] = fresh if self._datasets else self.dataset
         self.dataset = self._datasets[w]
-        apply(reseed, self.dataset, self._init_fn)
+        apply(reseed, self.dataset, self._init_fn, collate_fn=self._collate_fn)
         self._current = w
 
     def enter(self, index: int) -> None:

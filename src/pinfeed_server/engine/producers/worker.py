@@ -109,7 +109,7 @@ class BatchMaker:
         self._spec, self._slots = spec, slots
         self._layout = Layout.from_json(spec.layout)
         self.writer = SlotWriter(dataset, self._layout, slots, spec.slot_bytes, collate)
-        self._rngs = WorkerRngs(dataset, spec.streams, init_fn)
+        self._rngs = WorkerRngs(dataset, spec.streams, init_fn, collate)
         self._turns = (
             None
             if spec.iterable is None
