@@ -5,6 +5,7 @@ dataset's loader)."""
 from pinfeed._admin import Client
 from pinfeed._dataloader import DataLoader
 from pinfeed._loader import Loader
+from pinfeed.elastic import merge_states
 from pinfeed.errors import (
     BatchTooLarge,
     Conflict,
@@ -14,6 +15,7 @@ from pinfeed.errors import (
     InternalError,
     InvalidPosition,
     InvalidRequest,
+    InvalidState,
     LoaderBusy,
     LoaderFailed,
     LoaderNotFound,
@@ -47,6 +49,7 @@ __all__ = [
     "InternalError",
     "InvalidPosition",
     "InvalidRequest",
+    "InvalidState",
     "Loader",
     "LoaderBusy",
     "LoaderFailed",
@@ -66,4 +69,5 @@ __all__ = [
     "Unshippable",
     "UnsupportedMediaType",
     "WorkerLimit",
+    "merge_states",
 ]

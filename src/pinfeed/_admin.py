@@ -152,6 +152,13 @@ class Client:
         result: dict[str, Any] = self._request("GET", _item("loaders", name, "stats"))
         return result
 
+    def batch(self, name: str, epoch: int, index: int) -> dict[str, Any]:
+        """Batch ``index`` of ``epoch`` of loader ``name``: its sample ``indices`` and the
+        ``rank`` and ``worker`` that make it (``Loader.replay`` makes it again)."""
+        path = _item("loaders", name, "batches", str(epoch), str(index))
+        result: dict[str, Any] = self._request("GET", path)
+        return result
+
     def patch_loader(self, name: str, **changes: Any) -> dict[str, Any]:
         """Change ``num_workers``/``prefetch_factor`` (or ``priority``, ``min_workers``,
         ``autotune``) live."""

@@ -8,6 +8,10 @@ States (``State``): IDLE between epochs; EPOCH inside one with nothing in flight
 AHEAD inside one with a NEXT in flight; CLOSED. An iterator (``Epoch``) starts its
 epoch at its first ``next()``: from IDLE at the position, or after skipping the rest
 of an unfinished epoch, or after a SEEK when ``set_epoch`` asked for another epoch.
+
+An elastic epoch (the rest of one resumed at another world size, ``pinfeed.elastic``)
+numbers its batches from its record's ``start`` to its ``end``: the server says which
+in ATTACHED and in the RESUMED reply to a ``load_state_dict``.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any, NoReturn
 
 from pinfeed import protocol as p
 from pinfeed._connection import Connection
+from pinfeed.elastic import NO_ELASTIC, STATE_VERSION
 from pinfeed.errors import ServerUnavailable, error_from_info
 
 
@@ -52,6 +57,9 @@ class Epochs:
         self._loaded_epoch: int | None = None  # load_state_dict placed us inside this epoch
         self._epoch_id = 0  # which Epoch iterator is current; older ones are exhausted
         self._epoch_batches = 0  # batches received in the epoch being iterated
+        self._elastic: dict[str, Any] | None = None  # the elastic epoch's record (with end)
+        self._elastic_epoch = -1  # its epoch, and the index after its last batch
+        self._elastic_end = 0
         self._attached()
 
     def _attached(self) -> None:
@@ -60,6 +68,12 @@ class Epochs:
         self._pos = (info.epoch, info.position)
         # A map-style epoch ends after its last batch; an iterable's only at its END.
         self._ends_at = info.batches_per_epoch if info.sampler_length is not None else None
+        self._set_elastic(info.elastic)
+
+    def _set_elastic(self, record: dict[str, Any] | None) -> None:
+        self._elastic = record
+        self._elastic_epoch = -1 if record is None else int(record["epoch"])
+        self._elastic_end = 0 if record is None else int(record["end"])
 
     @property
     def state(self) -> str:
@@ -75,6 +89,10 @@ class Epochs:
             raise TypeError(
                 f"loader {self._conn.name!r} iterates an IterableDataset that has no len()"
             )
+        if self._pos[0] == self._elastic_epoch:
+            # An elastic epoch's batches may be numbered past len(): a loop that counts
+            # from the checkpoint's batch to len() (Lightning's) must not stop short.
+            return max(n, self._elastic_end)
         return n
 
     def __iter__(self) -> Epoch:
@@ -174,7 +192,7 @@ class Epochs:
 
     def _advance(self, epoch: int, index: int) -> None:
         """Batch ``index`` of ``epoch`` was consumed."""
-        ends_at = self._ends_at
+        ends_at = self._elastic_end if epoch == self._elastic_epoch else self._ends_at
         last = ends_at is not None and index + 1 >= ends_at
         self._pos = (epoch + 1, 0) if last else (epoch, index + 1)
 
@@ -249,19 +267,53 @@ class Epochs:
         Same meaning as StatefulDataLoader's: after k batches of an epoch, the
         resumed loader's first batch is batch k (0-based) of that epoch. (An
         IterableDataset's ``index`` counts DataLoader's round-robin turns: k until a
-        worker runs out, more after.)
+        worker runs out, more after.) The format is ``pinfeed.elastic``'s, this rank's
+        own (``Loader.state_dict`` adds every rank's position under torch.distributed).
         """
         self._check_resumable()
         epoch, index = self._pos
-        return {"version": 1, "loader": self._conn.name, "epoch": epoch, "index": index}
+        info = self._conn.info
+        config = info.config
+        elastic = self._elastic if epoch == self._elastic_epoch else None
+        return {
+            "version": STATE_VERSION,
+            "loader": self._conn.name,
+            "epoch": epoch,
+            "index": index,
+            "rank": config.rank,
+            "world_size": config.world_size,
+            "batch_size": config.batch_size,
+            "plan": self._plan(),
+            "elastic": NO_ELASTIC if elastic is None else {k: elastic[k] for k in NO_ELASTIC},
+        }
+
+    def _plan(self) -> dict[str, Any] | None:
+        """What an elastic resume must agree on (``pinfeed.elastic.Plan``): None unless
+        the loader shards a map-style dataset with its own shuffle (DistributedSampler's)."""
+        info = self._conn.info
+        config = info.config
+        own = config.sampler is None and config.batch_sampler is None
+        if config.world_size is None or not own or info.sampler_length is None:
+            return None
+        return {
+            "length": info.dataset_length,
+            "shuffle": config.shuffle,
+            "seed": config.seed,
+            "drop_last": config.drop_last,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state``: the next ``for`` loop yields the rest of that epoch."""
+        """Continue from ``state``: the next ``for`` loop yields the rest of that epoch,
+        or, for a state of every rank of another world size, this rank's share of what
+        they left of it (``pinfeed.elastic``); ``InvalidState`` if it does not fit."""
         self._check_resumable()
-        name = self._conn.name
-        if state.get("loader") not in (None, name):
-            raise ValueError(f"state is for loader {state.get('loader')!r}, not {name!r}")
-        self._seek(int(state["epoch"]), int(state["index"]))
+        if state.get("version", 1) == 1:
+            name = self._conn.name
+            if state.get("loader") not in (None, name):
+                raise ValueError(f"state is for loader {state.get('loader')!r}, not {name!r}")
+            self._seek(int(state["epoch"]), int(state["index"]))
+        else:
+            self._resume(state)
         self._loaded_epoch = self._pos[0]
         self._want_epoch = None
 
@@ -272,6 +324,25 @@ class Epochs:
                 "state_dict/load_state_dict need a plain or broadcast loader; split groups "
                 "resume at epoch boundaries with set_epoch"
             )
+
+    def _resume(self, state: dict[str, Any]) -> None:
+        self._drain()
+        conn = self._conn
+        message = p.encode_resume(state)
+        if len(message) > p.MAX_MESSAGE:
+            raise ValueError(
+                f"the state is {len(message)} bytes of JSON, over the data plane's "
+                f"{p.MAX_MESSAGE}: too many ranks or resizes in one epoch"
+            )
+        conn.send_message(message)
+        n = conn.recv()
+        if conn.buf[0] != p.RESUMED:
+            self._state = State.IDLE
+            self._raise(n)
+        reply = p.Resumed.decode(memoryview(conn.buf)[:n])
+        self._pos = (reply.epoch, reply.index)
+        self._set_elastic(reply.elastic)
+        self._state = State.IDLE
 
     def _seek(self, epoch: int, index: int) -> None:
         self._drain()

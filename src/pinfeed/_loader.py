@@ -26,10 +26,12 @@ from typing import Any
 
 import torch
 
+from pinfeed import elastic
 from pinfeed import protocol as p
 from pinfeed._connection import Connection
 from pinfeed._epochs import Epoch, Epochs
 from pinfeed._info import RemoteBatchSampler, RemoteDataset, RemoteSampler, server_side
+from pinfeed._replay import replay
 from pinfeed._transport import SocketTransport, Transport
 
 
@@ -153,19 +155,47 @@ class Loader:
         self._epochs.set_epoch(epoch)
         self._sampler.epoch = epoch
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, gather: bool = True) -> dict[str, Any]:
         """Where this loader is: a new Loader that loads it yields the next batch on.
 
         Same meaning as StatefulDataLoader's: after k batches of an epoch, the
         resumed loader's first batch is batch k (0-based) of that epoch. (An
         IterableDataset's ``index`` counts DataLoader's round-robin turns: k until a
-        worker runs out, more after.)
+        worker runs out, more after.) The format is ``pinfeed.elastic``'s.
+
+        A sharded loader (``world_size``) under an initialized ``torch.distributed``
+        also records every rank's position (``ranks``, an all-gather: **every rank calls
+        ``state_dict()`` at the same point**, as Lightning, Accelerate and
+        ``torch.distributed.checkpoint`` do; ``gather=False`` skips it). Such a state,
+        or ``pinfeed.merge_states`` of every rank's, resumes every rank of the same
+        world size where it was, and those of another world size with the rest of the
+        epoch, each sample once (``load_state_dict``).
         """
-        return self._epochs.state_dict()
+        state = self._epochs.state_dict()
+        return elastic.gather(state) if gather else state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state``: the next ``for`` loop yields the rest of that epoch."""
+        """Continue from ``state``: the next ``for`` loop yields the rest of that epoch.
+
+        A state with every rank's position (gathered, or ``pinfeed.merge_states``) of
+        another world size or batch size gives this rank its share of the samples the
+        old ranks had not consumed in that epoch (``pinfeed.elastic``); the following
+        epochs are DistributedSampler's at this loader's world size. ``InvalidState``
+        (a ValueError) if the state is of another plan, or another rank's alone.
+        """
         self._epochs.load_state_dict(state)
+
+    def replay(self, epoch: int, index: int) -> Any:
+        """Batch ``index`` of ``epoch`` made again, as this loader made it (its samples,
+        their augmentations on DataLoader's worker RNG streams, its ``collate_fn``),
+        without disturbing the epoch being iterated: owned tensors (on ``device`` if
+        the loader has one). Works for any epoch, and for a run before a server
+        restart (from the loader's config, seed and elastic record). It costs about
+        ``index / num_workers`` batches of a worker's time (the worker's earlier
+        batches are made again to reach its RNG state). ``InvalidPosition`` for no
+        such batch (or an IterableDataset's); the batch's own ``SampleError``."""
+        batch, _ = replay(self.socket_path, self.name, epoch, index, self._timeout, self.device)
+        return batch
 
     # -- DataLoader's attributes, read-only, from the config the server sent at attach ----
     @property

@@ -39,6 +39,8 @@ accessors read it::
         │                                                              (also a NotFound)
         ├── InvalidPosition      invalid-position        422   no    SEEK or member out of range
         │                                                              (also an InvalidRequest)
+        ├── InvalidState         invalid-state           422   no    a state that does not fit
+        │                                                              the loader (a ValueError)
         ├── LoaderBusy           loader-busy                   yes   every consumer is attached
         ├── LoaderFailed         loader-failed                 yes   the loader could not start
         ├── GroupMemberLost      group-member-lost             no    a member away past
@@ -251,6 +253,15 @@ class InvalidPosition(DataPlaneError, InvalidRequest):
     range; ``except InvalidRequest`` catches it too. The connection goes on."""
 
     slug = "invalid-position"
+    fatal = False
+
+
+class InvalidState(DataPlaneError, InvalidRequest, ValueError):
+    """A ``load_state_dict`` (or ``merge_states``) state that does not fit: another plan
+    (dataset length, shuffle, seed, drop_last), another rank's, or the ranks of no one
+    run; ``except ValueError`` catches it too. The connection goes on."""
+
+    slug = "invalid-state"
     fatal = False
 
 

@@ -17,11 +17,19 @@ so the hot path neither pickles nor parses JSON::
     CREATE  O  JSON Create + payload memfd   RNG      Y  RNG_HEAD + the trainer's RNG
     EPOCH   H  EPOCH_BODY (base seed)                    states, ahead of its BATCH
     FEED    F  FEED_HEAD, int64 indices, RNG
+    RESUME  U  JSON {"state": state_dict}    RESUMED  u  JSON Resumed (after RESUME)
+    REPLAY  V  JSON Replay (a connection's   REPLAYED v  JSON Replayed + a one-slot ring
+               first message)                            memfd, then its BATCH or ERROR
 
 CREATE, EPOCH, FEED and RNG are ``pinfeed.DataLoader``'s: the trainer ships its objects
 (``pinfeed.payload``) and gets a loader of its own (the reply is ATTACHED), then, per
 epoch, sends the base seed its iterator drew and the index batches its sampler made,
 ahead of the batches it asks for, as DataLoader's iterator hands them to its workers.
+
+RESUME is ``load_state_dict`` (a version 2 state, ``pinfeed.elastic``: it may make one
+epoch the rest of a run at another world size); REPLAY, on a connection of its own,
+asks for one batch made again (``Loader.replay``), into a ring of one slot that the
+server makes for it and the client maps, copies and lets go.
 
 An ERROR's slug names a class of ``pinfeed.errors``, which this module does not import:
 it imports neither pinfeed nor torch (a stdlib-only trainer loads it by path)."""
@@ -38,19 +46,21 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 # HTTP, not the socket: the header a client names itself with; the control plane paces
 # each (address, this header) apart (pinfeed_server/api/throttle.py).
 HTTP_CLIENT_HEADER = "x-pinfeed-client"
 
 ATTACH, NEXT, RELEASE, SKIP, SEEK, CUDA = map(ord, "ANRSKC")  # client -> server
 CREATE, EPOCH, FEED = map(ord, "OHF")  # client -> server: pinfeed.DataLoader's
+RESUME, REPLAY = map(ord, "UV")  # client -> server: load_state_dict, Loader.replay
 ATTACHED, BATCH, END, POSITION, ERROR, SEGMENT, RNG = map(ord, "aBEPXGY")  # server -> client
+RESUMED, REPLAYED = map(ord, "uv")  # server -> client
 KIND_NAMES = {
     ATTACH: "ATTACH", NEXT: "NEXT", RELEASE: "RELEASE", SKIP: "SKIP", SEEK: "SEEK",
     CUDA: "CUDA", CREATE: "CREATE", EPOCH: "EPOCH", FEED: "FEED", ATTACHED: "ATTACHED",
     BATCH: "BATCH", END: "END", POSITION: "POSITION", ERROR: "ERROR", SEGMENT: "SEGMENT",
-    RNG: "RNG",
+    RNG: "RNG", RESUME: "RESUME", RESUMED: "RESUMED", REPLAY: "REPLAY", REPLAYED: "REPLAYED",
 }  # fmt: skip
 
 # kind | flags << 8, slot, seq, epoch, index in epoch, length of the trailing body
@@ -361,6 +371,9 @@ class Attached:
     sampler_length: int | None  # None: an IterableDataset's (no sampler)
     sample: Any
     version: int = PROTOCOL_VERSION
+    # The elastic epoch the loader is in or heads for (``pinfeed.elastic.Elastic``'s
+    # JSON with its ``end``: the index after its last batch), or None.
+    elastic: dict[str, Any] | None = None
 
     def encode(self) -> bytes:
         return _encode_json(ATTACHED, asdict(self))  # layout and config as JSON objects
@@ -427,6 +440,101 @@ class ErrorInfo:
     @classmethod
     def decode(cls, data: Buffer) -> ErrorInfo:
         return cls.from_json(_decode_json(ERROR, data))
+
+
+def encode_resume(state: Mapping[str, Any]) -> bytes:
+    """A RESUME: a ``state_dict`` for the server to load."""
+    return _encode_json(RESUME, {"state": state})
+
+
+def decode_resume(data: Buffer) -> dict[str, Any]:
+    """The state of a RESUME; ValueError if it carries none."""
+    state = _decode_json(RESUME, data).get("state")
+    if not isinstance(state, dict):
+        raise ValueError("a RESUME carries a state object")
+    return state
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """The reply to RESUME: the next batch, and the elastic epoch the loader is in
+    (``Attached.elastic``'s form) or None."""
+
+    epoch: int
+    index: int
+    elastic: dict[str, Any] | None
+
+    def encode(self) -> bytes:
+        return _encode_json(RESUMED, asdict(self))
+
+    @classmethod
+    def decode(cls, data: Buffer) -> Resumed:
+        obj = _decode_json(RESUMED, data)
+        try:
+            return cls(int(obj["epoch"]), int(obj["index"]), obj.get("elastic"))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"RESUMED lacks a field: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Replay:
+    """A connection's first message asking for batch ``index`` of ``epoch`` of
+    ``loader`` to be made again."""
+
+    loader: str
+    epoch: int
+    index: int
+    version: int = PROTOCOL_VERSION
+
+    def encode(self) -> bytes:
+        return _encode_json(REPLAY, asdict(self))
+
+    @classmethod
+    def decode(cls, data: Buffer) -> Replay:
+        obj = _decode_json(REPLAY, data)
+        try:
+            return cls(
+                str(obj["loader"]), int(obj["epoch"]), int(obj["index"]), int(obj["version"])
+            )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"REPLAY lacks a field: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Replayed:
+    """The reply to REPLAY, with the memfd of a one-slot ring (``ring_bytes``) that
+    holds the batch; the batch's BATCH (slot 0, in ``layout``) or ERROR follows.
+    ``indices``: its samples; ``worker``: DataLoader's worker that made it (None: the
+    main process); ``rank``: the loader's."""
+
+    loader: str
+    epoch: int
+    index: int
+    indices: list[int]
+    worker: int | None
+    rank: int
+    ring_bytes: int
+    layout: Layout
+
+    def encode(self) -> bytes:
+        return _encode_json(REPLAYED, asdict(self))
+
+    @classmethod
+    def decode(cls, data: Buffer) -> Replayed:
+        obj = _decode_json(REPLAYED, data)
+        try:
+            return cls(
+                str(obj["loader"]),
+                int(obj["epoch"]),
+                int(obj["index"]),
+                [int(i) for i in obj["indices"]],
+                None if obj["worker"] is None else int(obj["worker"]),
+                int(obj["rank"]),
+                int(obj["ring_bytes"]),
+                Layout.from_json(obj["layout"]),
+            )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"REPLAYED lacks a field: {exc}") from None
 
 
 # -- per-batch messages ----------------------------------------------------------------

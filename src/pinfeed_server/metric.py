@@ -61,4 +61,3 @@ def built(cls: type[M], values: dict[str, Any]) -> M:
     object.__setattr__(obj, "__pydantic_extra__", None)
     object.__setattr__(obj, "__pydantic_private__", None)
     return obj
-

@@ -27,7 +27,13 @@ CREATE TABLE IF NOT EXISTS loaders (
     config TEXT NOT NULL,
     created_at REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS elastic (
+    loader TEXT PRIMARY KEY REFERENCES loaders(name) ON DELETE CASCADE,
+    record TEXT NOT NULL
+);
 """
+# ``elastic``: a loader's epoch resumed at another world size (``pinfeed.elastic``'s
+# record), so that its plan, and replays of its batches, survive a server restart.
 
 
 class DuplicateName(Exception):
@@ -119,3 +125,16 @@ class Registry:
 
     def delete_loader(self, name: str) -> bool:
         return self._write("DELETE FROM loaders WHERE name = ?", (name,)) > 0
+
+    def set_elastic(self, loader: str, record: dict[str, Any] | None) -> None:
+        """Keep (or, None, forget) loader ``loader``'s elastic epoch."""
+        if record is None:
+            self._write("DELETE FROM elastic WHERE loader = ?", (loader,))
+        else:
+            self._write(
+                "INSERT OR REPLACE INTO elastic VALUES (?, ?)", (loader, json.dumps(record))
+            )
+
+    def elastic(self, loader: str) -> dict[str, Any] | None:
+        rows = self._read("SELECT record FROM elastic WHERE loader = ?", (loader,))
+        return json.loads(rows[0][0]) if rows else None

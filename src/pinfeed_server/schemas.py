@@ -236,6 +236,38 @@ class LoaderPublic(LoaderStatus, LoaderConfig):
     )
 
 
+class BatchPublic(BaseModel):
+    """One batch of a loader: the samples it is made of, and who makes it."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "loader": "train-0",
+                    "epoch": 3,
+                    "index": 7,
+                    "indices": [4511, 80, 2093, 7],
+                    "rank": 0,
+                    "world_size": 4,
+                    "worker": 1,
+                    "elastic": False,
+                }
+            ]
+        }
+    )
+    loader: str
+    epoch: int
+    index: int = Field(description="the batch's index in its epoch (0-based)")
+    indices: list[int] = Field(description="its samples' dataset indices, in batch order")
+    rank: int = Field(description="the loader's rank (DistributedSampler semantics)")
+    world_size: int | None
+    worker: int | None = Field(
+        description="DataLoader's worker id that makes it (index % num_workers as the "
+        "loader was created); null: the main process (num_workers=0)"
+    )
+    elastic: bool = Field(description="the epoch is the rest of one resumed at another world size")
+
+
 # The engine's StatsSnapshot as it is, named for the API and given its examples here:
 # it declares no field of its own (no docstring either: it would become the schema's
 # description).

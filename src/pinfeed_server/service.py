@@ -158,7 +158,9 @@ class Service:
         cannot start is listed failed with the reason, and the others start."""
         for row in self.registry.loaders():
             try:
-                self._start_loader(row["dataset"], row["config"])
+                self._start_loader(
+                    row["dataset"], row["config"], self.registry.elastic(row["name"])
+                )
             except Exception as exc:  # one bad row must not keep the others from starting
                 detail = (
                     exc.detail
@@ -368,7 +370,9 @@ class Service:
                 raise errors.Conflict(f"loader {body.name!r} exists") from None
             return self.describe_loader(body.name)
 
-    def _start_loader(self, dataset_name: str, config: dict[str, Any]) -> LoaderEngine:
+    def _start_loader(
+        self, dataset_name: str, config: dict[str, Any], resumed: dict[str, Any] | None = None
+    ) -> LoaderEngine:
         row = self._dataset_row(dataset_name)
         kind, params = KINDS[row["kind"]], row["params"]
         ds = self._open(dataset_name, kind.name, params, row["cache"])
@@ -397,10 +401,40 @@ class Service:
             ready.code,
             ready.executor,
             spawn=lambda: zygote().process_factory,
+            resumed=resumed,
+            keep=functools.partial(self._keep_elastic, cfg.name),
         )
         self.loaders[cfg.name] = engine
         engine.start()
         return engine
+
+    def batch(self, name: str, epoch: int, index: int) -> dict[str, Any]:
+        """Batch ``index`` of ``epoch`` of loader ``name``: its sample indices, and the
+        rank and DataLoader worker that make it (from the loader's config, seed and
+        elastic record: the same for a past epoch, or after a server restart)."""
+        if name in self._unstarted:
+            raise errors.Conflict(f"loader {name!r} failed to start; delete and recreate it")
+        engine = self._engine(name)
+        indices = engine.batch_indices(epoch, index)
+        resumed = engine.elastic_epoch()
+        return {
+            "loader": name,
+            "epoch": epoch,
+            "index": index,
+            "indices": indices,
+            "rank": engine.config.rank,
+            "world_size": engine.config.world_size,
+            "worker": engine.worker_of(index),
+            "elastic": resumed is not None and resumed["epoch"] == epoch,
+        }
+
+    def _keep_elastic(self, name: str, record: dict[str, Any] | None) -> None:
+        """A loader's new elastic epoch, into the registry (a failure is logged: the
+        loader runs on it, and only a server restart would forget it)."""
+        try:
+            self.registry.set_elastic(name, record)
+        except Exception:
+            log.exception("loader %s: its elastic epoch could not be recorded", name)
 
     # -- loaders a trainer makes (pinfeed.DataLoader) ----------------------------------------
     def create_owned(self, request: protocol.Create, payload_fd: int, peer: Peer) -> LoaderEngine:

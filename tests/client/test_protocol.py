@@ -125,6 +125,25 @@ ROUND_TRIPS: dict[int, tuple[bytes, Callable[[bytes], object]]] = {
         p.RNG_HEAD.pack(p.RNG, 3) + b"abc",
         lambda m: p.RNG_HEAD.unpack_from(m) == (p.RNG, 3) and m[p.RNG_HEAD.size :] == b"abc",
     ),
+    p.RESUME: (
+        p.encode_resume({"version": 2, "epoch": 1, "ranks": [[1, 2]]}),
+        lambda m: p.decode_resume(m) == {"version": 2, "epoch": 1, "ranks": [[1, 2]]},
+    ),
+    p.RESUMED: (
+        p.Resumed(3, 12, {"epoch": 3, "start": 12, "end": 20, "stages": []}).encode(),
+        lambda m: (
+            p.Resumed.decode(m)
+            == p.Resumed(3, 12, {"epoch": 3, "start": 12, "end": 20, "stages": []})
+        ),
+    ),
+    p.REPLAY: (
+        p.Replay("train-0", 4, 17).encode(),
+        lambda m: p.Replay.decode(m) == p.Replay("train-0", 4, 17, p.PROTOCOL_VERSION),
+    ),
+    p.REPLAYED: (
+        p.Replayed("train-0", 4, 17, [3, 1], 1, 0, 4096, LAYOUT).encode(),
+        lambda m: p.Replayed.decode(m) == p.Replayed("train-0", 4, 17, [3, 1], 1, 0, 4096, LAYOUT),
+    ),
 }
 
 

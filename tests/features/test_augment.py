@@ -137,6 +137,34 @@ def test_sigkilled_worker_keeps_dataloaders_sequence(
     admin.delete_loader(name)
 
 
+def test_a_collate_fn_that_draws_is_replayed_too(tmp_path: Path) -> None:
+    """A stream resumed on a new server (no RNG snapshot to restore) replays its earlier
+    batches through the ``collate_fn`` as well (DataLoader's fetcher collates in the
+    worker): a collate_fn drawing from the global RNG keeps DataLoader's sequence."""
+    from tests.fixtures.collate import jitter_collate
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
+        dl = DataLoader(
+            Augmented(info=False),
+            batch_size=BATCH,
+            shuffle=True,
+            num_workers=2,
+            generator=torch.Generator().manual_seed(SEED),
+            collate_fn=jitter_collate,
+        )
+        want = [list(dl) for _ in range(2)]
+    create = functools.partial(
+        _loader, num_workers=2, collate_fn="tests.fixtures.collate:jitter_collate",
+        kwargs={"info": False},
+    )  # fmt: skip
+    _check(across_restart(Server(tmp_path / "srv"), create, _dict_copy), want)
+
+
+def _dict_copy(batch: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.clone() for k, v in batch.items()}
+
+
 def test_patch_num_workers_changes_no_batch(admin: Client, server: Server) -> None:
     """The RNG streams stay the 3 workers the loader was created with: fewer or more
     processes after a PATCH make the same batches as DataLoader(num_workers=3)."""

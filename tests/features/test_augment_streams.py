@@ -54,31 +54,31 @@ def test_base_seeds_are_dataloaders() -> None:
 
 def test_in_sequence_tasks_need_no_reseed() -> None:
     streams = _planned(_config(num_workers=2))
-    reseeds = [streams.prepare(0, i) for i in range(8)]
+    reseeds = [streams.prepare(0, i, i) for i in range(8)]
     assert [r is not None for r in reseeds] == [True, True] + [False] * 6
     assert reseeds[1] is not None and reseeds[1].worker_id == 1 and reseeds[1].replay == []
     # A non-persistent epoch starts afresh; a persistent one carries on.
-    assert streams.prepare(1, 0) is not None
+    assert streams.prepare(1, 0, 0) is not None
     persistent = _planned(_config(num_workers=2, persistent_workers=True))
     for i in range(8):
-        persistent.prepare(0, i)
-    assert persistent.prepare(1, 0) is None
+        persistent.prepare(0, i, i)
+    assert persistent.prepare(1, 0, 0) is None
 
 
 def test_a_new_worker_replays_or_restores_its_snapshot() -> None:
     streams = _planned(_config(num_workers=2))
     for i in range(6):
-        streams.prepare(0, i)
+        streams.prepare(0, i, i)
     streams.forget(1)  # worker 1 replaced before batch 5 came back
-    reseed = streams.prepare(0, 5)
+    reseed = streams.prepare(0, 5, 5)
     assert reseed is not None and len(reseed.replay) == 2 and reseed.state is None  # 1, 3
-    streams.snapshot(0, 5, b"state-before-7")
+    streams.snapshot(0, 5, b"state-before-7", 5)
     streams.forget(1)
-    reseed = streams.prepare(0, 7)
+    reseed = streams.prepare(0, 7, 7)
     assert reseed is not None and reseed.replay == [] and reseed.state == b"state-before-7"
     # Persistent: a resume at epoch 1 on a new server replays epoch 0 too.
     persistent = _planned(_config(num_workers=2, persistent_workers=True))
-    reseed = persistent.prepare(1, 3)
+    reseed = persistent.prepare(1, 3, 3)
     assert reseed is not None and len(reseed.replay) == 4 + 1  # 1, 3, 5, 7; then 1
 
 

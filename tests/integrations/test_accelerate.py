@@ -1,5 +1,7 @@
 """Accelerate: ``save_state`` mid-epoch in one process, ``load_state`` in a new one, and
-the new one continues with the next batch (DataLoader's epoch, batch for batch)."""
+the new one continues with the next batch (DataLoader's epoch, batch for batch); a
+4-process job's ``save_state`` resumed by 3 processes with each sample of the epoch
+once (Accelerate keeps the main process's loader state alone: it has every rank's)."""
 
 from __future__ import annotations
 
@@ -142,3 +144,45 @@ def test_prepare_and_save_load_state_of_a_pinfeed_dataloader(
     got += list(loader)
     loader.close()
     _same(got, want)
+
+
+def test_a_4_process_save_state_resumed_by_3(admin: Client, server: Server, tmp_path: Path) -> None:
+    from tests.features.test_elastic import BATCH, LENGTH, SEED, WORKERS, _dataset, _loaders
+    from tests.features.test_elastic_ddp import torchrun
+    from tests.fixtures.elastic import check_once, distributed, reference_epoch
+    from tests.helpers import assert_same
+
+    script = REPO / "tests" / "integrations" / "accelerate_elastic.py"
+    ds = _dataset(admin)
+    old, new = _loaders(admin, ds, 4), _loaders(admin, ds, 3)
+    for names, phase in ((old, "first"), (new, "resume")):
+        prefix = names[0].rsplit("-", 1)[0]
+        torchrun(len(names), prefix, str(server.socket), str(tmp_path), phase, "4", script=script)
+    before = [torch.load(tmp_path / f"first-rank{r}.pt") for r in range(4)]
+    after, counts = [], []
+    for rank in range(3):
+        rest, following = torch.load(tmp_path / f"resume-rank{rank}.pt")
+        after.append([i for b in rest for i in b[3].tolist()])
+        counts.append(len(rest))
+        want = reference_epoch(
+            distributed(LENGTH, 3, rank, SEED, False),
+            1,
+            batch_size=BATCH,
+            num_workers=WORKERS[rank % 2],
+            seed=SEED,
+            length=LENGTH,
+        )
+        assert_same(following, want)
+    check_once(
+        before,
+        after,
+        counts,
+        length=LENGTH,
+        old_world=4,
+        old_batch=BATCH,
+        new_world=3,
+        new_batch=BATCH,
+        drop_last=False,
+    )
+    for name in old + new:
+        admin.delete_loader(name)

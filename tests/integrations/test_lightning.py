@@ -2,7 +2,9 @@
 against DataLoader: Lightning's ``iter()`` probe and its ``sampler.set_epoch`` calls
 shift no epoch; validation sees DataLoader's validation batches every time; DDP on two
 CPU processes trains on DistributedSampler's shards; a mid-epoch checkpoint resumes
-with the rest of that epoch."""
+with the rest of that epoch; one of 4 DDP ranks resumes on 3 and on 6 with each
+sample of the epoch once (the elastic guarantee through Lightning's own checkpoint,
+which keeps rank 0's loader state only)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from pinfeed import Client, Loader
 from tests.conftest import REPO, Server
-from tests.helpers import register_synthetic, unique
+from tests.fixtures.elastic import check_once, distributed, reference_epoch
+from tests.helpers import assert_same, register_synthetic, unique
 from tests.integrations.lightning_module import Recorder, Validating, trainer
 
 PARAMS: dict[str, Any] = {
@@ -232,3 +235,100 @@ def test_ddp_puts_a_distributed_sampler_into_a_pinfeed_dataloader(
         for r in range(2)
     ]
     assert ranks  # both ranks trained
+
+
+@pytest.fixture(scope="module")
+def elastic_checkpoint(
+    server: Server, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Path]]:
+    with server.client() as admin:
+        ds = _elastic_dataset(admin)
+        names = _elastic_loaders(admin, ds, 4)
+        out = tmp_path_factory.mktemp("pl-elastic")
+        _lightning(names, server, out, "first", 4)
+        yield ds, out
+        for name in names:
+            admin.delete_loader(name)
+
+
+def _lightning(names: list[str], server: Server, out: Path, phase: str, devices: int) -> None:
+    script = REPO / "tests" / "integrations" / "lightning_elastic.py"
+    prefix = names[0].rsplit("-", 1)[0]
+    args = [prefix, str(server.socket), str(out), phase, str(devices), str(ELASTIC_K)]
+    subprocess.run([sys.executable, str(script), *args], cwd=REPO, timeout=300, check=True)
+
+
+ELASTIC_K = 4  # batches trained before the checkpoint, of 8 per rank at 4 ranks
+
+
+@pytest.mark.parametrize("new_world", [3, 6])
+def test_ddp_resumes_a_4_rank_checkpoint_on_another_world_size(
+    admin: Client,
+    server: Server,
+    elastic_checkpoint: tuple[str, Path],
+    new_world: int,
+    tmp_path: Path,
+) -> None:
+    ds, first = elastic_checkpoint
+    ckpt = torch.load(first / "mid.ckpt", weights_only=False)
+    (state,) = ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    assert state["ranks"] == [[0, ELASTIC_K]] * 4  # rank 0's file: every rank's position
+    before = [torch.load(first / f"first-rank{r}.pt") for r in range(4)]
+    names = _elastic_loaders(admin, ds, new_world)
+    (tmp_path / "mid.ckpt").write_bytes((first / "mid.ckpt").read_bytes())
+    _lightning(names, server, tmp_path, "resume", new_world)
+    after, counts = [], []
+    for rank in range(new_world):
+        seen = torch.load(tmp_path / f"resume-rank{rank}.pt", weights_only=False)
+        rest = [b for e, b in seen if e == 0]
+        following = [b for e, b in seen if e == 1]
+        after.append([i for b in rest for i in b[3].tolist()])
+        counts.append(len(rest))
+        sampler = distributed(ELASTIC_LENGTH, new_world, rank, SEED, False)
+        want = reference_epoch(
+            sampler, 1, batch_size=BATCH, num_workers=rank % 2, seed=SEED, length=ELASTIC_LENGTH
+        )
+        assert_same(following, want)  # epoch 1: DistributedSampler(new_world)'s
+    check_once(
+        before,
+        after,
+        counts,
+        length=ELASTIC_LENGTH,
+        old_world=4,
+        old_batch=BATCH,
+        new_world=new_world,
+        new_batch=BATCH,
+        drop_last=False,
+    )
+    for name in names:
+        admin.delete_loader(name)
+
+
+ELASTIC_LENGTH = 120  # 30 samples, 8 batches per rank at 4 ranks
+
+
+def _elastic_dataset(admin: Client) -> str:
+    name = unique("pl-el")
+    params = {
+        "factory": "tests.fixtures.datasets:Augmented",
+        "kwargs": {"length": ELASTIC_LENGTH, "info": False},
+    }
+    admin.create_dataset(name, "python", params)
+    return name
+
+
+def _elastic_loaders(admin: Client, dataset: str, world: int) -> list[str]:
+    prefix = unique("pl-el")
+    names = [f"{prefix}-{r}" for r in range(world)]
+    for rank, name in enumerate(names):
+        admin.create_loader(
+            name,
+            dataset=dataset,
+            batch_size=BATCH,
+            shuffle=True,
+            seed=SEED,
+            rank=rank,
+            world_size=world,
+            num_workers=rank % 2,
+        )
+    return names

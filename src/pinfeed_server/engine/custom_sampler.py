@@ -212,6 +212,9 @@ class CustomPlan:
             if self._epoch == epoch:
                 return rec
 
+    def span(self, epoch: int) -> tuple[int, int]:
+        return 0, self._len
+
     def batches(self, epoch: int, start: int = 0) -> Iterator[list[int]]:
         for i in itertools.count(start):
             rec = self._recorded(epoch)

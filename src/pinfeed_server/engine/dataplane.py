@@ -4,7 +4,8 @@ One ``SOCK_SEQPACKET`` listener; one thread per consumer connection. The per-bat
 path is one ``recv_into`` of a preallocated buffer and one scatter ``sendmsg`` of
 prebuilt parts: no pickling, no JSON, no HTTP. A connection's leased slots are
 returned when it closes, however it closes. One attached trainer's messages are
-``session.py``.
+``session.py``. A connection that opens with a REPLAY is served one batch made again
+(``replay.py``) in a ring of its own, and closed.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from pinfeed_server.engine.collate import describe
 from pinfeed_server.engine.config import LoaderConfig
 from pinfeed_server.engine.iterable import dataset_length, sampler_length
 from pinfeed_server.engine.loader import LoaderEngine
+from pinfeed_server.engine.replay import replay
 from pinfeed_server.engine.session import Session
 
 log = logging.getLogger("pinfeed.dataplane")
@@ -249,6 +251,9 @@ class DataPlaneServer:
                 os.close(fd)  # only a CREATE brings one
         if n == 0:
             return None
+        if buf[0] == p.REPLAY:
+            self._replay(conn, memoryview(buf)[:n])
+            return None
         owned: str | None = None
         try:
             if buf[0] == p.CREATE:
@@ -288,6 +293,7 @@ class DataPlaneServer:
             dataset_length=dataset_length(engine.sampler),
             sampler_length=sampler_length(engine.sampler),
             sample=describe(engine.layout),
+            elastic=engine.elastic_epoch(),
         )
         try:
             conn.sendmsg(
@@ -300,6 +306,53 @@ class DataPlaneServer:
                 self._owner_gone(owned)
             raise
         return engine, member, owned
+
+    def _replay(self, conn: socket.socket, message: memoryview) -> None:
+        """A REPLAY: REPLAYED with the ring of one slot the batch was made into, then
+        its BATCH (or its ERROR); an ERROR alone if there is no such batch."""
+        try:
+            try:
+                request = p.Replay.decode(message)
+            except ValueError as exc:
+                raise ProtocolError(f"a malformed REPLAY: {exc}") from None
+            self._check_version(request.version)
+            engine = self._lookup(request.loader)
+            if engine is None:
+                raise LoaderNotFound(f"no loader named {request.loader!r}")
+            self._wait_ready(engine)
+            conn.settimeout(None)
+            made = replay(engine, request.epoch, request.index)
+        except PinfeedError as exc:
+            conn.send(exc.info().encode())
+            return
+        ring = made.ring
+        try:
+            reply = p.Replayed(
+                engine.config.name,
+                made.epoch,
+                made.index,
+                made.indices,
+                made.worker,
+                engine.config.rank,
+                ring.size,
+                engine.layout,
+            )
+            rights = (socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", ring.fd))
+            conn.sendmsg([reply.encode()], [rights])
+            result = made.result
+            if result.error is not None:
+                conn.send(result.error.at(made.epoch, made.index).encode())
+                return
+            body = result.strings
+            rows = len(made.indices) if result.rows is None else result.rows
+            if body[:1] == b"\0":  # a layout of its own (BATCH_LAYOUT_HEAD's mark)
+                parts = p.batch_parts(0, 0, made.epoch, made.index, b"", body, p.FLAG_LAYOUT)
+            else:
+                dims = p.pack_dims(engine.layout, rows)
+                parts = p.batch_parts(0, 0, made.epoch, made.index, dims, body)
+            conn.sendmsg(parts)
+        finally:
+            ring.close()  # the trainer's mapping keeps the memory while it needs it
 
     @staticmethod
     def _check_version(version: int) -> None:

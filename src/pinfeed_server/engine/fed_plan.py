@@ -108,6 +108,9 @@ class FedPlan:
             self._interrupts += 1
             self._cond.notify_all()
 
+    def span(self, epoch: int) -> tuple[int, None]:
+        return 0, None  # the trainer's sampler says, when it runs out
+
     def batches(self, epoch: int, start: int = 0) -> Iterator[list[int] | None]:
         with self._cond:
             interrupts = self._interrupts

@@ -66,6 +66,9 @@ class IterablePlan:
     def __len__(self) -> int:
         return self.reported or 0
 
+    def span(self, epoch: int) -> tuple[int, None]:
+        return 0, None  # its producer finds the end
+
     def batches(self, epoch: int, start: int = 0) -> Iterator[list[int] | None]:
         while True:
             yield None
@@ -179,10 +182,10 @@ class IterRoutes:
     def worker_of(self, index: int) -> int:
         return index % self.count
 
-    def prepare(self, epoch: int, index: int) -> None:
+    def prepare(self, epoch: int, index: int, seq: int) -> None:
         return None
 
-    def snapshot(self, epoch: int, index: int, state: bytes) -> None:
+    def snapshot(self, epoch: int, index: int, state: bytes, seq: int) -> None:
         return None
 
     def forget(self, worker: int) -> None:

@@ -8,7 +8,10 @@ with an END marker after each epoch. The engine does not know which producer it 
 Prefetch starts when the loader is created and runs on across epoch boundaries,
 bounded only by free ring slots. ``seek`` (set_epoch, resume) moves production to any
 (epoch, index): work for the old position is discarded by sequence number, never
-published.
+published. ``resume`` (a trainer's ``load_state_dict``) also changes the plan when the
+state is of another world size: one epoch becomes this rank's share of what the old
+ranks left (``pinfeed.elastic``), kept through ``keep`` (the registry) across a server
+restart.
 """
 
 from __future__ import annotations
@@ -16,15 +19,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from pinfeed import elastic
 from pinfeed.errors import (
     Conflict,
     GroupMemberLost,
     InvalidPosition,
+    InvalidState,
     LoaderBusy,
     LoaderFailed,
+    NotFound,
     ServerUnavailable,
 )
 from pinfeed.protocol import ErrorInfo
@@ -51,10 +57,11 @@ from pinfeed_server.engine.producers import (
     Result,
     Task,
 )
+from pinfeed_server.engine.producers.seeding import History, history_of
 from pinfeed_server.engine.publisher import Publisher
 from pinfeed_server.engine.resizer import RingResizer
 from pinfeed_server.engine.ring import Ring, SlotState, SlotTable
-from pinfeed_server.engine.sampler import BatchPlan, with_last
+from pinfeed_server.engine.sampler import BatchPlan, ElasticEpoch, EpochSampler, with_last
 from pinfeed_server.engine.stats import LoaderStats, StatsSnapshot
 from pinfeed_server.engine.status import LoaderState, LoaderStatus, MemberStatus, SlotCounts
 from pinfeed_server.metric import built
@@ -66,6 +73,8 @@ __all__ = ["Admit", "BatchItem", "EndItem", "ErrorItem", "Item", "LoaderConfig",
 # The node's admission of a configuration (``node/budget.py``): raises a domain error.
 # Called with the new config, the ring bytes it will hold and the node workers it takes.
 Admit = Callable[[LoaderConfig, int, int], None]
+# Where a loader's elastic epoch is kept (the registry): its record's JSON, or None.
+Keep = Callable[[dict[str, Any] | None], None]
 
 PRODUCER_THREAD = "pinfeed-produce-"
 
@@ -86,11 +95,14 @@ class LoaderEngine:
         code: LoaderCode,
         executor: Executor,
         spawn: Callable[[], ProcessFactory] | None = None,
+        resumed: dict[str, Any] | None = None,
+        keep: Keep | None = None,
     ) -> None:
         """``plan``: the batch plan the ring was sized with (``prepare.py``: a custom
         sampler's first epoch is iterated once, at creation); ``code``: its collate_fn
         and worker_init_fn; ``spawn``: how the executor forks local processes (the
-        dataset's zygote)."""
+        dataset's zygote); ``resumed``: the elastic epoch it had (the registry's, after
+        a server restart); ``keep``: where a new one is recorded."""
         self.config = config
         self.dataset = dataset
         self.layout = layout
@@ -133,6 +145,29 @@ class LoaderEngine:
         # member -> when the NEXT it waits on found no batch (monotonic); the node
         # arbiter counts these waits before the trainer reports them
         self._pending: dict[int, float] = {}
+        self.spawn = spawn
+        self._keep = keep
+        self._history: History | None = None  # the batch lookup's (HTTP, replay)
+        self._history_lock = threading.Lock()
+        if resumed is not None:
+            self._restore(resumed)
+
+    def _restore(self, record: dict[str, Any]) -> None:
+        """The elastic epoch the registry kept; one that no longer fits is dropped."""
+        plan = self.sampler
+        try:
+            parsed = elastic.Elastic.from_json(record)
+            if not isinstance(plan, EpochSampler) or plan.plan() is None or parsed is None:
+                raise InvalidState("the loader's plan is not a distributed one")
+            plan.resume(plan.resumed(parsed), since=0)
+        except InvalidState as exc:
+            log.warning("loader %s: its elastic epoch is dropped: %s", self.config.name, exc)
+
+    @property
+    def source(self) -> tuple[Kind[Any], dict[str, Any], DatasetContext]:
+        """The dataset's kind and params, and the datasets' context: what a producer
+        elsewhere (a worker process, a replay) rebuilds the dataset from."""
+        return self._source
 
     def _producer_context(self, processes: int) -> ProducerContext:
         assert self.ring is not None
@@ -267,6 +302,7 @@ class LoaderEngine:
         """Produce from (epoch, index) on until a seek (new generation) or stop."""
         plan = self.sampler
         fed = plan if isinstance(plan, FedPlan) else None
+        index = max(index, plan.span(epoch)[0])  # an elastic epoch starts at its first
         while not self._stop.is_set():
             batches = plan.batches(epoch, index)
             # A trainer-fed epoch's end is known only once its sampler ran out, after its
@@ -291,11 +327,11 @@ class LoaderEngine:
                 self.producer.submit(Task(seq, epoch, i, slot, indices, seed))
             if fed is not None and not self._end_fed(gen, epoch):
                 return
-            epoch, index = epoch + 1, 0
+            epoch, index = epoch + 1, plan.span(epoch + 1)[0]
             with self._cond:
                 if self._gen != gen:
                     return
-                self._cursor = (epoch, 0)
+                self._cursor = (epoch, index)
 
     def _end_fed(self, gen: int, epoch: int) -> bool:
         """The trainer's sampler ran out: the epoch's END, after its batches (an END
@@ -328,13 +364,20 @@ class LoaderEngine:
         if isinstance(self.sampler, FedPlan):
             self.sampler.interrupt()  # the producer may be waiting for the trainer's feed
 
+    def _position(self, epoch: int, index: int) -> tuple[int, int]:
+        """(epoch, index) as a seek takes it: in an elastic epoch, a batch before its
+        first is its first; InvalidPosition outside the epoch."""
+        first, end = self.sampler.span(epoch) if 0 <= epoch < 2**31 else (0, None)
+        bound = self._turns if end is None else end
+        if not (0 <= index < bound and 0 <= epoch < 2**31):
+            raise InvalidPosition(
+                f"position ({epoch}, {index}) is outside the loader's {bound} batches in that epoch"
+            )
+        return epoch, max(index, first)
+
     def seek(self, member: int, epoch: int, index: int) -> None:
         """Make (epoch, index) the next batch; keep the warm queue if it already is."""
-        if not (0 <= index < self._turns and 0 <= epoch < 2**31):
-            raise InvalidPosition(
-                f"position ({epoch}, {index}) is outside the loader's "
-                f"{self._turns} batches per epoch"
-            )
+        epoch, index = self._position(epoch, index)
         with self._cond:
             if self.consumers.position(member, self.publisher.head) == (epoch, index):
                 return
@@ -347,6 +390,96 @@ class LoaderEngine:
         self._move_to(epoch, index)
         self.publisher.restart(epoch, index)
         self._cond.notify_all()
+
+    def resume(self, member: int, state: Mapping[str, Any]) -> dict[str, Any]:
+        """Load a trainer's ``state_dict`` (version 2, ``pinfeed.elastic``): go on from
+        its position, or, for a state of another world size or batch size, make the
+        rest of its epoch this rank's share of what the old ranks left. Returns the
+        RESUMED reply: the position, and the elastic epoch it is in (or None).
+        ``InvalidState`` if the state does not fit this loader."""
+        plan = self.sampler
+        config = self.config
+        distributed = isinstance(plan, EpochSampler) and plan.plan() is not None
+        target = elastic.Target(
+            plan.plan() if isinstance(plan, EpochSampler) else None,
+            config.rank,
+            config.world_size,
+            config.batch_size,
+            self.streams,
+        )
+        resumed = elastic.resume(state, target)
+        record = resumed.elastic
+        if record is not None and not distributed:
+            raise InvalidState("only a distributed plan has elastic epochs")
+        current = plan.elastic if isinstance(plan, EpochSampler) else None
+        changed = (current.record if current is not None else None) != record
+        new: ElasticEpoch | None = current
+        if changed and isinstance(plan, EpochSampler):
+            new = None if record is None else plan.resumed(record)  # outside the lock: O(n)
+        with self._cond:
+            if changed and isinstance(plan, EpochSampler):
+                plan.resume(new, since=self.publisher.next_seq)
+            epoch, index = self._position(resumed.epoch, resumed.index)
+            if changed or self.consumers.position(member, self.publisher.head) != (epoch, index):
+                # A changed plan: what was made ahead was made from the old one.
+                self._seek_locked(epoch, index)
+        if changed and self._keep is not None:
+            self._keep(None if record is None else record.to_json())
+        self.upkeep()
+        log.info(
+            "loader %s: resumed at epoch %d batch %d%s",
+            config.name,
+            epoch,
+            index,
+            ""
+            if new is None
+            else f" (elastic epoch {new.epoch}: batches {new.start}..{new.end - 1})",
+        )
+        return {"epoch": epoch, "index": index, "elastic": None if new is None else new.to_json()}
+
+    def elastic_epoch(self) -> dict[str, Any] | None:
+        """The elastic epoch a trainer is told of at attach (with its end), or None."""
+        plan = self.sampler
+        e = plan.elastic if isinstance(plan, EpochSampler) else None
+        return None if e is None else e.to_json()
+
+    def history(self) -> History:
+        """The plan's history for lookups and replays: a private copy of the plan (the
+        engine's own iteration is not disturbed) that follows its elastic epoch."""
+        with self._history_lock:
+            if self._history is None:
+                context = self._source[2]
+                self._history = history_of(
+                    self.config, self.streams, self.sampler, self.dataset, context.allowed_plugins
+                )
+            return self._history
+
+    def batch_indices(self, epoch: int, index: int) -> list[int]:
+        """The sample indices of batch ``index`` of ``epoch``; NotFound if there is no
+        such batch (outside the epoch, an IterableDataset's, a trainer-fed epoch that is
+        not kept)."""
+        if self.iterable:
+            raise NotFound(
+                f"loader {self.config.name!r} iterates an IterableDataset: its batches "
+                "have no sample indices"
+            )
+        if not 0 <= epoch < 2**31:
+            raise NotFound(f"no epoch {epoch}")
+        history = self.history()
+        with self._history_lock:  # one lookup at a time: the plan copy is not shared
+            batches = history.batches(epoch)
+        indices = batches[index] if 0 <= index < len(batches) else None
+        if indices is None:
+            first = next((i for i, b in enumerate(batches) if b is not None), len(batches))
+            raise NotFound(
+                f"loader {self.config.name!r} has no batch {index} in epoch {epoch} "
+                f"(its batches there: {first}..{len(batches) - 1})"
+            )
+        return list(indices)
+
+    def worker_of(self, index: int) -> int | None:
+        """DataLoader's worker that makes batch ``index`` (None: the main process)."""
+        return index % self.streams if self.streams else None
 
     def skip_epoch(self, member: int) -> EndItem | None:
         """Abandon the rest of the member's epoch (its trainer broke out of the loop):
@@ -490,7 +623,8 @@ class LoaderEngine:
 
     def position(self, member: int) -> tuple[int, int]:
         with self._cond:
-            return self.consumers.position(member, self.publisher.head)
+            epoch, index = self.consumers.position(member, self.publisher.head)
+            return epoch, max(index, self.sampler.span(epoch)[0])  # an elastic epoch's first
 
     def next_item(self, member: int, stop: threading.Event, timeout: float = 0.5) -> Item | None:
         """The member's next item in sampler order, or None if none came within

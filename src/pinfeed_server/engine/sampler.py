@@ -12,6 +12,11 @@ Distributed (``world_size`` W, ``rank`` r): epoch e's batches equal those of
 shuffle, seed, drop_last))`` after ``sampler.set_epoch(e)``: each rank's shard is
 disjoint (up to DistributedSampler's padding) with no coordination between servers.
 
+Elastic (``resume``): one epoch of a distributed plan may be the rest of an epoch
+that a run at another world size (or batch size) left unfinished
+(``pinfeed.elastic``): its batches are this rank's share of that rest, numbered from
+the record's ``start`` (``span``); every other epoch is DistributedSampler's.
+
 Custom (``sampler`` / ``batch_sampler`` fields): ``custom_sampler.CustomPlan``
 iterates the user's sampler once per epoch as DataLoader does.
 """
@@ -20,10 +25,14 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from pinfeed import elastic
 
 
 class BatchPlan(Protocol):
@@ -40,6 +49,33 @@ class BatchPlan(Protocol):
     def __len__(self) -> int: ...
 
     def batches(self, epoch: int, start: int = 0) -> Iterator[list[int] | None]: ...
+
+    def span(self, epoch: int) -> tuple[int, int | None]:
+        """The index of ``epoch``'s first batch (0 but for an elastic epoch) and the
+        index after its last (None: not known ahead, as an iterable's)."""
+
+
+@dataclass(frozen=True)
+class ElasticEpoch:
+    """The epoch a distributed plan resumed into at another world size: the record
+    (``pinfeed.elastic.Elastic``, what the registry and the trainer keep), this rank's
+    samples of it in order, and the index after its last batch."""
+
+    record: elastic.Elastic
+    samples: torch.Tensor
+    end: int
+
+    @property
+    def epoch(self) -> int:
+        return self.record.epoch
+
+    @property
+    def start(self) -> int:
+        return self.record.start
+
+    def to_json(self) -> dict[str, object]:
+        """What the trainer is told: the record, with the end."""
+        return {**self.record.to_json(), "end": self.end}
 
 
 class EpochSampler:
@@ -70,6 +106,13 @@ class EpochSampler:
         self._gen = torch.Generator()
         self._next_epoch = 0
         self._gen.manual_seed(seed)
+        # The plain order's generator is replayed forwards: one reader at a time (the
+        # engine's producer, a replay's history, the HTTP batch lookup).
+        self._lock = threading.Lock()
+        self.elastic: ElasticEpoch | None = None
+        # (changes of the plan's content, the first task sequence number made after the
+        # latest): worker streams drop what they knew of the earlier plan (seeding.py).
+        self.revision = (0, 0)
         self.max_rows = batch_size
         if world_size is None:
             self.samples = length
@@ -84,11 +127,42 @@ class EpochSampler:
             return self.samples // self.batch_size
         return (self.samples + self.batch_size - 1) // self.batch_size
 
+    def plan(self) -> elastic.Plan | None:
+        """What must agree for an elastic resume; None: not a distributed plan."""
+        if self.world_size is None:
+            return None
+        return elastic.Plan(self.length, self.shuffle, self.seed, self.drop_last)
+
+    def resumed(self, record: elastic.Elastic) -> ElasticEpoch:
+        """This rank's share of ``record``'s epoch (a distributed plan's)."""
+        assert self.world_size is not None
+        plan = self.plan()
+        assert plan is not None
+        samples = elastic.stage_samples(plan, record, self.world_size, self.rank, self.batch_size)
+        end = record.start + math.ceil(len(samples) / self.batch_size)
+        return ElasticEpoch(record, samples, end)
+
+    def resume(self, epoch: ElasticEpoch | None, since: int) -> None:
+        """Make ``epoch`` the plan's elastic epoch (None: none); ``since``: the first task
+        sequence number made from the new plan."""
+        self.elastic = epoch
+        self.revision = (self.revision[0] + 1, since)
+
+    def span(self, epoch: int) -> tuple[int, int]:
+        e = self.elastic
+        if e is not None and e.epoch == epoch:
+            return e.start, e.end
+        return 0, len(self)
+
     def _plain(self, epoch: int) -> torch.Tensor:
         # A tensor, not a list: 8 bytes a sample instead of ~40 (1.28 M samples: 10 MiB,
         # not 50, for every loader while its epoch runs).
         if not self.shuffle:
             return torch.arange(self.length)
+        with self._lock:
+            return self._shuffled(epoch)
+
+    def _shuffled(self, epoch: int) -> torch.Tensor:
         if epoch < self._next_epoch:
             # Random access backwards (resume, set_epoch): replay from the seed.
             self._gen.manual_seed(self.seed)
@@ -102,36 +176,35 @@ class EpochSampler:
             self._next_epoch += 1
         return perm
 
-    def _distributed(self, epoch: int, world: int) -> list[int]:
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + epoch)
-            indices: list[int] = torch.randperm(self.length, generator=g).tolist()
-        else:
-            indices = list(range(self.length))
-        total = self.samples * world
-        if self.drop_last:
-            indices = indices[:total]
-        else:
-            pad = total - len(indices)
-            indices += (indices * math.ceil(pad / len(indices)))[:pad]
-        return indices[self.rank : total : world]
+    def _distributed(self, epoch: int, world: int) -> torch.Tensor:
+        e = self.elastic
+        if e is not None and e.epoch == epoch:
+            return e.samples
+        plan = elastic.Plan(self.length, self.shuffle, self.seed, self.drop_last)
+        return elastic.spread(elastic.epoch_order(plan, epoch), world, self.drop_last)[
+            self.rank :: world
+        ]
 
     def permutation(self, epoch: int) -> list[int]:
         """This rank's sample order for ``epoch``."""
         if self.world_size is None:
             order: list[int] = self._plain(epoch).tolist()
-            return order
-        return self._distributed(epoch, self.world_size)
+        else:
+            order = self._distributed(epoch, self.world_size).tolist()
+        return order
 
     def batches(self, epoch: int, start: int = 0) -> Iterator[list[int]]:
-        """The index batches of ``epoch``, from batch ``start`` on."""
+        """The index batches of ``epoch``, from batch ``start`` on (from the first of an
+        elastic epoch, if ``start`` is before it)."""
+        first, end = self.span(epoch)
         if self.world_size is None:
-            perm: torch.Tensor | list[int] = self._plain(epoch)
+            perm = self._plain(epoch)
         else:
             perm = self._distributed(epoch, self.world_size)
-        for b in range(start, len(self)):
-            batch = perm[b * self.batch_size : (b + 1) * self.batch_size]
-            yield batch.tolist() if isinstance(batch, torch.Tensor) else batch
+        size = self.batch_size
+        for b in range(max(start, first) - first, end - first):
+            batch: list[int] = perm[b * size : (b + 1) * size].tolist()
+            yield batch
 
 
 def with_last(

@@ -1,6 +1,6 @@
 """One trainer attached to a loader over the data-plane socket (``dataplane.py``
-accepts and attaches it): NEXT -> BATCH | END | ERROR, RELEASE, SKIP, and the ring
-segments it is told about ahead of a batch in one.
+accepts and attaches it): NEXT -> BATCH | END | ERROR, RELEASE, SKIP, SEEK and RESUME
+-> POSITION and RESUMED, and the ring segments it is told about ahead of a batch in one.
 """
 
 from __future__ import annotations
@@ -78,6 +78,19 @@ class Session:
                     continue
                 epoch, index = self.engine.position(self.member)
                 self.conn.send(p.encode_position(p.POSITION, epoch, index))
+                continue
+            elif kind == p.RESUME:
+                try:
+                    state = p.decode_resume(self.view[:n])
+                except ValueError as exc:
+                    self.error(ProtocolError(str(exc)))
+                    return
+                try:  # InvalidState, InvalidPosition: the connection goes on
+                    reply = self.engine.resume(self.member, state)
+                except DataPlaneError as exc:
+                    self.error(exc)
+                    continue
+                self.conn.send(p.Resumed(**reply).encode())
                 continue
             elif kind == p.CUDA and n == 1:
                 self.engine.cuda_registered.add(self.member)

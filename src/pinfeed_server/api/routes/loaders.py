@@ -6,7 +6,13 @@ from fastapi import APIRouter, Path, Response, status
 
 from pinfeed_server.api.deps import ServiceDep
 from pinfeed_server.api.openapi import problems
-from pinfeed_server.schemas import LoaderCreate, LoaderPatch, LoaderPublic, LoaderStatsPublic
+from pinfeed_server.schemas import (
+    BatchPublic,
+    LoaderCreate,
+    LoaderPatch,
+    LoaderPublic,
+    LoaderStatsPublic,
+)
 
 router = APIRouter(prefix="/v1/loaders", tags=["loaders"])
 
@@ -51,6 +57,31 @@ async def get_loader_stats(name: LoaderName, service: ServiceDep) -> Any:
     """Throughput, consumer wait (p50, p99 from the wait histogram's buckets, share: is
     training input-bound?), errors. Lock-free O(1) statistics, read on the event loop."""
     return service.loader_stats(name)
+
+
+@router.get(
+    "/{name}/batches/{epoch}/{index}",
+    response_model=BatchPublic,
+    responses=problems(
+        404,
+        409,
+        d404="no such loader, or no such batch: outside the epoch, an IterableDataset's "
+        "(no sample indices), or a trainer-fed epoch no longer kept",
+        d409="the loader failed to start",
+    ),
+)
+def get_batch(
+    name: LoaderName,
+    epoch: Annotated[int, Path(ge=0, lt=2**31, description="the epoch")],
+    index: Annotated[int, Path(ge=0, description="the batch's index in its epoch")],
+    service: ServiceDep,
+) -> Any:
+    """Which samples batch ``index`` of ``epoch`` holds (for a loss spike at step k),
+    and the rank and DataLoader worker that make it; from the loader's config, seed and
+    elastic record, so a past epoch, or one of a run before a server restart, answers
+    the same. ``Loader.replay(epoch, index)`` in the trainer makes that very batch again.
+    """
+    return service.batch(name, epoch, index)
 
 
 @router.patch(

@@ -5,7 +5,7 @@ per batch; the rare ones (a reseed, an RNG snapshot) are pickled.
 
     server -> worker                         worker -> server
     T  TASK     a task (below)               r  RESULT    a result (below)
-    R  RESEED   a pickled ``Reseed``         s  SNAPSHOT  (epoch, index, RNG state)
+    R  RESEED   a pickled ``Reseed``         s  SNAPSHOT  (epoch, index, RNG state, seq)
     G  SEGMENT  a ring segment to map; its   x  RESTART   an actor was replaced (bridge)
                 fd follows (send_handle)     F  FATAL     the cluster is lost (bridge)
     D  DROP     a ring segment to unmap
@@ -90,7 +90,7 @@ def decode_result(buf: bytes) -> Result:
 
 
 def encode_pickled(tag: bytes, obj: Any) -> bytes:
-    """A RESEED (a ``seeding.Reseed``) or a SNAPSHOT (``(epoch, index, state)``)."""
+    """A RESEED (a ``seeding.Reseed``) or a SNAPSHOT (``(epoch, index, state, seq)``)."""
     return tag + pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 

@@ -76,8 +76,10 @@ class InlineProducer:
             replay=ctx.draws_rng,
         )
         if self.streams.replay and ctx.streams > 0:
-            init_fn = ctx.code.worker_init_fn
-            self._workers = WorkerRngs(copy.copy(ctx.dataset), ctx.streams, init_fn)
+            code = ctx.code
+            self._workers = WorkerRngs(
+                copy.copy(ctx.dataset), ctx.streams, code.worker_init_fn, code.collate_fn
+            )
 
     def submit(self, task: Task) -> None:
         """Make the batch now, in the caller's thread, and report it before returning."""
@@ -109,9 +111,9 @@ class InlineProducer:
         with GLOBAL_RNG:
             server = capture()
             try:
-                reseed = self.streams.prepare(task.epoch, task.index)
+                reseed = self.streams.prepare(task.epoch, task.index, task.seq)
                 if reseed is not None:
-                    apply(reseed, self._dataset, worker=False)
+                    apply(reseed, self._dataset, worker=False, collate_fn=self._ctx.code.collate_fn)
                 elif self._rng is not None:
                     restore(self._rng)
                 return self._make(task.seq, task.slot, indices)
@@ -144,7 +146,7 @@ class InlineProducer:
         with GLOBAL_RNG:
             server, info = capture(), torch_worker._worker_info
             try:
-                reseed = self.streams.prepare(task.epoch, task.index)
+                reseed = self.streams.prepare(task.epoch, task.index, task.seq)
                 if reseed is not None:
                     self._workers.reseed(reseed)
                 self._workers.enter(task.index)

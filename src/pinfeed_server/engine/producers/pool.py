@@ -157,7 +157,7 @@ class WorkerPool:
                 with self._lock:
                     if self._process_of(task) is not worker:
                         continue  # replaced or resized meanwhile: pick again
-                    reseed = self.streams.prepare(task.epoch, task.index)
+                    reseed = self.streams.prepare(task.epoch, task.index, task.seq)
                     worker.outstanding[task.seq] = task
                     worker.started.setdefault(task.seq, time.perf_counter())
                 self._sync(worker)
@@ -218,9 +218,9 @@ class WorkerPool:
             while worker.conn.poll():
                 message = worker.conn.recv_bytes()
                 if message[:1] == SNAPSHOT_TAG:
-                    epoch, index, state = decode_pickled(message)
+                    epoch, index, state, seq = decode_pickled(message)
                     with self._lock:
-                        self.streams.snapshot(epoch, index, state)
+                        self.streams.snapshot(epoch, index, state, seq)
                     continue
                 result = decode_result(message[1:])
                 with self._lock:

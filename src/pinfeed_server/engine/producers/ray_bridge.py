@@ -140,7 +140,7 @@ class Bridge:
         assert task.indices is not None
         with self._lock:
             actor = self._actor_of(task)
-            reseed = self.streams.prepare(task.epoch, task.index)
+            reseed = self.streams.prepare(task.epoch, task.index, task.seq)
             ref = actor.handle.make.remote(task.seq, task.epoch, task.index, task.indices, reseed)
             actor.outstanding[task.seq] = task
             self._pending[ref] = (actor, task)
@@ -235,7 +235,7 @@ class Bridge:
             actor.outstanding.pop(task.seq, None)
             self._retries.pop(task.seq, None)
             if snapshot is not None:
-                self.streams.snapshot(task.epoch, task.index, snapshot)
+                self.streams.snapshot(task.epoch, task.index, snapshot, task.seq)
             done = [a for a in self._retiring if not a.outstanding]
             for a in done:
                 self._retiring.remove(a)

@@ -14,6 +14,11 @@ workers). ``Streams`` keeps, for each worker, the batch its state is positioned
 before; a task that is not that batch (a replaced worker, a seek, a resume, a new
 server, a resize) comes with a ``Reseed``: seed as DataLoader does, then *replay* the
 worker's earlier batches (``__getitem__`` called, output dropped) to reach the state.
+
+A plan whose content changes (an elastic resume: ``sampler.EpochSampler.resume``)
+bumps its ``revision``: ``Streams`` then forgets every position and snapshot it had,
+and a task made from the earlier plan (a sequence number below the revision's first)
+neither moves a stream nor leaves a snapshot: its batch is dropped unpublished.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from pinfeed.rng import RngState, capture, load_state, restore
 from pinfeed_server.engine.collate import fetch_samples
 from pinfeed_server.engine.config import LoaderConfig, make_sampler, persistent
 from pinfeed_server.engine.fed_plan import FedPlan
-from pinfeed_server.engine.sampler import BatchPlan
+from pinfeed_server.engine.sampler import BatchPlan, EpochSampler
 
 
 @dataclass
@@ -79,25 +84,48 @@ class History(Protocol):
     def batches(self, epoch: int) -> Sequence[list[int] | None]: ...
 
     def length(self, epoch: int) -> int | None:
-        """Batches in ``epoch``; None while not known (a trainer-fed epoch still running)."""
+        """The index after ``epoch``'s last batch; None while not known (a trainer-fed
+        epoch still running)."""
+
+    def revision(self) -> tuple[int, int]:
+        """(how often the plan's content changed, the first task sequence number made
+        from the current one)."""
 
 
 class PlannedHistory:
     """A computed plan's history: a private copy of the plan (a custom sampler's
-    factory called again, so the engine's own iteration is not disturbed) and
-    DataLoader's base seeds from the loader's seed."""
+    factory called again, so the engine's own iteration is not disturbed) that follows
+    the engine's plan's elastic epoch (``source``), and DataLoader's base seeds from the
+    loader's seed. An elastic epoch's batches before its first are ``None``."""
 
     def __init__(
-        self, config: LoaderConfig, streams: int, dataset: Any, allowed: tuple[str, ...] = ()
+        self,
+        config: LoaderConfig,
+        streams: int,
+        dataset: Any,
+        allowed: tuple[str, ...] = (),
+        source: BatchPlan | None = None,
     ) -> None:
         self._plan: BatchPlan = make_sampler(config, dataset, allowed, streams=streams)
+        self._source = source if isinstance(source, EpochSampler) else None
         self.base_seed = BaseSeeds(config, streams, len(dataset))
 
+    def _synced(self) -> BatchPlan:
+        if self._source is not None and isinstance(self._plan, EpochSampler):
+            self._plan.elastic = self._source.elastic
+        return self._plan
+
     def batches(self, epoch: int) -> Sequence[list[int] | None]:
-        return list(self._plan.batches(epoch))
+        plan = self._synced()
+        first, _ = plan.span(epoch)
+        return [None] * first + list(plan.batches(epoch, first))
 
     def length(self, epoch: int) -> int | None:
-        return len(self._plan)
+        _, end = self._synced().span(epoch)
+        return len(self._plan) if end is None else end
+
+    def revision(self) -> tuple[int, int]:
+        return self._source.revision if self._source is not None else (0, 0)
 
 
 class FedHistory:
@@ -116,6 +144,9 @@ class FedHistory:
         fed, ended = self._plan.fed(epoch)
         return len(fed) if ended else None
 
+    def revision(self) -> tuple[int, int]:
+        return 0, 0
+
 
 def history_of(
     config: LoaderConfig,
@@ -127,7 +158,7 @@ def history_of(
     """The history of the engine's ``plan`` a replay reads."""
     if isinstance(plan, FedPlan):
         return FedHistory(plan)
-    return PlannedHistory(config, streams, dataset, allowed)
+    return PlannedHistory(config, streams, dataset, allowed, source=plan)
 
 
 SNAPSHOTS_KEPT = 32  # per worker: RNG states after its latest batches (~10 KB each)
@@ -152,6 +183,7 @@ class Streams:
         self._snapshots: dict[int, dict[tuple[int, int], bytes]] = {}
         self._poison: set[tuple[int, int]] = set()  # batches that kill workers: not replayed
         self.replayed = 0  # batches replayed, for tests and the docs' cost figures
+        self._revision, self._since = history.revision()
 
     def worker_of(self, index: int) -> int:
         return index % self.count
@@ -166,9 +198,24 @@ class Streams:
             return epoch + 1, w
         return None
 
-    def prepare(self, epoch: int, index: int) -> Reseed | None:
+    def _current(self, seq: int) -> bool:
+        """Whether task ``seq`` was made from the plan as it is now (after forgetting
+        what this knew of an earlier one, if the plan changed)."""
+        revision, since = self.history.revision()
+        if revision != self._revision:
+            self._revision, self._since = revision, since
+            self._next.clear()
+            self._snapshots.clear()
+        return seq >= self._since
+
+    def prepare(self, epoch: int, index: int, seq: int) -> Reseed | None:
         """Called for each task, in the order its worker will make them."""
         w = self.worker_of(index)
+        if not self._current(seq):
+            # Made from the plan before its latest change, its batch is dropped: any seed
+            # does, and the worker's next task is reseeded.
+            self._next.pop(w, None)
+            return Reseed(w, self.count, self.base_seed(epoch))
         reseed = None if self._next.get(w) == (epoch, index) else self._reseed(w, epoch, index)
         after = self._after(w, epoch, index)
         if after is None:
@@ -177,8 +224,11 @@ class Streams:
             self._next[w] = after
         return reseed
 
-    def snapshot(self, epoch: int, index: int, state: bytes) -> None:
-        """The RNG state of batch ``(epoch, index)``'s worker after it made it."""
+    def snapshot(self, epoch: int, index: int, state: bytes, seq: int) -> None:
+        """The RNG state of batch ``(epoch, index)``'s worker after it made it (task
+        ``seq``)."""
+        if not self._current(seq):
+            return
         worker = self.worker_of(index)
         after = self._after(worker, epoch, index)
         if after is None:
@@ -234,10 +284,19 @@ def seed_rngs(base_seed: int, worker_id: int) -> int:
     return seed
 
 
-def apply(reseed: Reseed, dataset: Any, init_fn: Any = None, *, worker: bool = True) -> None:
+def apply(
+    reseed: Reseed,
+    dataset: Any,
+    init_fn: Any = None,
+    *,
+    worker: bool = True,
+    collate_fn: Any = None,
+) -> None:
     """Seed as DataLoader's worker ``reseed.worker_id``; in a worker process also set
-    ``get_worker_info()`` and call ``worker_init_fn``; then replay. A sample that raises
-    in the replay raised in the original run too: its draws up to the raise count."""
+    ``get_worker_info()`` and call ``worker_init_fn``; then replay: each earlier batch's
+    samples fetched and, with a ``collate_fn`` (which may draw too), collated, as
+    DataLoader's fetcher does. A sample that raises in the replay raised in the original
+    run too: its draws up to the raise count."""
     seed = seed_rngs(reseed.base_seed, reseed.worker_id)
     if worker:
         torch_worker._worker_info = torch_worker.WorkerInfo(
@@ -249,7 +308,9 @@ def apply(reseed: Reseed, dataset: Any, init_fn: Any = None, *, worker: bool = T
         load_state(reseed.state)
     for indices in reseed.replay:
         try:
-            fetch_samples(dataset, indices)
+            samples = fetch_samples(dataset, indices)
+            if collate_fn is not None:
+                collate_fn(samples)
         except Exception:  # the original batch raised here too, after the same draws
             continue
 
@@ -262,8 +323,9 @@ class WorkerRngs:
     further stream gets its own shallow copy of the dataset (as DataLoader's workers
     each have theirs), for ``worker_init_fn`` to set up."""
 
-    def __init__(self, dataset: Any, streams: int, init_fn: Any) -> None:
+    def __init__(self, dataset: Any, streams: int, init_fn: Any, collate_fn: Any = None) -> None:
         self.dataset = dataset  # the current stream's
+        self._collate_fn = collate_fn
         try:
             self._pristine = copy.copy(dataset)  # before any worker_init_fn
         except Exception:  # not copyable: further streams share it
@@ -281,7 +343,7 @@ class WorkerRngs:
             fresh = self._pristine if self._pristine is self.dataset else copy.copy(self._pristine)
             self._datasets[w] = fresh if self._datasets else self.dataset
         self.dataset = self._datasets[w]
-        apply(reseed, self.dataset, self._init_fn)
+        apply(reseed, self.dataset, self._init_fn, collate_fn=self._collate_fn)
         self._current = w
 
     def enter(self, index: int) -> None:

@@ -115,7 +115,7 @@ class BatchMaker:
         self._spec, self._slots = spec, slots
         self._layout = Layout.from_json(spec.layout)
         self.writer = SlotWriter(dataset, self._layout, slots, spec.slot_bytes, collate)
-        self._rngs = WorkerRngs(dataset, spec.streams, init_fn)
+        self._rngs = WorkerRngs(dataset, spec.streams, init_fn, collate)
         self._turns = (
             None
             if spec.iterable is None
@@ -194,7 +194,8 @@ def worker_main(worker_id: int, conn: Connection, spec: WorkerSpec) -> None:
         task = decode_task(message[1:])
         result, seeded = maker.make(task)
         if spec.snapshots and seeded:  # the worker's RNG state after the batch
-            conn.send_bytes(encode_pickled(SNAPSHOT_TAG, (task.epoch, task.index, dump_state())))
+            snapshot = (task.epoch, task.index, dump_state(), task.seq)
+            conn.send_bytes(encode_pickled(SNAPSHOT_TAG, snapshot))
         conn.send_bytes(RESULT_TAG + encode_result(result))
     maker.close()
     del base
