@@ -36,8 +36,8 @@ def test_move_checks_the_expected_state() -> None:
 
 
 def test_limit_may_exceed_the_slots_a_ring_has_now() -> None:
-    """A live PATCH sets the depth before the ring's new segment exists (resize.py);
-    acquire is bounded by the slots there are either way."""
+    """A live PATCH sets the depth before the ring's new segment exists
+    (``LoaderEngine.reconfigure``); acquire is bounded by the slots there are either way."""
     table = SlotTable(3)
     table.set_limit(10)
     assert table.limit == 10
