@@ -36,7 +36,8 @@ def test_bench_control_quick(tmp_path: Path) -> None:
     result = json.loads((tmp_path / "control.json").read_text())
     rows = result["rows"]
     assert {r["loaders"] for r in rows} == {3}
-    assert len(rows) == 8  # alone + 3 scrape rates + 3 floods + probes
+    # alone, 3 scrape rates, 3 floods, probes, another client alone and flooded, fresh scrapes
+    assert len(rows) == 11
     for r in rows:
         assert r["samples_per_s"] > 0, r["traffic"]
         for path, h in r.get("http", {}).items():

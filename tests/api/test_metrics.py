@@ -196,9 +196,10 @@ def test_the_loader_series_are_byte_for_byte_the_ones_dashboards_know() -> None:
     service: Any = SimpleNamespace(
         loaders={},
         unstarted=lambda: [gone],
-        settings=SimpleNamespace(max_shm_bytes=1 << 30, max_workers=8),
+        settings=SimpleNamespace(max_shm_bytes=1 << 30, max_workers=8, cache_budget=1 << 29),
         shm_used=lambda: 0,
         workers_used=lambda: 0,
+        cache_stats=dict,
     )
     assert _loader_families(render(service)) == _loader_families(ONE_LOADER.read_text())
     assert len({s.metric for s in SERIES}) == len(SERIES)  # no name declared twice

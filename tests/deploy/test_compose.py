@@ -90,9 +90,9 @@ def test_dockerfile_runtime_stage() -> None:
 
 
 @pytest.fixture()
-def project(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Project]:
+def project(request: pytest.FixtureRequest, short_tmp: Path) -> Iterator[Project]:
     env = {"PINFEED_TOKEN": secrets.token_hex(16), "PINFEED_HTTP_PORT": str(free_port())}
-    proj = Project(COMPOSE, tmp_path, env, profiles=(request.param,))
+    proj = Project(COMPOSE, short_tmp, env, profiles=(request.param,))
     try:
         yield proj
     finally:

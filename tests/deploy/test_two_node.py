@@ -41,7 +41,7 @@ def test_node_files_differ_only_in_node_rank() -> None:
 
 
 @pytest.fixture()
-def nodes(tmp_path: Path) -> Iterator[list[Project]]:
+def nodes(short_tmp: Path) -> Iterator[list[Project]]:
     common = {
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
@@ -54,7 +54,7 @@ def nodes(tmp_path: Path) -> Iterator[list[Project]]:
     try:
         for i, path in enumerate(NODES):
             env = {**common, "PINFEED_HTTP_PORT": str(free_port())}
-            projects.append(Project(path, tmp_path / f"node{i}", env))
+            projects.append(Project(path, short_tmp / f"node{i}", env))
         yield projects
     finally:
         for p in projects:
