@@ -7,12 +7,44 @@ groups them: consecutive members with the same key (the path up to the first dot
 the file name) make one sample, keyed by their lower-cased extensions; ``__...__``
 metadata files and names without an extension are skipped, an extension twice in a
 sample is an error. ``fields`` picks what a sample is, as ``to_tuple`` does (a list:
-tuple samples; a dict of key -> extension: dict samples; ``a;b``: the first present),
-decoded by extension as ``.decode("torchrgb8")`` does: ``jpg``/``jpeg``/``png`` to RGB
-uint8 ``[3, H, W]`` (with ``image_size``, resized and cropped as ``images`` does),
-``cls``/``cls2``/``index``/``inx``/``id`` to ``int``, ``json``/``jsn`` parsed,
-``txt``/``text``/``transcript`` to ``str``, any other extension as ``bytes`` (nothing
-is unpickled or ``torch.load``-ed).
+tuple samples; a dict of key -> extension: dict samples; ``a;b``: the first present).
+
+A field is decoded as ``.decode("torchrgb8")`` decodes it (``webdataset.autodecode``
+1.0.2: ``gzfilter``, ``imagehandler("torchrgb8")``, then ``basichandlers``), by the
+extension's last part (``seg.json`` is JSON) after one ``.gz`` is decompressed
+(``npy.gz``: a gzipped npy, at most INFLATE_LIMIT bytes):
+
+============================================  ==========================================
+extension                                     a sample holds
+============================================  ==========================================
+``jpg`` ``jpeg`` ``png`` ``webp`` ``bmp``     RGB uint8 tensor ``[3, H, W]`` (Pillow;
+``gif`` ``tif`` ... (IMAGES: WebDataset's     with ``image_size``, resized and cropped
+Pillow list)                                  as ``images`` does)
+``cls`` ``cls2`` ``index`` ``inx`` ``id``     ``int``
+``json`` ``jsn``                              parsed (``json.loads``)
+``txt`` ``text`` ``transcript``               ``str`` (UTF-8)
+``npy``                                       ``np.ndarray`` (``numpy.lib.format.read_array``)
+``npz``                                       ``dict`` of name -> ``np.ndarray`` (every
+                                              array read, as WebDataset's ``dict(np.load)``;
+                                              at most INFLATE_LIMIT bytes in all)
+``ten`` ``tb``                                ``list`` of read-only ``np.ndarray`` (tenbin)
+``mp`` ``msg``                                ``msgpack.unpackb``
+``gz``                                        the decompressed ``bytes``
+any other                                     ``bytes`` as stored
+``pkl`` ``pickle`` ``pyd`` ``pth``            refused: pickle / ``torch.load`` would run
+                                              code from the shard inside the server
+``ps`` ``eps``                                refused: Pillow runs Ghostscript on them
+``cbor``                                      refused: WebDataset needs the ``cbor``
+                                              package, which pinfeed does not use
+============================================  ==========================================
+
+Only the members that ``fields`` names are decoded (the others are never read; WebDataset
+decodes every member and ``to_tuple`` drops the rest: the same samples), so the refused
+extensions are refused at registration, when a field (or an ``a;b`` alternative) names
+one, with what to do instead (npy/npz/json, or a ``python`` dataset kind). Arrays load
+with ``allow_pickle=False`` (WebDataset's default too): an object array fails the sample's
+first batch naming the shard, the sample and the extension, as any member that does not
+decode does. An image member is opened by its content with every Pillow format but EPS.
 
 Shards are split by rank (``shards[rank::world_size]``) and then by DataLoader worker
 (``[worker::num_workers]``), as WebDataset's ``split_by_node`` and ``split_by_worker``
@@ -31,6 +63,8 @@ memory-mapped shards through the offsets found then (compact numpy arrays).
 from __future__ import annotations
 
 import contextlib
+import functools
+import gzip
 import io
 import json
 import math
@@ -38,25 +72,75 @@ import mmap
 import os
 import random
 import re
+import struct
 import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import torch
 from braceexpand import braceexpand
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 from pydantic import Field
 
 from pinfeed_server.datasets.base import DatasetContext, DatasetError, Kind, Params
 from pinfeed_server.datasets.images import fit
 
-IMAGES = {"jpg", "jpeg", "png"}
-INTS = {"cls", "cls2", "index", "inx", "id"}
-JSONS = {"json", "jsn"}
-TEXTS = {"txt", "text", "transcript"}
+# webdataset.autodecode.IMAGE_EXTENSIONS (1.0.2: Pillow's formats), less ps/eps (REFUSED)
+_IMAGE_EXTENSIONS = """
+blp bmp dib bufr cur pcx dcx dds fit fits fli flc ftc ftu gbr gif grib h5 hdf png apng jp2
+j2k jpc jpf jpx j2c icns ico im iim tif tiff jfif jpe jpg jpeg mpg mpeg msp pcd pxr pbm pgm
+ppm pnm psd bw rgb rgba sgi ras tga icb vda vst webp wmf emf xbm xpm
+"""
+IMAGES = frozenset(_IMAGE_EXTENSIONS.split())
+INTS = frozenset({"cls", "cls2", "index", "inx", "id"})
+JSONS = frozenset({"json", "jsn"})
+TEXTS = frozenset({"txt", "text", "transcript"})
+MSGPACK = frozenset({"mp", "msg"})
+_STORE = (
+    "store the data as npy, npz or json instead, or read these shards with a 'python' "
+    "dataset kind (a Dataset of your own, that trusts the shards itself)"
+)
+# What WebDataset's default decoders would run on the shard's data: refused when
+# ``fields`` names one (at registration; a member no field names is never decoded).
+REFUSED = {
+    **dict.fromkeys(
+        ("pkl", "pickle", "pyd"),
+        "WebDataset decodes it with pickle.loads, which runs code from the shard inside "
+        f"the server; {_STORE}",
+    ),
+    "pth": "WebDataset decodes it with torch.load, which unpickles: it runs code from the "
+    f"shard inside the server; {_STORE}",
+    **dict.fromkeys(
+        ("ps", "eps"),
+        "WebDataset decodes it with Pillow, which runs Ghostscript (a PostScript "
+        "interpreter) on the shard's data inside the server; convert it to a raster image "
+        "(png, jpg), or read these shards with a 'python' dataset kind",
+    ),
+    "cbor": "WebDataset decodes it with the 'cbor' package, which pinfeed does not use; "
+    "store the data as json, mp (msgpack), npy or npz instead",
+}
+# bytes a ``.gz`` member, or an npz's arrays together, may decompress to (a bomb stops)
+INFLATE_LIMIT = 1 << 30
+_ZIP = (b"PK\x03\x04", b"PK\x05\x06")  # np.load's test for an npz (zip) file
+_TENBIN = b"~TenBin~"
+# webdataset.tenbin's dtype codes; no 'u4': its table spells uint32 'unit32', so
+# WebDataset neither writes nor reads uint32
+_TENBIN_DTYPES = {
+    "f2": "float16",
+    "f4": "float32",
+    "f8": "float64",
+    "i1": "int8",
+    "i2": "int16",
+    "i4": "int32",
+    "i8": "int64",
+    "u1": "uint8",
+    "u2": "uint16",
+    "u8": "uint64",
+}
 _KEY = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # WebDataset's base_plus_ext
 MAX_SHARDS = 1_000_000  # braceexpand builds a whole range at once: bound it first
 _META = re.compile(r"__[^/]*__($|/)")
@@ -163,20 +247,128 @@ def scan(shown: str, path: Path, exts: dict[str, int]) -> Shard:
     )
 
 
+def decoding(ext: str) -> tuple[bool, str]:
+    """(gunzip first, the extension that picks the decoder) for a sample key, as
+    ``.decode()``'s handlers see it: its ``gzfilter`` strips one ``.gz`` and decompresses,
+    then the image handler and ``basichandlers`` look at the key's last extension only
+    (``seg.json`` is JSON, ``npy.gz`` a gzipped npy, ``x.gz`` gunzipped bytes)."""
+    key = "." + ext
+    gz = key.endswith(".gz")
+    if gz:
+        key = key[:-3]
+    return gz, key.rsplit(".", 1)[-1]
+
+
+def refusal(ext: str) -> str | None:
+    """Why a field's extension is refused (None: it is decoded, or kept as bytes)."""
+    last = decoding(ext)[1]
+    if last in REFUSED:
+        return f"field extension {ext!r} is refused: {REFUSED[last]}"
+    return None
+
+
+@functools.cache
+def _formats() -> tuple[str, ...]:
+    """Every Pillow format but EPS (to load one, Pillow runs Ghostscript), in Pillow's
+    order: an image member is opened by its content, whatever its extension says."""
+    Image.init()
+    return tuple(f for f in Image.ID if f != "EPS")
+
+
+def _gunzip(data: bytes) -> bytes:
+    """``gzip.open(io.BytesIO(data)).read()`` (``gzfilter``), bounded by INFLATE_LIMIT."""
+    with gzip.GzipFile(fileobj=io.BytesIO(data)) as f:
+        out = f.read(INFLATE_LIMIT + 1)
+    if len(out) > INFLATE_LIMIT:
+        raise ValueError(f"decompresses to more than {INFLATE_LIMIT:,} bytes")
+    return out
+
+
+def _pickled(exc: ValueError) -> ValueError:
+    if "allow_pickle" not in str(exc):
+        return exc
+    return ValueError(
+        "an object array (dtype=object): numpy would unpickle it, which runs code from the "
+        "shard inside the server, so pinfeed loads arrays with allow_pickle=False; store "
+        "numeric or string arrays (npy/npz), or json"
+    )
+
+
+def _npy(data: bytes) -> np.ndarray[Any, Any]:
+    """``webdataset.autodecode.npy_loads``: ``numpy.lib.format.read_array``."""
+    try:
+        return np.lib.format.read_array(io.BytesIO(data), allow_pickle=False)
+    except ValueError as exc:
+        raise _pickled(exc) from None
+
+
+def _npz(data: bytes) -> dict[str, Any]:
+    """``npz_loads``: ``dict(np.load(stream))``, a plain dict of the archive's arrays by
+    name, every array read (np.load alone would unpickle a file that is not a zip)."""
+    if not data.startswith(_ZIP):
+        raise ValueError("not an npz file (a zip archive of .npy arrays)")
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+            if sum(info.file_size for info in npz.zip.infolist()) > INFLATE_LIMIT:
+                raise ValueError(f"its arrays take more than {INFLATE_LIMIT:,} bytes")
+            return dict(npz)
+    except ValueError as exc:
+        raise _pickled(exc) from None
+
+
+def _tenbin(data: bytes) -> list[np.ndarray[Any, Any]]:
+    """``webdataset.tenbin.decode_buffer``: a list of read-only arrays over the data."""
+    chunks: list[bytes] = []
+    offset = 0
+    while offset < len(data):
+        if data[offset : offset + 8] != _TENBIN:
+            raise ValueError("tenbin: magic bytes mismatch")
+        (n,) = struct.unpack("@q", data[offset + 8 : offset + 16].ljust(8, b"\0"))
+        if n < 0 or offset + 16 + n > len(data):
+            raise ValueError(f"tenbin: a chunk of {n} bytes at byte {offset} runs past the end")
+        chunks.append(data[offset + 16 : offset + 16 + n])
+        offset += 16 + 64 * ((n + 63) // 64)
+    arrays = []
+    for header, body in zip(chunks[::2], chunks[1::2], strict=False):
+        h = np.frombuffer(header, dtype="i8")
+        code = struct.pack("@q", h[0]).decode("ascii").strip("\0")
+        if code not in _TENBIN_DTYPES or len(h) < 3 or not 0 <= h[2] <= len(h) - 3:
+            raise ValueError("tenbin: unsupported array type or bad header")
+        shape = tuple(int(d) for d in h[3 : 3 + int(h[2])])
+        count = math.prod(shape)
+        arrays.append(np.frombuffer(body, dtype=_TENBIN_DTYPES[code], count=count).reshape(*shape))
+    return arrays
+
+
 def decode(ext: str, data: bytes, image_size: int | None) -> Any:
-    if ext in IMAGES:
-        with Image.open(io.BytesIO(data)) as img:
+    """What ``.decode("torchrgb8")`` makes of a member with extension ``ext`` (``ext``
+    not refused): see the module's table."""
+    gz, last = decoding(ext)
+    if gz:
+        data = _gunzip(data)
+    if last in IMAGES:
+        with Image.open(io.BytesIO(data), formats=_formats()) as img:
             img.load()
             rgb = img.convert("RGB")
         if image_size is not None:
             rgb = fit(rgb, image_size)
         return torch.from_numpy(np.asarray(rgb).transpose(2, 0, 1).copy())
-    if ext in INTS:
+    if last in INTS:
         return int(data)
-    if ext in JSONS:
+    if last in JSONS:
         return json.loads(data)
-    if ext in TEXTS:
+    if last in TEXTS:
         return data.decode("utf-8")
+    if last == "npy":
+        return _npy(data)
+    if last == "npz":
+        return _npz(data)
+    if last in ("ten", "tb"):
+        return _tenbin(data)
+    if last in MSGPACK:
+        return msgpack.unpackb(data)
+    if last in REFUSED:  # refused at registration; never decoded
+        raise ValueError(REFUSED[last])
     return data
 
 
@@ -229,7 +421,7 @@ class WebDatasetShards(torch.utils.data.IterableDataset[Any]):
             ext = self._exts[int(shard.ext[m])]
             try:
                 out.append(decode(ext, mm[start : start + n], self.image_size))
-            except (OSError, UnidentifiedImageError, ValueError) as exc:
+            except Exception as exc:  # any decoder's failure (Pillow, numpy, zip, gzip)
                 raise DatasetError(f"{shard.shown}: sample {s} .{ext}: {exc}") from None
         return dict(zip(self._keys, out, strict=True)) if self._keys is not None else tuple(out)
 
@@ -298,6 +490,11 @@ def build(p: WebDatasetParams, ctx: DatasetContext) -> WebDatasetShards:
         raise DatasetError("shards must name at least one tar file")
     if not p.fields:
         raise DatasetError("fields must name at least one extension")
+    wanted = p.fields.values() if isinstance(p.fields, dict) else p.fields
+    for ext in (e for alts in wanted for e in alts.split(";")):
+        why = refusal(ext)
+        if why is not None:
+            raise DatasetError(why)
     exts: dict[str, int] = {}
     shards = [scan(name, ctx.resolve(name), exts) for name in names]
     return WebDatasetShards(shards, exts, p)
