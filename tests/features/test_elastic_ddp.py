@@ -60,6 +60,7 @@ def checkpoint(
             admin.delete_loader(name)
 
 
+@pytest.mark.heavy  # torchrun: 4 ranks, then 3 or 6
 @pytest.mark.parametrize(("new_world", "phase"), [(3, "resume"), (6, "resume"), (3, "resume-dcp")])
 def test_torchrun_resumes_at_another_world_size(
     admin: Client,

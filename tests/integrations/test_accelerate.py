@@ -146,6 +146,7 @@ def test_prepare_and_save_load_state_of_a_pinfeed_dataloader(
     _same(got, want)
 
 
+@pytest.mark.heavy  # torchrun: 4 Accelerate processes, then 3
 def test_a_4_process_save_state_resumed_by_3(admin: Client, server: Server, tmp_path: Path) -> None:
     from tests.features.test_elastic import BATCH, LENGTH, SEED, WORKERS, _dataset, _loaders
     from tests.features.test_elastic_ddp import torchrun

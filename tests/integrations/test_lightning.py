@@ -152,6 +152,7 @@ def test_resume_from_a_mid_epoch_checkpoint(
     admin.delete_loader(train)
 
 
+@pytest.mark.heavy  # Lightning DDP: 2 ranks
 @pytest.mark.slow
 def test_ddp_on_two_cpu_processes_trains_on_distributed_shards(
     admin: Client, server: Server, dataset: tuple[str, Any], tmp_path: Path
@@ -214,6 +215,7 @@ def test_fit_on_a_pinfeed_dataloader_is_fit_on_torchs(server: Server, dataset: A
         assert e0 == e1 and all(torch.equal(x, y) for x, y in zip(b0, b1, strict=True))
 
 
+@pytest.mark.heavy  # Lightning DDP: 2 ranks, twice
 def test_ddp_puts_a_distributed_sampler_into_a_pinfeed_dataloader(
     server: Server, tmp_path: Path
 ) -> None:
@@ -264,6 +266,7 @@ def _lightning(names: list[str], server: Server, out: Path, phase: str, devices:
 ELASTIC_K = 4  # batches trained before the checkpoint, of 8 per rank at 4 ranks
 
 
+@pytest.mark.heavy  # Lightning DDP: 4 ranks, then 3 or 6
 @pytest.mark.parametrize("new_world", [3, 6])
 def test_ddp_resumes_a_4_rank_checkpoint_on_another_world_size(
     admin: Client,
