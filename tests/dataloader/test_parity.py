@@ -339,6 +339,25 @@ def test_a_tensordataset_gathered_a_batch_at_a_time(server: Server, workers: int
             ),
             epochs=2,
         )
+    # A training step that draws between batches (dropout): without workers the next
+    # index batches go ahead, and the sampler still draws its seed in the first next().
+    runs = []
+    for cls, extra in ((TorchDataLoader, {}), (pinfeed.DataLoader, {"socket": server.socket})):
+        _seed()
+        loader = cls(
+            TensorDataset(*tensors), batch_size=4, shuffle=True, num_workers=workers, **extra
+        )
+        steps = []
+        for _ in range(2):
+            torch.rand(1)  # between iter() and the first next()
+            for batch in loader:
+                steps.append((_clone(batch), torch.rand(3)))
+        runs.append(steps)
+        if isinstance(loader, pinfeed.DataLoader):
+            loader.close()
+    assert len(runs[0]) == len(runs[1]) == 2 * 12
+    for i, (got, want) in enumerate(zip(runs[1], runs[0], strict=True)):
+        assert_same(got, want, f"step {i}")
 
 
 def test_default_collate_of_every_structure(server: Server, workers: int) -> None:
