@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from pinfeed import Client, Loader
 from tests.conftest import REPO, Server
-from tests.fixtures.elastic import check_once, distributed, reference_epoch
+from tests.fixtures.elastic import check_resumed, distributed, reference_epoch
 from tests.helpers import assert_same, register_synthetic, unique
 from tests.integrations.lightning_module import Recorder, Validating, trainer
 
@@ -283,29 +283,18 @@ def test_ddp_resumes_a_4_rank_checkpoint_on_another_world_size(
     names = _elastic_loaders(admin, ds, new_world)
     (tmp_path / "mid.ckpt").write_bytes((first / "mid.ckpt").read_bytes())
     _lightning(names, server, tmp_path, "resume", new_world)
-    after, counts = [], []
+    rests = []
     for rank in range(new_world):
         seen = torch.load(tmp_path / f"resume-rank{rank}.pt", weights_only=False)
         rest = [b for e, b in seen if e == 0]
         following = [b for e, b in seen if e == 1]
-        after.append([i for b in rest for i in b[3].tolist()])
-        counts.append(len(rest))
+        rests.append(rest)
         sampler = distributed(ELASTIC_LENGTH, new_world, rank, SEED, False)
         want = reference_epoch(
             sampler, 1, batch_size=BATCH, num_workers=rank % 2, seed=SEED, length=ELASTIC_LENGTH
         )
         assert_same(following, want)  # epoch 1: DistributedSampler(new_world)'s
-    check_once(
-        before,
-        after,
-        counts,
-        length=ELASTIC_LENGTH,
-        old_world=4,
-        old_batch=BATCH,
-        new_world=new_world,
-        new_batch=BATCH,
-        drop_last=False,
-    )
+    check_resumed(before, rests, length=ELASTIC_LENGTH, batch=BATCH)
     for name in names:
         admin.delete_loader(name)
 

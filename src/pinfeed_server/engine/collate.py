@@ -244,14 +244,20 @@ def fetch_samples(dataset: Any, indices: Sequence[int]) -> list[Any]:
         try:
             samples.append(dataset[i])
         except Exception as exc:
-            raise SampleError(
-                f"sample {i} raised {type(exc).__name__}: {exc}",
-                index=i,
-                error_type=type(exc).__name__,
-                error_module=type(exc).__module__,
-                where=traceback.format_exc(limit=-3),
-            ) from exc
+            raise dataset_error(exc, f"sample {i} raised {type(exc).__name__}: {exc}", i) from exc
     return samples
+
+
+def dataset_error(exc: BaseException, message: str, index: int | None) -> SampleError:
+    """A sample-error standing in for what the dataset's code raised: ``exc``'s type and
+    the end of its traceback. Call it in the ``except`` clause (it reads the traceback)."""
+    return SampleError(
+        message,
+        index=index,
+        error_type=type(exc).__name__,
+        error_module=type(exc).__module__,
+        where=traceback.format_exc(limit=-3),
+    )
 
 
 def _write_leaf(leaf: Leaf, view: torch.Tensor, values: list[Any]) -> None:
