@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-ray lint typecheck pytest deploy-check bench clean
+.PHONY: run test test-heavy test-ray lint typecheck pytest deploy-check bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,8 +29,13 @@ typecheck: $(STAMP)
 # tests that measure the machine, alone. PYTEST_WORKERS=auto: one worker per CPU.
 PYTEST_WORKERS ?= 2
 pytest: $(STAMP)
-	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile -m 'not serial'
-	$(BIN)/pytest -m serial
+	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile -m 'not serial and not heavy'
+	$(BIN)/pytest -m 'serial and not heavy'
+
+# Tests that run many processes at once (torchrun and Lightning DDP jobs of 2-6 ranks,
+# the benchmarks' smoke runs): minutes of their own, so not in `make test`; CI runs both.
+test-heavy: $(STAMP)
+	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile -m heavy
 
 test: lint typecheck deploy-check pytest
 

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench import data, results
+from bench.procs import child_env, end, spawn
 
 if TYPE_CHECKING:
     from bench.server import BenchServer
@@ -251,14 +252,7 @@ def trainer_main(spec: dict[str, Any]) -> int:
 class Trainer:
     def __init__(self, srv: BenchServer) -> None:
         spec = {"loader": TRAIN, "socket": str(srv.socket)}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.control", "trainer", json.dumps(spec)],
-            cwd=REPO,
-            env=_env(),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+        self.proc = spawn(["bench.control", "trainer", json.dumps(spec)])
         self.points: list[tuple[float, int]] = []
         self.ready = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
@@ -283,23 +277,10 @@ class Trainer:
         return (n1 - n0) / (t1 - t0)
 
     def stop(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        end(self.proc, 30, ())
 
 
 # -- the parent ------------------------------------------------------------------------
-
-
-def _env() -> dict[str, str]:
-    return {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
 
 
 def _load(srv: BenchServer, args: argparse.Namespace, **spec: Any) -> dict[str, Any]:
@@ -307,7 +288,7 @@ def _load(srv: BenchServer, args: argparse.Namespace, **spec: Any) -> dict[str, 
     out = subprocess.run(
         [sys.executable, "-m", "bench.control", "load", json.dumps(spec)],
         cwd=REPO,
-        env=_env(),
+        env=child_env(),
         capture_output=True,
         text=True,
         timeout=spec["seconds"] + args.request_timeout + 60,

@@ -200,22 +200,31 @@ def _jpeg(rng: np.random.Generator, w: int, h: int) -> Any:
     return Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8))
 
 
-def make_w3(root: Path, scale: float) -> Workload:
-    n = _count(W3_SAMPLES, scale, 128)
-    folder = root / f"w3-{n}"
-    spec = {"n": n, "classes": W3_CLASSES, "source": list(W3_SOURCE), "seed": 3}
+def _jpeg_folder(folder: Path, spec: dict[str, Any]) -> int:
+    """An image folder of ``spec["n"]`` JPEGs (q90) of ``spec["source"]`` (width,
+    height) in ``spec["classes"]`` class folders, drawn from ``spec["seed"]``; made
+    again only when ``folder/spec.json`` differs. Returns their total bytes."""
     stamp = folder / "spec.json"
-    w, h = W3_SOURCE
+    n, classes = spec["n"], spec["classes"]
+    w, h = spec["source"]
     if not (stamp.exists() and json.loads(stamp.read_text()) == spec):
-        rng = np.random.default_rng(3)
+        rng = np.random.default_rng(spec["seed"])
         for i in range(n):
-            cls = folder / f"class{i % W3_CLASSES:02d}"
+            cls = folder / f"class{i % classes:02d}"
             cls.mkdir(parents=True, exist_ok=True)
             # Some portrait images, as in real data sets.
             size = (w, h) if i % 4 else (h, w)
             _jpeg(rng, *size).save(cls / f"img{i:06d}.jpg", format="JPEG", quality=90)
         stamp.write_text(json.dumps(spec))
-    jpeg_bytes = sum(p.stat().st_size for p in folder.rglob("*.jpg"))
+    return sum(p.stat().st_size for p in folder.rglob("*.jpg"))
+
+
+def make_w3(root: Path, scale: float) -> Workload:
+    n = _count(W3_SAMPLES, scale, 128)
+    folder = root / f"w3-{n}"
+    spec = {"n": n, "classes": W3_CLASSES, "source": list(W3_SOURCE), "seed": 3}
+    w, h = W3_SOURCE
+    jpeg_bytes = _jpeg_folder(folder, spec)
     return Workload(
         "W3",
         "decode-bound JPEG (Pillow) to 3x224x224, batch 64",
@@ -412,17 +421,8 @@ def make_w9(root: Path, scale: float) -> Workload:
     n = _count(3000, scale, 160)
     folder = root / f"w9-{n}"
     spec = {"n": n, "classes": 10, "source": list(W9_SOURCE), "quality": 90, "seed": 9}
-    stamp = folder / "spec.json"
     w, h = W9_SOURCE
-    if not (stamp.exists() and json.loads(stamp.read_text()) == spec):
-        rng = np.random.default_rng(9)
-        for i in range(n):
-            cls = folder / f"class{i % 10:02d}"
-            cls.mkdir(parents=True, exist_ok=True)
-            size = (w, h) if i % 4 else (h, w)
-            _jpeg(rng, *size).save(cls / f"img{i:06d}.jpg", format="JPEG", quality=90)
-        stamp.write_text(json.dumps(spec))
-    jpeg_bytes = sum(p.stat().st_size for p in folder.rglob("*.jpg"))
+    jpeg_bytes = _jpeg_folder(folder, spec)
     return Workload(
         "W9",
         "ImageNet-like JPEGs, decode + resize 256 cached once per node, RandomResizedCrop "

@@ -42,11 +42,8 @@ floors (``min_workers`` never broken, no attached waiting loader at 0) checked o
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
-import os
-import subprocess
 import sys
 import threading
 import time
@@ -57,7 +54,8 @@ from typing import Any
 import torch
 
 from bench import results
-from bench.server import REPO, BenchServer
+from bench.procs import end, spawn
+from bench.server import BenchServer
 
 BATCH = 8
 # Decode draws no global RNG, and says so: any worker process makes any batch, so a live
@@ -175,14 +173,7 @@ class Trainer:
     def __init__(self, srv: BenchServer, job: Job) -> None:
         self.job = job
         spec = {"loader": job.name, "socket": str(srv.socket), "step_ms": job.step_ms}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.node", "trainer", json.dumps(spec)],
-            cwd=REPO,
-            env=_env(),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+        self.proc = spawn(["bench.node", "trainer", json.dumps(spec)])
         self.points: list[tuple[float, int, int, float]] = []
         self.ready = threading.Event()
         self.started = float("nan")
@@ -217,21 +208,7 @@ class Trainer:
         }
 
     def stop(self) -> None:
-        assert self.proc.stdin is not None
-        with contextlib.suppress(OSError):
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def _env() -> dict[str, str]:
-    return {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
+        end(self.proc, 30, (OSError,))
 
 
 # -- one system -------------------------------------------------------------------------

@@ -14,12 +14,49 @@ import time
 from typing import Any
 
 from bench.memory import PeakSampler
-from bench.results import ForeignCpu, tree_cpu_s
-from bench.server import REPO
+from bench.results import REPO, ForeignCpu, tree_cpu_s
 
 
 class BenchError(RuntimeError):
     pass
+
+
+def child_env() -> dict[str, str]:
+    """This process's environment, the repository first on PYTHONPATH (``-m bench.…``)."""
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+
+
+def spawn(args: list[str], stderr: Any = None) -> subprocess.Popen[str]:
+    """``python -m *args`` in the repository, spoken to in lines over stdin/stdout."""
+    return subprocess.Popen(
+        [sys.executable, "-m", *args],
+        cwd=REPO,
+        env=child_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+    )
+
+
+def end(
+    proc: subprocess.Popen[str],
+    timeout: float,
+    ignore: tuple[type[BaseException], ...] = (BrokenPipeError,),
+) -> None:
+    """Close the child's stdin (its cue to finish), wait up to ``timeout`` s, else kill
+    it. ``ignore``: what closing may raise that does not matter (the child gone)."""
+    assert proc.stdin is not None
+    with contextlib.suppress(*ignore):
+        proc.stdin.close()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 class TrainerProc:
@@ -27,19 +64,7 @@ class TrainerProc:
         self.spec = spec
         # stderr to a file, not a pipe nobody drains; closed in finish() or kill().
         self._err = tempfile.TemporaryFile()  # noqa: SIM115
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        }
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.trainer", json.dumps(spec)],
-            cwd=REPO,
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._err,
-            text=True,
-        )
+        self.proc = spawn(["bench.trainer", json.dumps(spec)], self._err)
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -94,14 +119,7 @@ class TrainerProc:
         self.proc.stdin.flush()
 
     def finish(self, timeout: float = 60.0) -> None:
-        assert self.proc.stdin is not None
-        with contextlib.suppress(BrokenPipeError):
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        end(self.proc, timeout)
         self._err.close()
 
     def kill(self) -> None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 import torch
@@ -162,6 +162,16 @@ class MemmapTokens(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         self.data = np.memmap(path, dtype=dtype, mode="r")
         self.seq_len, self.stride = seq_len, stride or seq_len
 
+    @classmethod
+    def from_params(cls, root: Path, params: dict[str, Any]) -> Self:
+        """Over the ``tokens`` kind's file, from its params."""
+        return cls(
+            root / params["path"],
+            params.get("dtype", "uint16"),
+            params["seq_len"],
+            params.get("stride"),
+        )
+
     def __len__(self) -> int:
         return (len(self.data) - self.seq_len - 1) // self.stride + 1
 
@@ -186,21 +196,11 @@ class BatchedMemmapTokens(MemmapTokens):
 
 
 def tokens(root: Path, params: dict[str, Any]) -> MemmapTokens:
-    return MemmapTokens(
-        root / params["path"],
-        params.get("dtype", "uint16"),
-        params["seq_len"],
-        params.get("stride"),
-    )
+    return MemmapTokens.from_params(root, params)
 
 
 def tokens_batched(root: Path, params: dict[str, Any]) -> BatchedMemmapTokens:
-    return BatchedMemmapTokens(
-        root / params["path"],
-        params.get("dtype", "uint16"),
-        params["seq_len"],
-        params.get("stride"),
-    )
+    return BatchedMemmapTokens.from_params(root, params)
 
 
 class BatchedSequences(Dataset[dict[str, torch.Tensor]]):

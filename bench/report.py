@@ -30,7 +30,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -194,6 +194,36 @@ def _workloads(args: list[str]) -> list[str]:
     return [a.upper() for a in args] or [*data.MAKERS, *data.PLANNED]
 
 
+def _measured(
+    r: Results, args: list[str], rows: list[list[Any]], files: list[dict[str, Any]], columns: int
+) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The workloads named (all by default) that have a result, in order, each added to
+    ``files``; one without gets its row in ``rows`` saying so (``columns`` cells)."""
+    for key in _workloads(args):
+        res = r.get(key)
+        if res is None:
+            rows.append([_title(key, None), "*not yet measured*", *[""] * (columns - 2)])
+            continue
+        files.append(res)
+        yield key, res
+
+
+def _with_provenance(out: list[str], files: list[dict[str, Any]]) -> str:
+    """The tables, then (when any result was found) where their numbers come from."""
+    if files:
+        out += ["", provenance(files)]
+    return "\n".join(out)
+
+
+def _from(
+    section: Callable[[Results, list[str]], str], name: str, res: Any, args: list[str]
+) -> str:
+    """A section's text from one result's contents, as read (the console's tables)."""
+    r = Results(Path("/nonexistent"))
+    r._cache[name] = res
+    return section(r, args)
+
+
 def _title(key: str, res: dict[str, Any] | None) -> str:
     if res is not None:
         return f"{key} {res['workload']['title']}"
@@ -220,13 +250,9 @@ def _best_text(nw: str, c: dict[str, Any] | None) -> str:
 
 
 def headline(r: Results, args: list[str]) -> str:
-    rows, files = [], []
-    for key in _workloads(args):
-        res = r.get(key)
-        if res is None:
-            rows.append([_title(key, None), "*not yet measured*", "", "", "", "", ""])
-            continue
-        files.append(res)
+    rows: list[list[Any]] = []
+    files: list[dict[str, Any]] = []
+    for key, res in _measured(r, args, rows, files, 7):
         cells = res["cells"]
         # the same CPU budget: the num_workers both systems were measured at
         nws = sorted(set(cells.get("pinfeed", {})) & set(cells.get("dataloader", {})), key=int)
@@ -259,11 +285,7 @@ def headline(r: Results, args: list[str]) -> str:
         "pinfeed vs tuned",
         "why",
     ]
-    out = [table(head, rows)]
-    if files:
-        out.append("")
-        out.append(provenance(files))
-    return "\n".join(out)
+    return _with_provenance([table(head, rows)], files)
 
 
 BASE = ("pinfeed", "dataloader", "dataloader-tuned")
@@ -315,10 +337,7 @@ def throughput(r: Results, args: list[str]) -> str:
     rows = []
     for key in keys:
         rows += throughput_rows(key, r.get(key), systems)
-    out = [table(_throughput_head(systems), rows)]
-    if found:
-        out += ["", provenance(found)]
-    return "\n".join(out)
+    return _with_provenance([table(_throughput_head(systems), rows)], found)
 
 
 def throughput_table(res: dict[str, Any] | None) -> str:
@@ -331,13 +350,9 @@ def throughput_table(res: dict[str, Any] | None) -> str:
 
 def costs(r: Results, args: list[str]) -> str:
     """Each system at its best num_workers: what it spends for its samples/s."""
-    rows, files = [], []
-    for key in _workloads(args):
-        res = r.get(key)
-        if res is None:
-            rows.append([_title(key, None), "*not yet measured*", "", "", "", "", ""])
-            continue
-        files.append(res)
+    rows: list[list[Any]] = []
+    files: list[dict[str, Any]] = []
+    for key, res in _measured(r, args, rows, files, 7):
         for i, system in enumerate(ordered(res["cells"])):
             nw, c = best(res["cells"], system)
             if c is None:
@@ -362,20 +377,13 @@ def costs(r: Results, args: list[str]) -> str:
         "peak PSS MiB",
         "time to first batch ms",
     ]
-    out = [table(head, rows)]
-    if files:
-        out += ["", provenance(files)]
-    return "\n".join(out)
+    return _with_provenance([table(head, rows)], files)
 
 
 def roofline(r: Results, args: list[str]) -> str:
-    rows, files = [], []
-    for key in _workloads(args):
-        res = r.get(key)
-        if res is None:
-            rows.append([_title(key, None), "*not yet measured*", "", "", ""])
-            continue
-        files.append(res)
+    rows: list[list[Any]] = []
+    files: list[dict[str, Any]] = []
+    for key, res in _measured(r, args, rows, files, 5):
         roof = res["roofline"]["cell"]["samples_per_s"]
         share = []
         for system in ("pinfeed", "dataloader", "dataloader-tuned"):
@@ -392,10 +400,7 @@ def roofline(r: Results, args: list[str]) -> str:
         "DataLoader best",
         "tuned DataLoader best",
     ]
-    out = [table(head, rows)]
-    if files:
-        out += ["", provenance(files)]
-    return "\n".join(out)
+    return _with_provenance([table(head, rows)], files)
 
 
 def handoff(r: Results, args: list[str]) -> str:
@@ -476,9 +481,7 @@ def scaling(r: Results, args: list[str]) -> str:
 
 
 def scaling_table(res: dict[str, Any] | None) -> str:
-    r = Results(Path("/nonexistent"))
-    r._cache["scaling"] = res
-    return scaling(r, [])
+    return _from(scaling, "scaling", res, [])
 
 
 # --- what a trainer gets -----------------------------------------------------------------
@@ -551,9 +554,7 @@ def training(r: Results, args: list[str]) -> str:
 
 
 def training_table(res: dict[str, Any] | None) -> str:
-    r = Results(Path("/nonexistent"))
-    r._cache["training"] = res
-    return training(r, ["all", *(res or {}).get("workloads", {})])
+    return _from(training, "training", res, ["all", *(res or {}).get("workloads", {})])
 
 
 # --- autotune, W4's profile, scale, control, ray, soak, gpu -----------------------------
@@ -609,9 +610,7 @@ def autotune(r: Results, args: list[str]) -> str:
 
 
 def autotune_table(res: dict[str, Any] | None) -> str:
-    r = Results(Path("/nonexistent"))
-    r._cache["autotune"] = res
-    return autotune(r, [])
+    return _from(autotune, "autotune", res, [])
 
 
 def w4_profile(r: Results, args: list[str]) -> str:
@@ -772,9 +771,7 @@ def scale_detail(r: Results, args: list[str]) -> str:
 
 
 def scale_table(res: dict[str, Any] | None) -> str:
-    r = Results(Path("/nonexistent"))
-    r._cache["scale"] = res
-    return scale(r, [])
+    return _from(scale, "scale", res, [])
 
 
 CONTROL_GROUPS = [

@@ -38,6 +38,7 @@ import numpy as np
 import psutil
 
 from bench import results
+from bench.procs import child_env
 from bench.server import REPO, BenchServer
 
 MiB = 1 << 20
@@ -90,14 +91,10 @@ def epoch_pss(it: Any, left: int, pid: int) -> int:
 
 
 def dataloader(spec: dict[str, Any]) -> dict[str, Any]:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
     out = subprocess.run(
         [sys.executable, "-m", "bench.scale_dl", json.dumps(spec)],
         cwd=REPO,
-        env=env,
+        env=child_env(),
         capture_output=True,
         text=True,
         timeout=1800,

@@ -29,16 +29,12 @@ import resource
 import socket
 import sys
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-
-def _emit(event: str, **data: Any) -> None:
-    sys.stdout.write(json.dumps({"event": event, **data}) + "\n")
-    sys.stdout.flush()
+from bench.child import Reporting, emit
 
 
 def _wait_go() -> None:
@@ -441,24 +437,19 @@ MODES: dict[str, Callable[[Run, dict[str, Any]], dict[str, Any]]] = {
 
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
-    try:
+    with Reporting() as r:
         system, mode = spec["system"], spec.get("mode", "throughput")
         if system not in SYSTEMS:
             raise ValueError(f"unknown system {system!r}")
         run, ttfb = SYSTEMS[system](spec)
-        _emit("ready", ttfb_s=ttfb, pid=os.getpid())
+        emit("ready", ttfb_s=ttfb, pid=os.getpid())
         _wait_go()
         result = MODES[mode](run, spec)
-        _emit("result", ttfb_s=ttfb, cuda=torch.cuda.is_available(), **result)
+        emit("result", ttfb_s=ttfb, cuda=torch.cuda.is_available(), **result)
         sys.stdin.read()  # the parent closes stdin once it has sampled memory
         run.it = iter(())
         run.cleanup()
-    except BaseException as exc:
-        if isinstance(exc, SystemExit):
-            raise
-        _emit("error", error=f"{type(exc).__name__}: {exc}", where=traceback.format_exc())
-        return 1
-    return 0
+    return r.status
 
 
 if __name__ == "__main__":

@@ -42,8 +42,6 @@ import json
 import os
 import pstats
 import shutil
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -56,7 +54,8 @@ import psutil
 from bench import data, results
 from bench.data import DATA_DIR, W9_RESIZE, _jpeg, warm_page_cache
 from bench.memory import PeakSampler
-from bench.server import REPO, BenchServer
+from bench.procs import end, spawn
+from bench.server import BenchServer
 from tests.launcher import Server
 
 RESIZE = W9_RESIZE
@@ -84,19 +83,7 @@ class Trainer:
 
     def __init__(self, spec: dict[str, Any]) -> None:
         self._err = tempfile.TemporaryFile()  # noqa: SIM115 - closed in finish()
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        }
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.w9_trainer", json.dumps(spec)],
-            cwd=REPO,
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._err,
-            text=True,
-        )
+        self.proc = spawn(["bench.w9_trainer", json.dumps(spec)], self._err)
 
     def expect(self, event: str, timeout: float = 1800) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -122,14 +109,7 @@ class Trainer:
         self.proc.stdin.flush()
 
     def finish(self) -> None:
-        assert self.proc.stdin is not None
-        with contextlib.suppress(BrokenPipeError):
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        end(self.proc, 120)
         self._err.close()
 
 

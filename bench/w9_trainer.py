@@ -23,17 +23,13 @@ from __future__ import annotations
 import json
 import sys
 import time
-import traceback
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-
-def _emit(event: str, **data: Any) -> None:
-    sys.stdout.write(json.dumps({"event": event, **data}) + "\n")
-    sys.stdout.flush()
+from bench.child import Reporting, emit
 
 
 def _epochs(
@@ -110,22 +106,17 @@ def _dataloader(spec: dict[str, Any]) -> Callable[[], list[dict[str, Any]]]:
 
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
-    try:
+    with Reporting() as r:
         torch.set_num_threads(1)  # as DataLoader's workers and pinfeed's server
         run = _pinfeed(spec) if spec["system"] == "pinfeed" else _dataloader(spec)
-        _emit("ready")
+        emit("ready")
         if sys.stdin.readline().strip() != "go":
             raise SystemExit("expected 'go'")
         start = time.monotonic()
         epochs = run()
-        _emit("result", start=start, epochs=epochs)
+        emit("result", start=start, epochs=epochs)
         sys.stdin.read()  # the parent closes stdin once it has read CPU and memory
-    except BaseException as exc:
-        if isinstance(exc, SystemExit):
-            raise
-        _emit("error", error=f"{type(exc).__name__}: {exc}", where=traceback.format_exc())
-        return 1
-    return 0
+    return r.status
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ def _bench(*args: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     return out
 
 
+@pytest.mark.heavy  # the W1 benchmark, every system
 # About a minute alone on 2 cores; the machine's other work can triple that.
 @pytest.mark.timeout(900)
 def test_suite_w1_quick(tmp_path: Path) -> None:

@@ -22,7 +22,10 @@ DataLoader (``set_epoch`` on its ``DistributedSampler``, a stateful sampler's po
 a ``RandomSampler`` drawing from the generator or the global RNG), and the workers,
 seeded from that base seed as DataLoader seeds them, make DataLoader's batches.
 Without workers DataLoader makes batches in the trainer on its global RNGs: then the
-trainer's RNG states travel with each index batch and come back with the batch.
+trainer's RNG states travel with each index batch and come back with the batch. Where
+nothing can draw (torch's ``TensorDataset`` and ``default_collate`` under one of torch's
+samplers) the next index batches are sent ahead instead, without RNG states, and made
+while the trainer steps.
 
 The batches arrive as zero-copy views into the server's ring (page-locked and
 registered with CUDA once when ``pin_memory=True`` and a GPU is present), as a
@@ -41,8 +44,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.data import (
+    BatchSampler,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    TensorDataset,
+    WeightedRandomSampler,
+)
 from torch.utils.data import DataLoader as TorchDataLoader
-from torch.utils.data import IterableDataset
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from pinfeed import protocol as p
@@ -55,6 +67,15 @@ from pinfeed.errors import ServerUnavailable, error_from_info
 
 _NEXT, _BATCH, _END, _ERROR = p.NEXT, p.BATCH, p.END, p.ERROR
 RECONNECT_TIMEOUT_S = 60.0
+NO_DRAW_AHEAD = 2  # index batches fed ahead without workers, where nothing draws
+# torch's samplers, which draw from the global RNG at most at their first index
+_QUIET_SAMPLERS = (
+    SequentialSampler,
+    RandomSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+    DistributedSampler,
+)
 _BATCH_HEAD = p.BATCH_HEAD
 
 
@@ -237,6 +258,13 @@ class _Owned:
         self.iterable = iterable
         self.num_workers = loader.num_workers
         self.prefetch = (loader.prefetch_factor or 2) * loader.num_workers
+        # Without workers DataLoader makes each batch in next(), on the trainer's RNGs;
+        # where nothing draws (a TensorDataset, default_collate, one of torch's samplers,
+        # which draw at most at their first index) the next batches are fed ahead, with
+        # no RNG states, and made while the trainer steps: the same batches, no wait.
+        self.ahead = 0
+        if loader.num_workers == 0 and not iterable and _draws_nothing(loader, collate):
+            self.ahead = NO_DRAW_AHEAD
         self.reconnect = reconnect
         self.epoch = -1  # the last epoch begun
         self.in_epoch = False
@@ -340,6 +368,20 @@ class _Owned:
         self._finalize()
 
 
+def _draws_nothing(loader: DataLoader, collate: Any) -> bool:
+    """Whether a batch made without workers draws nothing from the trainer's RNGs and
+    its indices may be taken ahead: torch's own ``TensorDataset`` (its exact type, as
+    for each class here: a subclass may draw) with ``default_collate``, under torch's
+    ``BatchSampler`` over one of its samplers, which draw at most at their first index
+    (in the first ``next()``, as under DataLoader)."""
+    return (
+        type(loader.dataset) is TensorDataset
+        and collate is None
+        and type(loader.batch_sampler) is BatchSampler
+        and type(loader.sampler) in _QUIET_SAMPLERS
+    )
+
+
 def _payload_bytes(fd: int) -> bytes:
     size = os.fstat(fd).st_size
     return os.pread(fd, size, 0)
@@ -416,6 +458,9 @@ class _Iter(_BaseDataLoaderIter):
             if owned.iterable:
                 owned.feed(self._fed, [], rng.dump_state())
                 self._fed += 1
+            elif owned.ahead:
+                while self._fed <= owned.yielded + owned.ahead and self._feed():
+                    pass
             else:
                 self._feed(with_rng=True)
         ahead = owned.num_workers > 0 and not owned.iterable

@@ -18,6 +18,7 @@ import pytest
 from tests.conftest import REPO
 
 
+@pytest.mark.heavy  # the control benchmark: floods and load processes
 # About half a minute alone; the machine's other work can triple that.
 @pytest.mark.slow
 @pytest.mark.timeout(600)

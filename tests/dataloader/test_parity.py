@@ -308,6 +308,58 @@ def test_persistent_workers_and_prefetch_factor(server: Server) -> None:
     )
 
 
+def test_a_tensordataset_gathered_a_batch_at_a_time(server: Server, workers: int) -> None:
+    """torch's ``TensorDataset`` (its exact type) is gathered one ``index_select`` per
+    tensor in the server (``datasets.base.batch_fetch``): the same batches as
+    DataLoader's stack of rows, for every dtype and rank, a last short batch included;
+    a subclass, which may override ``__getitem__``, goes one sample at a time."""
+    from torch.utils.data import TensorDataset
+
+    from pinfeed_server.datasets.base import batch_fetch
+
+    class Shifted(TensorDataset):
+        def __getitem__(self, i: int) -> Any:
+            x, y = super().__getitem__(i)
+            return x + 1, y
+
+    g = torch.Generator().manual_seed(3)
+    tensors = (
+        torch.randn(45, 3, 4, generator=g),
+        torch.randint(0, 255, (45, 2, 2), generator=g, dtype=torch.uint8),
+        torch.arange(45, dtype=torch.int64),
+        torch.rand(45, generator=g, dtype=torch.float64) > 0.5,
+    )
+    assert batch_fetch(TensorDataset(*tensors)) is not None
+    assert batch_fetch(Shifted(tensors[0], tensors[2])) is None
+    for ds in (TensorDataset(*tensors), Shifted(tensors[0], tensors[2])):
+        check(
+            server,
+            lambda cls, x, ds=ds: cls(  # type: ignore[misc]
+                ds, batch_size=7, shuffle=True, num_workers=workers, **x
+            ),
+            epochs=2,
+        )
+    # A training step that draws between batches (dropout): without workers the next
+    # index batches go ahead, and the sampler still draws its seed in the first next().
+    runs = []
+    for cls, extra in ((TorchDataLoader, {}), (pinfeed.DataLoader, {"socket": server.socket})):
+        _seed()
+        loader = cls(
+            TensorDataset(*tensors), batch_size=4, shuffle=True, num_workers=workers, **extra
+        )
+        steps = []
+        for _ in range(2):
+            torch.rand(1)  # between iter() and the first next()
+            for batch in loader:
+                steps.append((_clone(batch), torch.rand(3)))
+        runs.append(steps)
+        if isinstance(loader, pinfeed.DataLoader):
+            loader.close()
+    assert len(runs[0]) == len(runs[1]) == 2 * 12
+    for i, (got, want) in enumerate(zip(runs[1], runs[0], strict=True)):
+        assert_same(got, want, f"step {i}")
+
+
 def test_default_collate_of_every_structure(server: Server, workers: int) -> None:
     check(server, lambda cls, x: cls(Mixed(), batch_size=4, num_workers=workers, **x), epochs=1)
 

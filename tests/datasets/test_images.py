@@ -259,3 +259,24 @@ def test_draft_decode_is_close_and_says_so(tmp_path: Path) -> None:
     assert all(torch.equal(small[i][0], small_draft[i][0]) for i in range(3))  # 300/2 < 256
     with pytest.raises(DatasetError, match="decode"):
         build_dataset("images", {**params, "decode": "fast"}, _ctx(tmp_path))
+
+
+EPS = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 8 8\n0 0 moveto 8 8 lineto stroke\n%%EOF\n"
+
+
+def test_an_eps_file_named_jpg_is_never_handed_to_ghostscript(tmp_path: Path) -> None:
+    """Pillow reads EPS by running Ghostscript on the file's PostScript: every kind
+    opens images without that format, so such a file is a sample's error, as a file
+    Pillow cannot read, and nothing runs."""
+    from PIL import EpsImagePlugin, UnidentifiedImageError
+
+    from pinfeed_server.datasets.images import decode, safe_formats
+
+    path = tmp_path / "cat" / "evil.jpg"
+    path.parent.mkdir()
+    path.write_bytes(EPS)
+    with Image.open(path) as img:  # what Pillow would do with every format allowed
+        assert isinstance(img, EpsImagePlugin.EpsImageFile)
+    assert "EPS" not in safe_formats() and "JPEG" in safe_formats()
+    with pytest.raises(UnidentifiedImageError):
+        decode(str(path), SIZE)

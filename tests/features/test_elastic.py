@@ -18,7 +18,7 @@ import pytest
 from pinfeed import Client, InvalidState, Loader, merge_states
 from pinfeed import elastic as el
 from tests.conftest import Server
-from tests.fixtures.elastic import check_once, distributed, reference_epoch
+from tests.fixtures.elastic import check_resumed, distributed, indices, reference_epoch
 from tests.helpers import assert_same, sigkill_worker, unique
 from tests.reliability.procs import wait_for
 
@@ -67,10 +67,6 @@ def _copy(batch: Any) -> list[Any]:
     return [t.clone() for t in batch]
 
 
-def _indices(batches: list[Any]) -> list[int]:
-    return [i for b in batches for i in b[3].tolist()]
-
-
 def _produced(admin: Client, name: str) -> bool:
     """The loader has made batches ahead (of its plain epoch 0, before any resume)."""
     return bool(admin.loader_stats(name)["batches_produced"] >= 1)
@@ -90,7 +86,7 @@ def _checkpointed(
             states.append(loader.state_dict())
             for _ in range(lost):
                 next(it)
-        before.append(_indices(got))
+        before.append(indices(got))
     return before, states
 
 
@@ -118,7 +114,7 @@ def test_resize_mid_epoch_delivers_each_sample_once(
     before, states = _checkpointed(server, old, epoch, k=3)
     merged = merge_states(states)
     new = _loaders(admin, dataset, new_world, drop_last=drop_last)
-    after, counts = [], []
+    rests = []
     for rank, name in enumerate(new):
         workers = WORKERS[rank % 2]
         # The loader made batches of its own epoch 0 before the resume: they must go.
@@ -131,8 +127,7 @@ def test_resize_mid_epoch_delivers_each_sample_once(
             length = len(loader)  # never short of the elastic epoch's last index
             rest = [_copy(b) for b in loader]
             assert length >= start + len(rest)
-            counts.append(len(rest))
-            after.append(_indices(rest))
+            rests.append(rest)
             if rank < 2:  # the elastic epoch is DataLoader's over this rank's share
                 share = _share(merged, rank, new_world, BATCH, workers)
                 want = reference_epoch(
@@ -163,18 +158,8 @@ def test_resize_mid_epoch_delivers_each_sample_once(
                 order = list(sampler)
                 if drop_last:
                     order = order[: len(order) // BATCH * BATCH]
-                assert _indices(following) == order
-    check_once(
-        before,
-        after,
-        counts,
-        length=LENGTH,
-        old_world=4,
-        old_batch=BATCH,
-        new_world=new_world,
-        new_batch=BATCH,
-        drop_last=drop_last,
-    )
+                assert indices(following) == order
+    check_resumed(before, rests, length=LENGTH, batch=BATCH, drop_last=drop_last)
     for name in old + new:
         admin.delete_loader(name)
 
@@ -264,7 +249,7 @@ def test_a_second_resize_in_the_epoch_across_a_server_crash(tmp_path: Path) -> N
             with Loader(name, socket=srv.socket) as loader:
                 loader.load_state_dict(first)
                 it = iter(loader)
-                stage.append(_indices([_copy(next(it)) for _ in range(2)]))
+                stage.append(indices([_copy(next(it)) for _ in range(2)]))
                 states.append(loader.state_dict())
         # The server dies; its registry keeps the loaders and their elastic epochs.
         assert srv.stop(signal.SIGKILL) == -signal.SIGKILL
@@ -283,25 +268,13 @@ def test_a_second_resize_in_the_epoch_across_a_server_crash(tmp_path: Path) -> N
         second = merge_states(states)
         with srv.client() as admin:
             last = _loaders(admin, ds, 3)
-        after, counts = [], []
+        rests = []
         for name in last:
             with Loader(name, socket=srv.socket) as loader:
                 loader.load_state_dict(second)
                 state = loader.state_dict()
                 assert len(state["elastic"]["stages"]) == 2
-                rest = [_copy(b) for b in loader]
-                counts.append(len(rest))
-                after.append(_indices(rest))
-        check_once(
-            before + stage,
-            after,
-            counts,
-            length=LENGTH,
-            old_world=4,
-            old_batch=BATCH,
-            new_world=6 + 3,  # two stages' padding
-            new_batch=BATCH,
-            drop_last=False,
-        )
+                rests.append([_copy(b) for b in loader])
+        check_resumed(before + stage, rests, length=LENGTH, batch=BATCH, new_world=6 + 3)
     finally:
         srv.stop()

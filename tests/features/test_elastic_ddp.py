@@ -20,7 +20,7 @@ import torch
 from pinfeed import Client
 from tests.conftest import REPO, Server, free_port
 from tests.features.test_elastic import BATCH, LENGTH, SEED, WORKERS, _dataset, _loaders
-from tests.fixtures.elastic import check_once, distributed, reference_epoch
+from tests.fixtures.elastic import check_resumed, distributed, indices, reference_epoch
 from tests.helpers import assert_same
 
 SCRIPT = REPO / "tests" / "features" / "elastic_ddp.py"
@@ -60,6 +60,7 @@ def checkpoint(
             admin.delete_loader(name)
 
 
+@pytest.mark.heavy  # torchrun: 4 ranks, then 3 or 6
 @pytest.mark.parametrize(("new_world", "phase"), [(3, "resume"), (6, "resume"), (3, "resume-dcp")])
 def test_torchrun_resumes_at_another_world_size(
     admin: Client,
@@ -78,11 +79,10 @@ def test_torchrun_resumes_at_another_world_size(
     shutil.copytree(first / "dcp", tmp_path / "dcp")
     prefix = names[0].rsplit("-", 1)[0]
     torchrun(new_world, prefix, str(server.socket), str(tmp_path), phase, "0")
-    after, counts = [], []
+    rests = []
     for rank in range(new_world):
         rest, following = torch.load(tmp_path / f"resume-rank{rank}.pt")
-        after.append([i for b in rest for i in b[3].tolist()])
-        counts.append(len(rest))
+        rests.append(rest)
         sampler = distributed(LENGTH, new_world, rank, SEED, False)
         workers = WORKERS[rank % 2]
         if rank < 2:  # augmentations and all
@@ -92,17 +92,7 @@ def test_torchrun_resumes_at_another_world_size(
             assert_same(following, want)
         else:
             sampler.set_epoch(1)
-            assert [i for b in following for i in b[3].tolist()] == list(sampler)
-    check_once(
-        before,
-        after,
-        counts,
-        length=LENGTH,
-        old_world=4,
-        old_batch=BATCH,
-        new_world=new_world,
-        new_batch=BATCH,
-        drop_last=False,
-    )
+            assert indices(following) == list(sampler)
+    check_resumed(before, rests, length=LENGTH, batch=BATCH)
     for name in names:
         admin.delete_loader(name)

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from pinfeed import Client, Loader
 from tests.conftest import REPO, Server
-from tests.fixtures.elastic import check_once, distributed, reference_epoch
+from tests.fixtures.elastic import check_resumed, distributed, reference_epoch
 from tests.helpers import assert_same, register_synthetic, unique
 from tests.integrations.lightning_module import Recorder, Validating, trainer
 
@@ -152,6 +152,7 @@ def test_resume_from_a_mid_epoch_checkpoint(
     admin.delete_loader(train)
 
 
+@pytest.mark.heavy  # Lightning DDP: 2 ranks
 @pytest.mark.slow
 def test_ddp_on_two_cpu_processes_trains_on_distributed_shards(
     admin: Client, server: Server, dataset: tuple[str, Any], tmp_path: Path
@@ -214,6 +215,7 @@ def test_fit_on_a_pinfeed_dataloader_is_fit_on_torchs(server: Server, dataset: A
         assert e0 == e1 and all(torch.equal(x, y) for x, y in zip(b0, b1, strict=True))
 
 
+@pytest.mark.heavy  # Lightning DDP: 2 ranks, twice
 def test_ddp_puts_a_distributed_sampler_into_a_pinfeed_dataloader(
     server: Server, tmp_path: Path
 ) -> None:
@@ -264,6 +266,7 @@ def _lightning(names: list[str], server: Server, out: Path, phase: str, devices:
 ELASTIC_K = 4  # batches trained before the checkpoint, of 8 per rank at 4 ranks
 
 
+@pytest.mark.heavy  # Lightning DDP: 4 ranks, then 3 or 6
 @pytest.mark.parametrize("new_world", [3, 6])
 def test_ddp_resumes_a_4_rank_checkpoint_on_another_world_size(
     admin: Client,
@@ -280,29 +283,18 @@ def test_ddp_resumes_a_4_rank_checkpoint_on_another_world_size(
     names = _elastic_loaders(admin, ds, new_world)
     (tmp_path / "mid.ckpt").write_bytes((first / "mid.ckpt").read_bytes())
     _lightning(names, server, tmp_path, "resume", new_world)
-    after, counts = [], []
+    rests = []
     for rank in range(new_world):
         seen = torch.load(tmp_path / f"resume-rank{rank}.pt", weights_only=False)
         rest = [b for e, b in seen if e == 0]
         following = [b for e, b in seen if e == 1]
-        after.append([i for b in rest for i in b[3].tolist()])
-        counts.append(len(rest))
+        rests.append(rest)
         sampler = distributed(ELASTIC_LENGTH, new_world, rank, SEED, False)
         want = reference_epoch(
             sampler, 1, batch_size=BATCH, num_workers=rank % 2, seed=SEED, length=ELASTIC_LENGTH
         )
         assert_same(following, want)  # epoch 1: DistributedSampler(new_world)'s
-    check_once(
-        before,
-        after,
-        counts,
-        length=ELASTIC_LENGTH,
-        old_world=4,
-        old_batch=BATCH,
-        new_world=new_world,
-        new_batch=BATCH,
-        drop_last=False,
-    )
+    check_resumed(before, rests, length=ELASTIC_LENGTH, batch=BATCH)
     for name in names:
         admin.delete_loader(name)
 

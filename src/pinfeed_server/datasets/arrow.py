@@ -30,7 +30,7 @@ from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 from pydantic import Field
 
 from pinfeed_server.datasets.base import DatasetError, Params
-from pinfeed_server.datasets.images import fit
+from pinfeed_server.datasets.images import fit, safe_formats
 
 Columns = list[str] | dict[str, str] | None
 
@@ -240,9 +240,9 @@ def image_decoder(size: int | None, resolve: Callable[[str], Path]) -> Callable[
         img: Image.Image
         try:
             if data is not None:
-                img = Image.open(io.BytesIO(data))
+                img = Image.open(io.BytesIO(data), formats=safe_formats())
             elif path is not None:
-                img = Image.open(resolve(path))
+                img = Image.open(resolve(path), formats=safe_formats())
             else:
                 raise DatasetError(f"row {index}: an image with neither bytes nor path")
             img.load()

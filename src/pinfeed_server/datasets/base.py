@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import torch
+import torch.utils.data
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 
@@ -69,6 +70,29 @@ class BatchFetcher(Protocol):
     """
 
     def fetch_into(self, indices: Sequence[int], out: Sequence[torch.Tensor]) -> None: ...
+
+
+Fetch = Callable[[Sequence[int], Sequence[torch.Tensor]], None]
+
+
+def batch_fetch(dataset: Any) -> Fetch | None:
+    """How a whole index list of ``dataset`` is gathered straight into the slot's leaf
+    views, where it can be: a kind's own ``fetch_into``, or torch's ``TensorDataset``
+    (its exact type: a subclass may override ``__getitem__``), a trainer's object that
+    ``pinfeed.DataLoader`` shipped, whose ``default_collate`` is a stack of each tensor's
+    rows: ``index_select`` per tensor writes the same values. None: one sample at a time."""
+    if isinstance(dataset, BatchFetcher):
+        return dataset.fetch_into
+    if type(dataset) is torch.utils.data.TensorDataset:
+        tensors = tuple(dataset.tensors)
+
+        def rows_into(indices: Sequence[int], out: Sequence[torch.Tensor]) -> None:
+            idx = torch.as_tensor(indices, dtype=torch.int64)
+            for t, o in zip(tensors, out, strict=True):
+                torch.index_select(t, 0, idx, out=o)
+
+        return rows_into
+    return None
 
 
 class Params(BaseModel):

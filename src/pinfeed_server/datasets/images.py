@@ -23,6 +23,7 @@ folder (a loop) is not followed, and files are opened by their resolved path wit
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Sequence
@@ -150,12 +151,22 @@ def scan(folder: Path, root: Path) -> tuple[list[str], SharedArrays]:
     return classes, index
 
 
+@functools.cache
+def safe_formats() -> tuple[str, ...]:
+    """Every Pillow format but EPS (to load one, Pillow runs Ghostscript on the file's
+    PostScript, in the server), in Pillow's order: what every kind opens images with,
+    by their content, whatever their names say. An EPS file is then a sample error
+    ("cannot identify image file"), as any file Pillow cannot read."""
+    Image.init()
+    return tuple(f for f in Image.ID if f != "EPS")
+
+
 def decode(path: str, size: int, crop: bool = True, draft: bool = False) -> Image.Image:
     """Open ``path`` (no symlink) as RGB, resize its shorter side to ``size`` and, with
     ``crop``, center-crop; ``draft``: decode a JPEG at a reduced scale first."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     with os.fdopen(fd, "rb") as f:
-        img: Image.Image = Image.open(f)
+        img: Image.Image = Image.open(f, formats=safe_formats())
         source = img.size
         if draft and img.format == "JPEG":
             w, h = source

@@ -63,7 +63,6 @@ memory-mapped shards through the offsets found then (compact numpy arrays).
 from __future__ import annotations
 
 import contextlib
-import functools
 import gzip
 import io
 import json
@@ -87,7 +86,7 @@ from PIL import Image
 from pydantic import Field
 
 from pinfeed_server.datasets.base import DatasetContext, DatasetError, Kind, Params
-from pinfeed_server.datasets.images import fit
+from pinfeed_server.datasets.images import fit, safe_formats
 
 # webdataset.autodecode.IMAGE_EXTENSIONS (1.0.2: Pillow's formats), less ps/eps (REFUSED)
 _IMAGE_EXTENSIONS = """
@@ -267,14 +266,6 @@ def refusal(ext: str) -> str | None:
     return None
 
 
-@functools.cache
-def _formats() -> tuple[str, ...]:
-    """Every Pillow format but EPS (to load one, Pillow runs Ghostscript), in Pillow's
-    order: an image member is opened by its content, whatever its extension says."""
-    Image.init()
-    return tuple(f for f in Image.ID if f != "EPS")
-
-
 def _gunzip(data: bytes) -> bytes:
     """``gzip.open(io.BytesIO(data)).read()`` (``gzfilter``), bounded by INFLATE_LIMIT."""
     with gzip.GzipFile(fileobj=io.BytesIO(data)) as f:
@@ -347,7 +338,7 @@ def decode(ext: str, data: bytes, image_size: int | None) -> Any:
     if gz:
         data = _gunzip(data)
     if last in IMAGES:
-        with Image.open(io.BytesIO(data), formats=_formats()) as img:
+        with Image.open(io.BytesIO(data), formats=safe_formats()) as img:
             img.load()
             rgb = img.convert("RGB")
         if image_size is not None:

@@ -2,9 +2,10 @@
 
 ``probe`` reads one sample and records default_collate's structure (the *treedef*)
 and one *leaf* per tensor-like value: the loader's fixed layout. ``SlotWriter`` writes
-batches into ring slots: array-backed datasets through ``fetch_into`` (one gather per
-leaf), all others by ``torch.stack(..., out=leaf_view)``. There is no intermediate
-batch tensor: the collate is the batch's one host copy.
+batches into ring slots: array-backed datasets (and a shipped ``TensorDataset``)
+through ``batch_fetch`` (one gather per leaf), all others by ``torch.stack(...,
+out=leaf_view)``. There is no intermediate batch tensor: the collate is the batch's
+one host copy.
 
 default_collate's rules that we keep: tensors stack; numpy arrays and scalars become
 tensors; Python ``int`` -> int64, ``float`` -> float64, ``bool`` -> bool; ``str``
@@ -32,7 +33,7 @@ from torch.utils.data import default_collate
 
 from pinfeed.errors import BatchTooLarge, SampleError
 from pinfeed.protocol import MAX_MESSAGE, Layout, Leaf, align
-from pinfeed_server.datasets.base import BatchFetcher
+from pinfeed_server.datasets.base import batch_fetch
 from pinfeed_server.engine.batchlayout import OutputError, output_leaves, write_output
 from pinfeed_server.engine.ring import SlotSpace  # a ring of several segments
 
@@ -243,14 +244,20 @@ def fetch_samples(dataset: Any, indices: Sequence[int]) -> list[Any]:
         try:
             samples.append(dataset[i])
         except Exception as exc:
-            raise SampleError(
-                f"sample {i} raised {type(exc).__name__}: {exc}",
-                index=i,
-                error_type=type(exc).__name__,
-                error_module=type(exc).__module__,
-                where=traceback.format_exc(limit=-3),
-            ) from exc
+            raise dataset_error(exc, f"sample {i} raised {type(exc).__name__}: {exc}", i) from exc
     return samples
+
+
+def dataset_error(exc: BaseException, message: str, index: int | None) -> SampleError:
+    """A sample-error standing in for what the dataset's code raised: ``exc``'s type and
+    the end of its traceback. Call it in the ``except`` clause (it reads the traceback)."""
+    return SampleError(
+        message,
+        index=index,
+        error_type=type(exc).__name__,
+        error_module=type(exc).__module__,
+        where=traceback.format_exc(limit=-3),
+    )
 
 
 def _write_leaf(leaf: Leaf, view: torch.Tensor, values: list[Any]) -> None:
@@ -290,7 +297,7 @@ class SlotWriter:
         self._ring = ring
         self._slot_bytes = slot_bytes
         strings = any(x.kind == "str" for x in layout.leaves)
-        self._batched = isinstance(dataset, BatchFetcher) and not strings and collate_fn is None
+        self._fetch = None if strings or collate_fn is not None else batch_fetch(dataset)
         self._views: dict[tuple[int, int], list[torch.Tensor | None]] = {}
 
     def _slot(self, slot: int) -> torch.Tensor:
@@ -299,11 +306,9 @@ class SlotWriter:
 
     def write(self, slot: int, indices: Sequence[int]) -> bytes:
         """Fetch the samples of ``indices`` and write their batch into ``slot``."""
-        if self.collate_fn is None and self._batched:
+        if self._fetch is not None:
             try:
-                self.dataset.fetch_into(
-                    indices, [v for v in self._fixed(slot, len(indices)) if v is not None]
-                )
+                self._fetch(indices, [v for v in self._fixed(slot, len(indices)) if v is not None])
                 return b""
             except Exception:
                 pass  # the per-sample path says what is wrong, as DataLoader would

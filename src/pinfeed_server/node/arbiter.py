@@ -239,19 +239,11 @@ class NodeArbiter:
             last, engine = base.get(name), engines.get(name)
             if last is None or engine is None:
                 continue
-            cfg, sample = engine.config, seen.sample
+            sample = seen.sample
             dt = max(sample.t - last.sample.t, 1e-9)
-            spec = cfg.autotune
-            out[name] = Reading(
-                name=name,
-                priority=cfg.priority,
-                min_workers=cfg.min_workers,
-                workers=cfg.num_workers,
-                prefetch_factor=cfg.prefetch_factor,
-                movable=spec is not None and engine.producer.executor.counts_workers,
-                ceiling=spec.max_workers if spec else cfg.num_workers,
-                max_prefetch=spec.max_prefetch_factor if spec else cfg.prefetch_factor,
-                trainers=engine.consumers.attached,
+            out[name] = _reading(
+                name,
+                engine,
                 batches=sample.batches - last.sample.batches,
                 samples_per_s=max(0, sample.samples - last.sample.samples) / dt,
                 # as autotune measures them, capped at 1 (busy time counts queued
@@ -603,7 +595,16 @@ class NodeArbiter:
         )
 
 
-def _unmeasured(name: str, engine: LoaderEngine) -> Reading:
+def _reading(
+    name: str,
+    engine: LoaderEngine,
+    *,
+    batches: int,
+    samples_per_s: float,
+    wait_share: float,
+    busy_share: float,
+) -> Reading:
+    """A loader's reading: its config and trainers now, with what was measured."""
     cfg = engine.config
     spec = cfg.autotune
     return Reading(
@@ -616,11 +617,15 @@ def _unmeasured(name: str, engine: LoaderEngine) -> Reading:
         ceiling=spec.max_workers if spec else cfg.num_workers,
         max_prefetch=spec.max_prefetch_factor if spec else cfg.prefetch_factor,
         trainers=engine.consumers.attached,
-        batches=0,
-        samples_per_s=0.0,
-        wait_share=0.0,
-        busy_share=0.0,
+        batches=batches,
+        samples_per_s=samples_per_s,
+        wait_share=wait_share,
+        busy_share=busy_share,
     )
+
+
+def _unmeasured(name: str, engine: LoaderEngine) -> Reading:
+    return _reading(name, engine, batches=0, samples_per_s=0.0, wait_share=0.0, busy_share=0.0)
 
 
 def _with_floors(readings: dict[str, Reading]) -> dict[str, Reading]:

@@ -38,18 +38,19 @@ a turn whose stream has run out, and ``end=True`` once every stream has.
 
 from __future__ import annotations
 
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from pinfeed.errors import SampleError
 from pinfeed.protocol import ErrorInfo
 from pinfeed_server.datasets import DatasetContext, Kind
-from pinfeed_server.engine.collate import Layout
+from pinfeed_server.engine.collate import Layout, dataset_error
 from pinfeed_server.engine.config import LoaderCode, LoaderConfig
 from pinfeed_server.engine.ring import Ring
 from pinfeed_server.engine.sampler import BatchPlan
+
+M = TypeVar("M")  # a producer's process: a worker, an actor
 
 
 # Not frozen, though never changed: two are made per batch, and a frozen dataclass
@@ -88,13 +89,27 @@ def error_info(exc: BaseException) -> ErrorInfo:
     the end of its traceback. Call it in the ``except`` clause (it reads the traceback)."""
     if isinstance(exc, SampleError):
         return exc.info()
-    return SampleError(
-        f"{type(exc).__name__}: {exc}",
-        index=None,
-        error_type=type(exc).__name__,
-        error_module=type(exc).__module__,
-        where=traceback.format_exc(limit=-3),
-    ).info()
+    return dataset_error(exc, f"{type(exc).__name__}: {exc}", None).info()
+
+
+class _Forgets(Protocol):
+    count: int
+
+    def forget(self, worker: int) -> None: ...
+
+
+def regroup(members: list[M], retiring: list[M], new: list[M], n: int, streams: _Forgets) -> None:
+    """A live resize to ``n`` processes, under the producer's lock: ``new`` join, those
+    past ``n`` go to ``retiring`` (to finish what they hold). The RNG streams stay the
+    loader's num_workers as created (DataLoader's worker ids); those now served by
+    another process move there."""
+    before = len(members)
+    members.extend(new)
+    while len(members) > n:
+        retiring.append(members.pop())
+    for stream in range(streams.count):
+        if stream % before != stream % n:
+            streams.forget(stream)
 
 
 @dataclass(frozen=True)

@@ -125,7 +125,9 @@ class InlineProducer:
         """A ``pinfeed.DataLoader`` without workers: DataLoader makes its batches in the
         trainer, on the trainer's global RNGs, so ``make`` runs here on the states the
         trainer sent with the task (FEED), and the states after it go back with the
-        result (RNG), for the trainer to carry on from."""
+        result (RNG), for the trainer to carry on from. A batch the trainer sent no
+        states with (its objects draw nothing: ``pinfeed.DataLoader`` feeds those
+        ahead) is made here and sends none back."""
         state = plan.trainer_rng(task.epoch, task.index)
         with GLOBAL_RNG:
             server = capture()
@@ -136,7 +138,8 @@ class InlineProducer:
                     result = make()
                 except Exception as exc:
                     result = Result(task.seq, error=error_info(exc))
-                result.rng = dump_state()
+                if state is not None:
+                    result.rng = dump_state()
                 return result
             finally:
                 restore(server)

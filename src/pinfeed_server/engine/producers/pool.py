@@ -25,7 +25,7 @@ from multiprocessing.connection import wait
 
 from pinfeed.errors import SampleError
 from pinfeed_server.engine.iterable import EndJudge, IterRoutes, is_iterable
-from pinfeed_server.engine.producers.base import ProducerContext, Result, Task
+from pinfeed_server.engine.producers.base import ProducerContext, Result, Task, regroup
 from pinfeed_server.engine.producers.codec import (
     RESEED_TAG,
     SNAPSHOT_TAG,
@@ -117,15 +117,7 @@ class WorkerPool:
             else []
         )
         with self._lock:
-            before = len(self._workers)
-            self._workers.extend(new)
-            while len(self._workers) > num_workers:
-                self._retiring.append(self._workers.pop())
-            # The RNG streams stay the loader's num_workers as created (DataLoader's
-            # worker ids); those now served by another process move there.
-            for stream in range(self.streams.count):
-                if stream % before != stream % num_workers:
-                    self.streams.forget(stream)
+            regroup(self._workers, self._retiring, new, num_workers, self.streams)
 
     def _retire_idle(self) -> None:
         with self._lock:

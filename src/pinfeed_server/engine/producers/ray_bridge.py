@@ -40,7 +40,7 @@ from typing import Any
 from pinfeed.errors import SampleError
 from pinfeed_server.datasets import build_dataset
 from pinfeed_server.engine.config import LoaderConfig
-from pinfeed_server.engine.producers.base import Result, Task, error_info
+from pinfeed_server.engine.producers.base import Result, Task, error_info, regroup
 from pinfeed_server.engine.producers.codec import (
     DROP_TAG,
     FATAL_TAG,
@@ -148,13 +148,7 @@ class Bridge:
     def resize(self, n: int) -> None:
         new = self._spawn(n - len(self.actors)) if n > len(self.actors) else []
         with self._lock:
-            before = len(self.actors)
-            self.actors.extend(new)
-            while len(self.actors) > n:
-                self._retiring.append(self.actors.pop())
-            for stream in range(self.streams.count):
-                if stream % before != stream % n:
-                    self.streams.forget(stream)
+            regroup(self.actors, self._retiring, new, n, self.streams)
 
     def _replace(self, dead: _Actor, why: str) -> None:
         """An actor died: start another in its place and re-send its tasks in order."""
