@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench import data, results
-from bench.procs import child_env, end, spawn
+from bench.procs import child_env, end, read_points, spawn
 
 if TYPE_CHECKING:
     from bench.server import BenchServer
@@ -253,28 +253,17 @@ class Trainer:
     def __init__(self, srv: BenchServer) -> None:
         spec = {"loader": TRAIN, "socket": str(srv.socket)}
         self.proc = spawn(["bench.control", "trainer", json.dumps(spec)])
-        self.points: list[tuple[float, int]] = []
-        self.ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
+        self.points, self.ready = read_points(self.proc)  # (time, samples) points
         if not self.ready.wait(120):
             self.stop()
             raise RuntimeError("the trainer did not get its first batch within 120 s")
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            msg = json.loads(line)
-            if isinstance(msg, dict):
-                self.ready.set()
-            else:
-                self.points.append((msg[0], msg[1]))
 
     def rate(self, window: tuple[float, float]) -> float:
         inside = [p for p in list(self.points) if window[0] <= p[0] <= window[1]]
         if len(inside) < 2:
             return float("nan")
         (t0, n0), (t1, n1) = inside[0], inside[-1]
-        return (n1 - n0) / (t1 - t0)
+        return float((n1 - n0) / (t1 - t0))
 
     def stop(self) -> None:
         end(self.proc, 30, ())

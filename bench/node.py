@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from bench import results
-from bench.procs import end, spawn
+from bench.procs import end, read_points, spawn
 from bench.server import BenchServer
 
 BATCH = 8
@@ -174,19 +174,9 @@ class Trainer:
         self.job = job
         spec = {"loader": job.name, "socket": str(srv.socket), "step_ms": job.step_ms}
         self.proc = spawn(["bench.node", "trainer", json.dumps(spec)])
-        self.points: list[tuple[float, int, int, float]] = []
-        self.ready = threading.Event()
+        # (time, samples, batches, seconds waited) points
+        self.points, self.ready = read_points(self.proc)
         self.started = float("nan")
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            msg = json.loads(line)
-            if isinstance(msg, dict):
-                self.ready.set()
-            else:
-                self.points.append((msg[0], msg[1], msg[2], msg[3]))
 
     def go(self) -> None:
         assert self.proc.stdin is not None

@@ -59,6 +59,25 @@ def end(
         proc.wait()
 
 
+def read_points(proc: subprocess.Popen[str]) -> tuple[list[tuple[Any, ...]], threading.Event]:
+    """A child's stdout read on a thread of its own: its one dict (its first batch came)
+    sets the event, each list after it is a data point, kept as a tuple in the list."""
+    points: list[tuple[Any, ...]] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            msg = json.loads(line)
+            if isinstance(msg, dict):
+                ready.set()
+            else:
+                points.append(tuple(msg))
+
+    threading.Thread(target=read, daemon=True).start()
+    return points, ready
+
+
 class TrainerProc:
     def __init__(self, spec: dict[str, Any]) -> None:
         self.spec = spec
