@@ -44,9 +44,18 @@ def dataset(server: Server) -> str:
 
 
 def _loaders(
-    admin: Client, dataset: str, world: int, *, batch: int = BATCH, drop_last: bool = False
+    admin: Client,
+    dataset: str,
+    world: int,
+    *,
+    batch: int = BATCH,
+    drop_last: bool = False,
+    seed: int = SEED,
+    workers: tuple[int, int] = WORKERS,
+    prefix: str = "el",
 ) -> list[str]:
-    prefix = unique("el")
+    """One loader per rank of a ``world``-rank job (rank r: ``workers[r % 2]`` workers)."""
+    prefix = unique(prefix)
     names = [f"{prefix}-{r}" for r in range(world)]
     for rank, name in enumerate(names):
         admin.create_loader(
@@ -54,11 +63,11 @@ def _loaders(
             dataset=dataset,
             batch_size=batch,
             shuffle=True,
-            seed=SEED,
+            seed=seed,
             drop_last=drop_last,
             rank=rank,
             world_size=world,
-            num_workers=WORKERS[rank % 2],
+            num_workers=workers[rank % 2],
         )
     return names
 

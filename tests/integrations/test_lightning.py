@@ -313,17 +313,6 @@ def _elastic_dataset(admin: Client) -> str:
 
 
 def _elastic_loaders(admin: Client, dataset: str, world: int) -> list[str]:
-    prefix = unique("pl-el")
-    names = [f"{prefix}-{r}" for r in range(world)]
-    for rank, name in enumerate(names):
-        admin.create_loader(
-            name,
-            dataset=dataset,
-            batch_size=BATCH,
-            shuffle=True,
-            seed=SEED,
-            rank=rank,
-            world_size=world,
-            num_workers=rank % 2,
-        )
-    return names
+    from tests.features.test_elastic import _loaders
+
+    return _loaders(admin, dataset, world, batch=BATCH, seed=SEED, workers=(0, 1), prefix="pl-el")
