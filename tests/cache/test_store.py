@@ -28,7 +28,9 @@ def _cached(tmp_path: Path, ds: Any, max_bytes: int | None = None) -> CachedData
     return build("t", ds, spec, source, nbytes, tmp_path / "cache", ship_base=True)
 
 
-def _read_all(dataset: CachedDataset, out: Any) -> None:
+def _read_all(dataset: CachedDataset, out: Any, start: Any = None) -> None:
+    if start is not None:
+        start.wait(60)  # every process reads sample 0 at once (spawn's start-up varies)
     for i in range(len(dataset)):
         x, label = dataset[i]
         assert label == i and torch.equal(x, torch.full((64,), i, dtype=torch.int32))
@@ -44,8 +46,8 @@ def test_two_processes_missing_a_sample_store_it_once(tmp_path: Path) -> None:
     cached = _cached(tmp_path, CountedReads(str(log), 16))
     log.unlink()  # the check's reads
     ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_read_all, args=(cached, out)) for _ in range(3)]
+    out, start = ctx.Queue(), ctx.Barrier(3)
+    procs = [ctx.Process(target=_read_all, args=(cached, out, start)) for _ in range(3)]
     for p in procs:
         p.start()
     assert [out.get(timeout=120) for _ in procs] == ["ok"] * 3
