@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,6 +76,17 @@ class BatchFetcher(Protocol):
 Fetch = Callable[[Sequence[int], Sequence[torch.Tensor]], None]
 
 
+def gather_rows(
+    tensors: Sequence[torch.Tensor], indices: Sequence[int], out: Sequence[torch.Tensor]
+) -> None:
+    """Rows ``indices`` of each tensor into its ``out`` view: one ``index_select`` each,
+    the same values as ``default_collate``'s stack of the rows (tensors, npy, and a
+    shipped ``TensorDataset``)."""
+    idx = torch.as_tensor(indices, dtype=torch.int64)
+    for t, o in zip(tensors, out, strict=True):
+        torch.index_select(t, 0, idx, out=o)
+
+
 def batch_fetch(dataset: Any) -> Fetch | None:
     """How a whole index list of ``dataset`` is gathered straight into the slot's leaf
     views, where it can be: a kind's own ``fetch_into``, or torch's ``TensorDataset``
@@ -84,14 +96,7 @@ def batch_fetch(dataset: Any) -> Fetch | None:
     if isinstance(dataset, BatchFetcher):
         return dataset.fetch_into
     if type(dataset) is torch.utils.data.TensorDataset:
-        tensors = tuple(dataset.tensors)
-
-        def rows_into(indices: Sequence[int], out: Sequence[torch.Tensor]) -> None:
-            idx = torch.as_tensor(indices, dtype=torch.int64)
-            for t, o in zip(tensors, out, strict=True):
-                torch.index_select(t, 0, idx, out=o)
-
-        return rows_into
+        return functools.partial(gather_rows, tuple(dataset.tensors))
     return None
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pinfeed_server.datasets.base import DatasetContext, DatasetError, Kind, Params
+from pinfeed_server.datasets.base import DatasetContext, DatasetError, Kind, Params, gather_rows
 
 
 class NpyParams(Params):
@@ -56,9 +56,7 @@ class NpyDataset:
         return tuple(items)
 
     def fetch_into(self, indices: Sequence[int], out: Sequence[torch.Tensor]) -> None:
-        idx = torch.as_tensor(indices, dtype=torch.int64)
-        for t, o in zip(self._tensors, out, strict=True):
-            torch.index_select(t, 0, idx, out=o)
+        gather_rows(self._tensors, indices, out)
 
 
 def build(p: NpyParams, ctx: DatasetContext) -> NpyDataset:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from pinfeed_server.datasets.base import DatasetContext, DatasetError, Kind, Params
+from pinfeed_server.datasets.base import DatasetContext, DatasetError, Kind, Params, gather_rows
 
 _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -107,9 +107,7 @@ class TensorsDataset:
         return list(items) if self._kind is list else tuple(items)
 
     def fetch_into(self, indices: Sequence[int], out: Sequence[torch.Tensor]) -> None:
-        idx = torch.as_tensor(indices, dtype=torch.int64)
-        for t, o in zip(self.tensors, out, strict=True):
-            torch.index_select(t, 0, idx, out=o)
+        gather_rows(self.tensors, indices, out)
 
 
 def build(p: TensorsParams, ctx: DatasetContext) -> TensorsDataset:
