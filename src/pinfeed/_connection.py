@@ -191,6 +191,11 @@ class Connection:
         self._t.send(message)
         release.clear()
 
+    def send_plain(self, message: bytes) -> None:
+        """A message that hands nothing back (a FEED: the slots wait for the NEXT, SKIP
+        or SEEK that follows it)."""
+        self._t.send(message)
+
     def hand_back(self, slot: int) -> None:
         """A slot whose batch the trainer never saw goes back with the next message."""
         self.delivery.release.append(slot)

@@ -17,7 +17,8 @@ The sampler stays here, where DataLoader iterates it: each ``iter()`` draws the 
 seed and iterates the batch sampler exactly as DataLoader's iterator does
 (``_BaseDataLoaderIter`` itself), and sends the index batches to the server
 ``num_workers * prefetch_factor`` ahead, one more per batch it yields, as DataLoader
-puts them to its workers. So the script's own sampler object behaves as under
+puts them to its workers (and, as a ``Loader`` does, asks for the next batch as one
+arrives, so a ready batch waits in the socket). So the script's own sampler object behaves as under
 DataLoader (``set_epoch`` on its ``DistributedSampler``, a stateful sampler's position,
 a ``RandomSampler`` drawing from the generator or the global RNG), and the workers,
 seeded from that base seed as DataLoader seeds them, make DataLoader's batches.
@@ -38,6 +39,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import struct
+import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -265,6 +268,13 @@ class _Owned:
         self.ahead = 0
         if loader.num_workers == 0 and not iterable and _draws_nothing(loader, collate):
             self.ahead = NO_DRAW_AHEAD
+        # As a Loader does, one NEXT is kept in flight (sent as a batch arrives, after
+        # that batch's FEED), so a ready batch is in the socket when the trainer asks:
+        # wherever the next batch does not wait for an index fed in next() on the
+        # trainer's RNGs (no workers, where something may draw).
+        self.next_ahead = loader.num_workers > 0 or self.ahead > 0
+        self.next_sent = False  # a NEXT is in flight
+        self.goes_on = False  # the last item was a failed batch, not a fatal error
         self.reconnect = reconnect
         self.epoch = -1  # the last epoch begun
         self.in_epoch = False
@@ -323,7 +333,18 @@ class _Owned:
     def skip(self) -> None:
         """Drop the rest of the current epoch (an iterator left unfinished)."""
         conn = self.conn
-        conn.send_message(p.encode_feed(self.epoch, 0, None))  # its sampler: no more
+        conn.send_plain(p.encode_feed(self.epoch, 0, None))  # its sampler: no more
+        if self.next_sent:  # its reply first: SKIP is no message for a waiting NEXT
+            self.next_sent = False
+            n = conn.recv()
+            kind = conn.buf[0]
+            if kind == _END:
+                self.in_epoch = False
+                return
+            if kind == _BATCH:
+                conn.hand_back(_BATCH_HEAD.unpack_from(conn.buf)[1])
+            elif conn.error(n) is None or conn.error(n).fatal:  # type: ignore[union-attr]
+                raise conn.failure(n)
         conn.send(p.SKIP)
         while True:
             n = conn.recv()
@@ -337,14 +358,28 @@ class _Owned:
         self.in_epoch = False
 
     def feed(self, index: int, indices: list[int] | None, rng_state: bytes = b"") -> None:
-        self.conn.send_message(p.encode_feed(self.epoch, index, indices, rng_state))
+        # A NEXT, SKIP or SEEK always follows: the slots to hand back go with it.
+        self.conn.send_plain(p.encode_feed(self.epoch, index, indices, rng_state))
 
     def next_batch(self) -> bool:
         """Wait for the next item: True for a BATCH (``deliver`` it), False at the
-        epoch's END; raises what failed."""
+        epoch's END; raises what failed (``goes_on``: a failed batch, not the loader)."""
         conn = self.conn
-        conn.send(_NEXT)
-        n = conn.recv()
+        asked = time.perf_counter_ns()
+        self.goes_on = False
+        if self.next_sent:
+            # The NEXT sent as the last batch arrived: its batch is usually here. If not,
+            # hand the last view's slot back before waiting (the server may need it).
+            self.next_sent = False
+            n = conn.try_recv()
+            if n is None:
+                if conn.holds_slots():
+                    conn.send(p.RELEASE)
+                n = conn.recv()
+        else:
+            conn.send(_NEXT)
+            n = conn.recv()
+        conn.wait_us = (time.perf_counter_ns() - asked) // 1000
         kind = conn.buf[0]
         if kind == _BATCH:
             return True
@@ -354,7 +389,15 @@ class _Owned:
         info = conn.error(n)
         if info is None:
             raise conn.failure(n)
+        self.goes_on = info.batch_index is not None and not info.fatal
         raise error_from_info(info)
+
+    def ask_ahead(self) -> None:
+        """Send the NEXT for the item after the one just received (its FEED sent first);
+        it hands back the slot of the batch before."""
+        if self.next_ahead:
+            self.conn.send(_NEXT)
+            self.next_sent = True
 
     def deliver(self) -> Any:
         """The BATCH just received, as views (or copies, or on the device). Its slot goes
@@ -407,6 +450,17 @@ class _Iter(_BaseDataLoaderIter):
         super().__init__(loader)  # DataLoader's own: the base seed, the sampler's iterator
         self._start(resume)
 
+    def __next__(self) -> Any:
+        if self._owned.iterable or torch._C._autograd._profiler_enabled():
+            return super().__next__()  # DataLoader's own, its profiler label and warning
+        # The same steps for a map-style dataset without the label, which costs tens of
+        # microseconds a batch where no profiler records it.
+        if self._sampler_iter is None:
+            self._reset()  # type: ignore[call-arg]
+        data = self._next_data()
+        self._num_yielded += 1
+        return data
+
     def _start(self, resume: dict[str, Any] | None = None) -> None:
         owned = self._owned
         index = 0
@@ -442,8 +496,14 @@ class _Iter(_BaseDataLoaderIter):
             self._owned.feed(self._fed, None)
             return False
         state = rng.dump_state() if with_rng else b""
-        batch = [int(i) for i in indices]
-        self._owned.feed(self._fed, batch, state)
+        # torch's batch samplers yield lists of ints: sent as they are (anything else
+        # DataLoader indexes with, numpy or tensor integers, as ints).
+        batch = indices if type(indices) is list else list(indices)
+        try:
+            self._owned.feed(self._fed, batch, state)
+        except struct.error:
+            batch = [int(i) for i in indices]
+            self._owned.feed(self._fed, batch, state)
         self._history.append((batch, state))
         self._fed += 1
         return True
@@ -470,12 +530,18 @@ class _Iter(_BaseDataLoaderIter):
             owned.yielded += 1  # a failed batch counts as consumed, as in DataLoader
             if ahead:
                 self._feed()  # DataLoader puts the next index before re-raising
+            if owned.goes_on:
+                owned.ask_ahead()
             raise
         if not got:
             raise StopIteration
         owned.yielded += 1
         if ahead:
             self._feed()  # one more index for each batch handed out, as DataLoader
+        elif owned.ahead:
+            while self._fed <= owned.yielded + owned.ahead and self._feed():
+                pass
+        owned.ask_ahead()
         return owned.deliver()
 
     def _next_batch(self) -> bool:

@@ -129,17 +129,20 @@ class InlineProducer:
         states with (its objects draw nothing: ``pinfeed.DataLoader`` feeds those
         ahead) is made here and sends none back."""
         state = plan.trainer_rng(task.epoch, task.index)
+        if state is None:
+            try:
+                return make()  # nothing draws: the server's RNGs are not touched
+            except Exception as exc:
+                return Result(task.seq, error=error_info(exc))
         with GLOBAL_RNG:
             server = capture()
             try:
-                if state is not None:
-                    load_state(state)
+                load_state(state)
                 try:
                     result = make()
                 except Exception as exc:
                     result = Result(task.seq, error=error_info(exc))
-                if state is not None:
-                    result.rng = dump_state()
+                result.rng = dump_state()
                 return result
             finally:
                 restore(server)
