@@ -173,6 +173,26 @@ def test_reaches_the_least_weighted_stall_and_stays(monkeypatch: pytest.MonkeyPa
     assert node.arbiter.state().settled
 
 
+def test_a_loader_far_short_of_its_need_gets_there_in_few_moves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # medium needs 7 workers and has 1: grown by what its wait says it lacks (at most
+    # doubling: 1 -> 2 -> 4 -> 7), not one worker a round (6 judged moves, 21 rounds)
+    node = Node(9, monkeypatch)
+    _three(node)
+    rounds = 0
+    while rounds < 40 and node.split() != {"fast": 1, "medium": 7, "slow": 1}:
+        node.run(1)
+        rounds += 1
+    grown = [
+        d.workers["medium"]
+        for d in node.arbiter.decisions
+        if d.kind == "grow" and d.loader == "medium"
+    ]
+    assert grown == [2, 4, 7]
+    assert rounds <= 14
+
+
 def test_every_move_is_logged_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
     node = Node(9, monkeypatch)
     _three(node)

@@ -12,8 +12,12 @@ Moves, first match (only loaders with ``autotune`` move; the others' ``num_worke
 is fixed demand that counts against PINFEED_MAX_WORKERS):
 
 1. A trainer waits and its workers are busy (the workers are the bottleneck): the
-   loader with the largest ``priority * wait`` gets one worker more, from the free
-   budget if there is one (``grow``), else from a donor (``move``): first a loader with
+   loader with the largest ``priority * wait`` gets more workers. From the free budget
+   (``grow``) it gets as many as its wait says it lacks (busy workers supply ``1 -
+   wait`` of what its trainers ask, so it needs about ``workers / (1 - wait)``), at
+   most doubling its workers in one move, so a loader far short of its need gets there
+   in a few judged moves, not one worker a round. Without free workers it gets one
+   from a donor (``move``): first a loader with
    no trainer attached, then one whose trainer does not wait (its idlest), and only
    then a stalled one whose estimated loss (``priority * progress / workers``) is
    smaller than the receiver's estimated gain.
@@ -48,6 +52,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import threading
 import time
@@ -71,6 +76,7 @@ GAIN = 1.05  # the receiver's samples/s rose by this factor: both, since either 
 WINDOW = 3  # a reading spans at most this many rounds
 BLOCK_S = 30.0  # an undone move is not tried again for this long (or a scene change)
 KEPT = 50  # decisions kept for GET /v1/node
+MIN_SUPPLY = 0.05  # a grow's estimate of need takes a wait share as at most 95%
 
 Kind = Literal["grow", "move", "shrink", "prefetch", "keep", "undo", "room", "refused"]
 
@@ -115,6 +121,14 @@ class Reading:
 
 def weighted_stall(readings: dict[str, Reading]) -> float:
     return sum(r.stall for r in readings.values())
+
+
+def grow_step(r: Reading, free: int) -> int:
+    """Free workers a bottlenecked loader gets in one move: those its wait says it
+    lacks (its busy workers supply ``1 - wait`` of its trainers' demand), at most as
+    many as it has (a doubling), within ``free`` and its ceiling; at least one."""
+    lacking = math.ceil(r.workers / max(1.0 - r.wait_share, MIN_SUPPLY)) - r.workers
+    return max(1, min(lacking, max(1, r.workers), free, r.ceiling - r.workers))
 
 
 @dataclass(frozen=True)
@@ -352,18 +366,22 @@ class NodeArbiter:
                 continue
             if r.workers >= r.ceiling:
                 continue
-            grow = LiveChange(num_workers=r.workers + 1)
             back = LiveChange(num_workers=r.workers)
             if free > 0 and not self._is_blocked("grow", r.name):
+                step = grow_step(r, free)
+                more = (
+                    "one more worker (a free one)" if step == 1 else f"{step} more workers (free)"
+                )
                 return self._change(
                     "grow",
                     r,
                     None,
-                    [(r.name, grow, back)],
+                    [(r.name, LiveChange(num_workers=r.workers + step), back)],
                     s,
-                    f"{shares}: one more worker (a free one)",
+                    f"{shares}: {more}",
                     readings,
                 )
+            grow = LiveChange(num_workers=r.workers + 1)
             donor = self._donor(r, movable)
             if donor is not None:
                 d, why = donor
