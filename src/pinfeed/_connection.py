@@ -172,13 +172,19 @@ class Connection:
     def send(self, kind: int) -> None:
         """A NEXT, RELEASE or SKIP, handing back the slots the trainer is done with and
         reporting its last wait."""
+        self._t.send(self.release_message(kind))
+
+    def release_message(self, kind: int) -> bytes:
+        """The NEXT, RELEASE or SKIP ``send`` sends (the slots it hands back are taken):
+        to send now, or inside another message (a FEED's NEXT)."""
         delivery = self.delivery
         if delivery.pending:
             delivery.collect_copies()
         release = delivery.release
-        self._t.send(p.encode_release(kind, release, self.wait_us))
+        message = p.encode_release(kind, release, self.wait_us)
         self.wait_us = 0
         release.clear()
+        return message
 
     def send_message(self, message: bytes) -> None:
         """Any other message (a SEEK); the slots to hand back go first, in a RELEASE."""

@@ -357,9 +357,17 @@ class _Owned:
                 raise conn.failure(n)
         self.in_epoch = False
 
-    def feed(self, index: int, indices: list[int] | None, rng_state: bytes = b"") -> None:
-        # A NEXT, SKIP or SEEK always follows: the slots to hand back go with it.
-        self.conn.send_plain(p.encode_feed(self.epoch, index, indices, rng_state))
+    def feed(
+        self, index: int, indices: list[int] | None, rng_state: bytes = b"", ask: bool = False
+    ) -> None:
+        """Send batch ``index``'s indices (``struct.error``, nothing sent, if one is no
+        integer); ``ask``: with the NEXT kept in flight in the same message (it hands
+        back the slots). Else a NEXT, SKIP or SEEK follows and hands them back."""
+        message = p.encode_feed(self.epoch, index, indices, rng_state)
+        if ask and self.next_ahead:
+            message = p.feed_then_next(message, self.conn.release_message(_NEXT))
+            self.next_sent = True
+        self.conn.send_plain(message)
 
     def next_batch(self) -> bool:
         """Wait for the next item: True for a BATCH (``deliver`` it), False at the
@@ -483,27 +491,30 @@ class _Iter(_BaseDataLoaderIter):
             for _ in range(owned.prefetch):  # DataLoader's _reset puts this many ahead
                 self._feed()
 
-    def _feed(self, with_rng: bool = False) -> bool:
+    def _feed(self, with_rng: bool = False, ask: bool = False) -> bool:
         """Send the sampler's next index batch (``with_rng``: and this process's RNG
-        states, taken after the sampler drew: the batch is made on them); False (after
-        telling the server) once the sampler ran out."""
+        states, taken after the sampler drew: the batch is made on them; ``ask``: and
+        the NEXT kept in flight); False (after telling the server) once the sampler ran
+        out."""
         if self._exhausted:
+            if ask:
+                self._owned.ask_ahead()
             return False
         try:
             indices = self._next_index()  # type: ignore[no-untyped-call]
         except StopIteration:
             self._exhausted = True
-            self._owned.feed(self._fed, None)
+            self._owned.feed(self._fed, None, ask=ask)
             return False
         state = rng.dump_state() if with_rng else b""
         # torch's batch samplers yield lists of ints: sent as they are (anything else
         # DataLoader indexes with, numpy or tensor integers, as ints).
         batch = indices if type(indices) is list else list(indices)
         try:
-            self._owned.feed(self._fed, batch, state)
+            self._owned.feed(self._fed, batch, state, ask=ask)
         except struct.error:
             batch = [int(i) for i in indices]
-            self._owned.feed(self._fed, batch, state)
+            self._owned.feed(self._fed, batch, state, ask=ask)
         self._history.append((batch, state))
         self._fed += 1
         return True
@@ -529,19 +540,20 @@ class _Iter(_BaseDataLoaderIter):
         except Exception:
             owned.yielded += 1  # a failed batch counts as consumed, as in DataLoader
             if ahead:
-                self._feed()  # DataLoader puts the next index before re-raising
-            if owned.goes_on:
+                self._feed(ask=owned.goes_on)  # DataLoader puts the next index, re-raises
+            elif owned.goes_on:
                 owned.ask_ahead()
             raise
         if not got:
             raise StopIteration
         owned.yielded += 1
         if ahead:
-            self._feed()  # one more index for each batch handed out, as DataLoader
-        elif owned.ahead:
-            while self._fed <= owned.yielded + owned.ahead and self._feed():
+            # One more index for each batch handed out, as DataLoader, and the NEXT.
+            self._feed(ask=True)
+        else:
+            while owned.ahead and self._fed <= owned.yielded + owned.ahead and self._feed():
                 pass
-        owned.ask_ahead()
+            owned.ask_ahead()
         return owned.deliver()
 
     def _next_batch(self) -> bool:

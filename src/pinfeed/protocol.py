@@ -17,6 +17,7 @@ so the hot path neither pickles nor parses JSON::
     CREATE  O  JSON Create + payload memfd   RNG      Y  RNG_HEAD + the trainer's RNG
     EPOCH   H  EPOCH_BODY (base seed)                    states, ahead of its BATCH
     FEED    F  FEED_HEAD, int64 indices, RNG
+               (FEED_NEXT: then a NEXT)
     RESUME  U  JSON {"state": state_dict}    RESUMED  u  JSON Resumed (after RESUME)
     REPLAY  V  JSON Replay (a connection's   REPLAYED v  JSON Replayed + a one-slot ring
                first message)                            memfd, then its BATCH or ERROR
@@ -46,7 +47,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 # HTTP, not the socket: the header a client names itself with; the control plane paces
 # each (address, this header) apart (pinfeed_server/api/throttle.py).
 HTTP_CLIENT_HEADER = "x-pinfeed-client"
@@ -74,9 +75,10 @@ POSITION_BODY = struct.Struct("<B3xII")  # kind, epoch, index
 SEGMENT_BODY = struct.Struct("<B3xIII")  # kind, segment id, first slot, slots (0: closed)
 RELEASE_HEAD = struct.Struct("<BxH")  # kind, count
 EPOCH_BODY = struct.Struct("<B3xIq")  # kind, epoch, base seed
-# kind, epoch, index, indices (FEED_END: the sampler ran out), RNG state bytes after them
-FEED_HEAD = struct.Struct("<B3xIIII")
+# kind, flags, epoch, index, indices (FEED_END: the sampler ran out), RNG state bytes
+FEED_HEAD = struct.Struct("<BB2xIIII")
 FEED_END = 0xFFFFFFFF
+FEED_NEXT = 1  # flag: a NEXT follows the RNG states in the same message
 RNG_HEAD = struct.Struct("<B3xI")  # kind, bytes of the pickled (torch, random, numpy) states
 SLOT = struct.Struct("<I")
 WAIT = struct.Struct("<I")
@@ -298,25 +300,41 @@ def decode_epoch(data: Buffer) -> tuple[int, int]:
 def encode_feed(epoch: int, index: int, indices: list[int] | None, rng: bytes = b"") -> bytes:
     """Batch ``index`` of ``epoch`` (None: the sampler ran out), and the trainer's RNG
     states to make it on (a loader without workers: DataLoader makes its batches in the
-    trainer, on the trainer's RNGs)."""
+    trainer, on the trainer's RNGs). ``struct.error`` if an index is no integer."""
     if indices is None:
-        return FEED_HEAD.pack(FEED, epoch, index, FEED_END, 0)
-    head = FEED_HEAD.pack(FEED, epoch, index, len(indices), len(rng))
+        return FEED_HEAD.pack(FEED, 0, epoch, index, FEED_END, 0)
+    head = FEED_HEAD.pack(FEED, 0, epoch, index, len(indices), len(rng))
     return head + struct.pack(f"<{len(indices)}q", *indices) + rng
 
 
-def decode_feed(data: Buffer) -> tuple[int, int, list[int] | None, bytes]:
-    """(epoch, index, indices or None at the end, RNG states or b"")."""
+def feed_then_next(feed: bytes, next_message: bytes) -> bytes:
+    """A FEED (``encode_feed``'s) and the NEXT after it as one message: the per-batch
+    message of a ``pinfeed.DataLoader`` with workers."""
+    return bytes((FEED, FEED_NEXT)) + feed[2:] + next_message
+
+
+def decode_feed(data: Buffer) -> tuple[int, int, list[int] | None, bytes, memoryview | None]:
+    """(epoch, index, indices or None at the end, RNG states or b"", the NEXT that came
+    with it or None); ValueError if malformed."""
+    data = memoryview(data)
     if len(data) < FEED_HEAD.size:
         raise ValueError("short FEED")
-    _, epoch, index, count, nrng = FEED_HEAD.unpack_from(data)
-    if count == FEED_END:
-        return epoch, index, None, b""
-    end = FEED_HEAD.size + 8 * count
-    if len(data) != end + nrng:
+    _, flags, epoch, index, count, nrng = FEED_HEAD.unpack_from(data)
+    if flags & ~FEED_NEXT:
+        raise ValueError(f"a FEED with unknown flags {flags:#x}")
+    end = FEED_HEAD.size if count == FEED_END else FEED_HEAD.size + 8 * count + nrng
+    then = data[end:] if flags & FEED_NEXT else None
+    if (
+        len(data) < end
+        or (then is None and len(data) != end)
+        or (then is not None and (not then or then[0] != NEXT))
+    ):
         raise ValueError("a FEED's length does not match its counts")
+    if count == FEED_END:
+        return epoch, index, None, b"", then
     indices = list(struct.unpack_from(f"<{count}q", data, FEED_HEAD.size))
-    return epoch, index, indices, bytes(data[end:])
+    rng = bytes(data[end - nrng : end])
+    return epoch, index, indices, rng, then
 
 
 @dataclass(frozen=True)

@@ -119,7 +119,7 @@ ROUND_TRIPS: dict[int, tuple[bytes, Callable[[bytes], object]]] = {
     p.EPOCH: (p.encode_epoch(3, -7), lambda m: p.decode_epoch(m) == (3, -7)),
     p.FEED: (
         p.encode_feed(1, 5, [9, 2, 4], b"rng"),
-        lambda m: p.decode_feed(m) == (1, 5, [9, 2, 4], b"rng"),
+        lambda m: p.decode_feed(m) == (1, 5, [9, 2, 4], b"rng", None),
     ),
     p.RNG: (
         p.RNG_HEAD.pack(p.RNG, 3) + b"abc",
@@ -148,9 +148,27 @@ ROUND_TRIPS: dict[int, tuple[bytes, Callable[[bytes], object]]] = {
 
 
 def test_a_feed_end_and_bad_feeds() -> None:
-    assert p.decode_feed(p.encode_feed(2, 7, None)) == (2, 7, None, b"")
+    assert p.decode_feed(p.encode_feed(2, 7, None)) == (2, 7, None, b"", None)
     with pytest.raises(ValueError):
         p.decode_feed(p.encode_feed(1, 0, [1, 2])[:-3])
+    with pytest.raises(ValueError, match="unknown flags"):
+        p.decode_feed(bytes((p.FEED, 0x80)) + p.encode_feed(1, 0, [1])[2:])
+    with pytest.raises(ValueError):  # a FEED_NEXT without its NEXT, or another kind after
+        p.decode_feed(p.feed_then_next(p.encode_feed(1, 0, [1]), b""))
+    with pytest.raises(ValueError):
+        p.decode_feed(p.feed_then_next(p.encode_feed(1, 0, [1]), p.encode_release(p.SKIP, [])))
+
+
+def test_a_feed_carries_the_next_after_it() -> None:
+    # pinfeed.DataLoader's per-batch message: the next index batch, then its NEXT
+    for indices, rng in (([4, 1], b"st"), (None, b"")):
+        message = p.feed_then_next(
+            p.encode_feed(3, 9, indices, rng), p.encode_release(p.NEXT, [5], 12)
+        )
+        epoch, index, got, got_rng, then = p.decode_feed(message)
+        assert (epoch, index, got, got_rng) == (3, 9, indices, rng)
+        assert then is not None and then[0] == p.NEXT
+        assert p.decode_release(then) == ([5], 12)
     with pytest.raises(ValueError, match="unknown fields"):
         p.Create.decode(p._encode_json(p.CREATE, {"version": p.PROTOCOL_VERSION, "bogus": 1}))
     bad = p.Create(None, "d", 0, 2, 2, True, False, False, 100, 4, 100).encode()

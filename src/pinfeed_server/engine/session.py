@@ -48,9 +48,17 @@ class Session:
             if n == 0:
                 return  # the trainer closed (or died)
             kind = self.buf[0]
+            message = self.view[:n]
             item: Item | None
+            if kind in (p.EPOCH, p.FEED):
+                ok, then = self.feed(kind, message)
+                if not ok:
+                    return
+                if then is None:
+                    continue
+                message, kind = then, p.NEXT  # the NEXT that came with the FEED
             if kind in (p.NEXT, p.RELEASE, p.SKIP):
-                slots, wait_us = p.decode_release(self.view[:n])
+                slots, wait_us = p.decode_release(message)
                 if wait_us is not None and kind == p.NEXT:
                     self.engine.stats.consumer_wait(wait_us / 1e6)
                 if not self.release_ok(slots):
@@ -95,10 +103,6 @@ class Session:
             elif kind == p.CUDA and n == 1:
                 self.engine.cuda_registered.add(self.member)
                 continue
-            elif kind in (p.EPOCH, p.FEED):
-                if not self.feed(kind, n):
-                    return
-                continue
             else:
                 name = p.KIND_NAMES.get(kind, "unknown")
                 self.error(ProtocolError(f"unexpected message kind {kind} {name} ({n} bytes)"))
@@ -136,19 +140,20 @@ class Session:
                 return False
         return True
 
-    def feed(self, kind: int, n: int) -> bool:
+    def feed(self, kind: int, message: memoryview) -> tuple[bool, memoryview | None]:
         """A ``pinfeed.DataLoader``'s EPOCH (the base seed its iterator drew) or FEED (an
-        index batch its sampler made); False (after a ProtocolError) if it makes no sense."""
+        index batch its sampler made, and maybe the NEXT after it); (False, None), after
+        a ProtocolError, if it makes no sense, else (True, the NEXT or None)."""
         try:
             if kind == p.EPOCH:
-                self.engine.begin_fed_epoch(*p.decode_epoch(self.view[:n]))
-            else:
-                epoch, index, indices, rng = p.decode_feed(self.view[:n])
-                self.engine.feed(epoch, index, indices, rng or None)
+                self.engine.begin_fed_epoch(*p.decode_epoch(message))
+                return True, None
+            epoch, index, indices, rng, then = p.decode_feed(message)
+            self.engine.feed(epoch, index, indices, rng or None)
         except ValueError as exc:
             self.error(ProtocolError(str(exc)))
-            return False
-        return True
+            return False, None
+        return True, then
 
     def announce_segments(self, ring: Ring) -> None:
         """Tell the trainer of the ring's new segments (SEGMENT + memfd) and of the
@@ -189,7 +194,11 @@ class Session:
                 return None
             kind = self.buf[0]
             if kind in (p.EPOCH, p.FEED):  # the index batch the item may be waiting for
-                if not self.feed(kind, n):
+                ok, then = self.feed(kind, self.view[:n])
+                if not ok:
+                    return None
+                if then is not None:
+                    self.error(ProtocolError("a FEED with a NEXT while a NEXT waits"))
                     return None
                 continue
             if kind != p.RELEASE:
