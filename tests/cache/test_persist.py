@@ -96,7 +96,9 @@ def test_a_bad_file_is_rebuilt_counted_and_never_served(tmp_path: Path, how: str
     want = _reference(srv, params)
     assert_epochs_same([first, again], [want, want])  # nothing bad was served
     if how == "corrupt":  # the file is kept; the one bad record is not
-        assert (reopened["rebuilt"], reopened["samples"]) == (0, 40)
+        # (the restarted loader's prefetch may have met the bad record already: dropped,
+        # being filled again)
+        assert reopened["rebuilt"] == 0 and reopened["samples"] in (39, 40)
         assert (stats["corrupt"], stats["misses"], stats["samples"]) == (1, 1, 40)
     else:
         assert (reopened["rebuilt"], reopened["rebuilt_reason"]) == (1, how)

@@ -111,6 +111,7 @@ class SampleCache:
                 return sample
             region.bump = at + p.size
         start = self._data_at + at
+        region.prepare(start, start + p.size)
         record.write(p, region.rw, start, index)
         if self.checksums:
             with memoryview(region.rw) as mv:
