@@ -66,7 +66,7 @@ from pinfeed._autostart import ensure_server
 from pinfeed._connection import Connection
 from pinfeed._shipping import ship
 from pinfeed._transport import SocketTransport
-from pinfeed.errors import ServerUnavailable, error_from_info
+from pinfeed.errors import PinfeedError, ServerUnavailable, error_from_info
 
 _NEXT, _BATCH, _END, _ERROR = p.NEXT, p.BATCH, p.END, p.ERROR
 RECONNECT_TIMEOUT_S = 60.0
@@ -274,7 +274,6 @@ class _Owned:
         # trainer's RNGs (no workers, where something may draw).
         self.next_ahead = loader.num_workers > 0 or self.ahead > 0
         self.next_sent = False  # a NEXT is in flight
-        self.goes_on = False  # the last item was a failed batch, not a fatal error
         self.reconnect = reconnect
         self.epoch = -1  # the last epoch begun
         self.in_epoch = False
@@ -334,28 +333,28 @@ class _Owned:
         """Drop the rest of the current epoch (an iterator left unfinished)."""
         conn = self.conn
         conn.send_plain(p.encode_feed(self.epoch, 0, None))  # its sampler: no more
-        if self.next_sent:  # its reply first: SKIP is no message for a waiting NEXT
-            self.next_sent = False
-            n = conn.recv()
-            kind = conn.buf[0]
-            if kind == _END:
-                self.in_epoch = False
-                return
-            if kind == _BATCH:
-                conn.hand_back(_BATCH_HEAD.unpack_from(conn.buf)[1])
-            elif conn.error(n) is None or conn.error(n).fatal:  # type: ignore[union-attr]
-                raise conn.failure(n)
-        conn.send(p.SKIP)
-        while True:
-            n = conn.recv()
-            kind = conn.buf[0]
-            if kind == _END:
-                break
-            if kind == _BATCH:
-                conn.hand_back(_BATCH_HEAD.unpack_from(conn.buf)[1])
-            elif conn.error(n) is None or conn.error(n).fatal:  # type: ignore[union-attr]
-                raise conn.failure(n)
+        # The reply to a NEXT in flight first (SKIP is no message for a waiting NEXT).
+        drain, self.next_sent = self.next_sent, False
+        ended = drain and self._drop_reply()
+        if not ended:
+            conn.send(p.SKIP)
+            while not self._drop_reply():
+                pass
         self.in_epoch = False
+
+    def _drop_reply(self) -> bool:
+        """Read one reply of an epoch being dropped: True at its END; a batch goes back
+        unseen, a failed batch is passed over; a fatal error raises."""
+        conn = self.conn
+        n = conn.recv()
+        kind = conn.buf[0]
+        if kind == _BATCH:
+            conn.hand_back(_BATCH_HEAD.unpack_from(conn.buf)[1])
+        elif kind != _END:
+            info = conn.error(n)
+            if info is None or info.fatal:
+                raise conn.failure(n)
+        return kind == _END
 
     def feed(
         self, index: int, indices: list[int] | None, rng_state: bytes = b"", ask: bool = False
@@ -371,10 +370,9 @@ class _Owned:
 
     def next_batch(self) -> bool:
         """Wait for the next item: True for a BATCH (``deliver`` it), False at the
-        epoch's END; raises what failed (``goes_on``: a failed batch, not the loader)."""
+        epoch's END; raises what failed."""
         conn = self.conn
         asked = time.perf_counter_ns()
-        self.goes_on = False
         if self.next_sent:
             # The NEXT sent as the last batch arrived: its batch is usually here. If not,
             # hand the last view's slot back before waiting (the server may need it).
@@ -397,7 +395,6 @@ class _Owned:
         info = conn.error(n)
         if info is None:
             raise conn.failure(n)
-        self.goes_on = info.batch_index is not None and not info.fatal
         raise error_from_info(info)
 
     def ask_ahead(self) -> None:
@@ -430,6 +427,15 @@ def _draws_nothing(loader: DataLoader, collate: Any) -> bool:
         and collate is None
         and type(loader.batch_sampler) is BatchSampler
         and type(loader.sampler) in _QUIET_SAMPLERS
+    )
+
+
+def _failed_batch(exc: Exception) -> bool:
+    """Whether ``exc`` is one batch's failure (the loader goes on), not the loader's."""
+    return (
+        isinstance(exc, PinfeedError)
+        and exc.fatal is False
+        and exc.extra.get("batch_index") is not None
     )
 
 
@@ -537,11 +543,12 @@ class _Iter(_BaseDataLoaderIter):
         ahead = owned.num_workers > 0 and not owned.iterable
         try:
             got = self._next_batch()
-        except Exception:
+        except Exception as exc:
             owned.yielded += 1  # a failed batch counts as consumed, as in DataLoader
+            goes_on = _failed_batch(exc)  # not the loader: the NEXT stays in flight
             if ahead:
-                self._feed(ask=owned.goes_on)  # DataLoader puts the next index, re-raises
-            elif owned.goes_on:
+                self._feed(ask=goes_on)  # DataLoader puts the next index, re-raises
+            elif goes_on:
                 owned.ask_ahead()
             raise
         if not got:

@@ -130,18 +130,12 @@ class InlineProducer:
         ahead) is made here and sends none back."""
         state = plan.trainer_rng(task.epoch, task.index)
         if state is None:
-            try:
-                return make()  # nothing draws: the server's RNGs are not touched
-            except Exception as exc:
-                return Result(task.seq, error=error_info(exc))
+            return _attempt(task, make)  # nothing draws: the server's RNGs are untouched
         with GLOBAL_RNG:
             server = capture()
             try:
                 load_state(state)
-                try:
-                    result = make()
-                except Exception as exc:
-                    result = Result(task.seq, error=error_info(exc))
+                result = _attempt(task, make)
                 result.rng = dump_state()
                 return result
             finally:
@@ -214,3 +208,11 @@ class InlineProducer:
         if not self._closed:
             self._closed = True
             self._writer.close()
+
+
+def _attempt(task: Task, make: Callable[[], Result]) -> Result:
+    """``make()``, its exception as the task's failed result."""
+    try:
+        return make()
+    except Exception as exc:
+        return Result(task.seq, error=error_info(exc))
