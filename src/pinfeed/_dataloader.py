@@ -366,7 +366,10 @@ class _Owned:
         if ask and self.next_ahead:
             message = p.feed_then_next(message, self.conn.release_message(_NEXT))
             self.next_sent = True
-        self.conn.send_plain(message)
+        try:
+            self.conn.send_plain(message)
+        except ServerUnavailable:
+            self._lost()
 
     def next_batch(self) -> bool:
         """Wait for the next item: True for a BATCH (``deliver`` it), False at the
@@ -401,8 +404,20 @@ class _Owned:
         """Send the NEXT for the item after the one just received (its FEED sent first);
         it hands back the slot of the batch before."""
         if self.next_ahead:
-            self.conn.send(_NEXT)
             self.next_sent = True
+            try:
+                self.conn.send(_NEXT)
+            except ServerUnavailable:
+                self._lost()
+
+    def _lost(self) -> None:
+        """The server went while what goes ahead of the next item was sent (it may have
+        answered the NEXT in flight before it died: that batch is in hand). With
+        ``reconnect``, the next item's wait meets it, reconnects and feeds the epoch
+        again; else it is the trainer's error."""
+        if not self.reconnect:
+            raise
+        self.next_sent = False
 
     def deliver(self) -> Any:
         """The BATCH just received, as views (or copies, or on the device). Its slot goes

@@ -83,13 +83,17 @@ def test_state_between_epochs_is_the_next_epochs_start(server: Server) -> None:
     loader.close()
 
 
+@pytest.mark.parametrize("answered", [False, True], ids=["killed", "killed-after-answering"])
 def test_reconnect_after_a_server_restart_mid_epoch(
-    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path_factory: pytest.TempPathFactory, answered: bool
 ) -> None:
     """``reconnect=True``: the server is SIGKILLed after 4 batches and started again;
     the loader ships its objects to the new one, sends the epoch's batches again and
-    goes on: the epochs equal an uninterrupted torch DataLoader's."""
+    goes on: the epochs equal an uninterrupted torch DataLoader's. ``answered``: the
+    server is killed only once it has answered the NEXT kept in flight, so the fifth
+    batch comes from the dead server's socket and the sends after it meet no server."""
     import signal
+    import time
 
     srv = Server(tmp_path_factory.mktemp("restart"))
     srv.start()
@@ -105,6 +109,8 @@ def test_reconnect_after_a_server_restart_mid_epoch(
             for batch in loader:
                 got[epoch].append(_clone(batch))
                 if epoch == 0 and len(got[0]) == 4:
+                    if answered:
+                        time.sleep(1.5)  # the fifth batch is made and sent meanwhile
                     srv.stop(signal.SIGKILL)
                     srv.start()
         loader.close()
