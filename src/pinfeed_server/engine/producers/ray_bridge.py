@@ -11,8 +11,9 @@ reports the result over its pipe. The ring is reached through a ``SlotSpace`` (a
 in whichever segment holds it), as a worker's writer reaches it.
 
 Faults: a dead actor (its process killed, its node stopped) is replaced (Ray places
-the new one on a live node) and its outstanding tasks are sent to the replacement in
-order, reseeded; a batch lost with its node is made again. The head going away ends
+the new one on a live node; one placed on a node that is gone but not yet known dead
+is started again) and its outstanding tasks are sent to the replacement in order,
+reseeded; a batch lost with its node is made again. The head going away ends
 the bridge: a watchdog probes the GCS and, when it stops answering, reports
 ``FATAL_TAG`` + the reason and exits; the server fails the loader and starts a new
 bridge once the cluster answers again (``ray.py``).
@@ -122,12 +123,32 @@ class Bridge:
 
     # -- actors ------------------------------------------------------------------------
     def _spawn(self, count: int) -> list[_Actor]:
+        """Start ``count`` actors and wait until each is ready. One that dies before it
+        ran, not by its own ``__init__`` (Ray placed it on a node that is gone but not
+        yet known dead: the GCS marks a node dead only after its health checks fail), is
+        started again, on another node once Ray knows, until START_TIMEOUT_S. An error
+        in the actor's ``__init__`` (the dataset failed to build) is raised at once."""
+        deadline = time.monotonic() + START_TIMEOUT_S
         handles: list[Any] = [self._cls.remote(self._spec.worker) for _ in range(count)]
+        pids: list[int] = []
         try:
-            pids = self._ray.get([h.ready.remote() for h in handles], timeout=START_TIMEOUT_S)
+            while len(pids) < count:
+                h = handles[len(pids)]
+                try:
+                    left = max(deadline - time.monotonic(), 0.0)
+                    pids.append(self._ray.get(h.ready.remote(), timeout=left))
+                except self._ray.exceptions.RayActorError as exc:
+                    if exc.actor_init_failed or time.monotonic() >= deadline:
+                        raise
+                    log.warning("a new actor died before it ran; starting another (%s)", exc)
+                    with contextlib.suppress(Exception):
+                        self._ray.kill(h)
+                    time.sleep(PROBE_EVERY_S)  # the GCS to learn of the dead node
+                    handles[len(pids)] = self._cls.remote(self._spec.worker)
         except BaseException:
             for h in handles:
-                self._ray.kill(h)
+                with contextlib.suppress(Exception):
+                    self._ray.kill(h)
             raise
         return [_Actor(h, pid) for h, pid in zip(handles, pids, strict=True)]
 
