@@ -187,6 +187,35 @@ def test_patch_num_workers_live(ray_server: NetServer) -> None:
         c.delete_loader(name)
 
 
+def test_a_new_actor_that_dies_before_it_ran_is_started_again(ray_server: NetServer) -> None:
+    """A PATCH to three actors mid-epoch whose new actor's process dies while it builds
+    its dataset (as one Ray placed on a stopped node it does not yet know is dead): the
+    bridge starts another, and the batches stay DataLoader(num_workers=2)'s."""
+    marker = ray_server.data_root / unique("dies-once")
+    dataset, ds = _register(
+        ray_server,
+        "python",
+        {
+            "factory": "tests.fixtures.datasets:DiesOnce",
+            "kwargs": {"marker": str(marker), "length": LENGTH},
+        },
+    )
+    name = _loader(ray_server, dataset, seed=18)
+    assert _wait_state(ray_server, name, {"ready", "failed"})["state"] == "ready"
+
+    def fault(n: int) -> None:
+        if n == 3:
+            marker.touch()  # the next process to build the dataset dies
+            with ray_server.client() as c:
+                assert c.patch_loader(name, num_workers=3)["num_workers"] == 3
+
+    _check(ray_server, name, _reference(ds, 18), fault)
+    assert not marker.exists() and marker.with_name(marker.name + ".taken").exists()
+    with ray_server.client() as c:
+        assert c.loader(name)["state"] == "ready"
+        c.delete_loader(name)
+
+
 def test_sigkill_an_actor_mid_epoch(cluster: NetCluster, ray_server: NetServer) -> None:
     """Its batches are made again by a replacement, with the same augmentations (the
     dead worker's RNG stream restored): nothing lost, repeated or reordered."""

@@ -65,6 +65,7 @@ log = logging.getLogger("pinfeed.ray")
 
 START_TIMEOUT_S = 120.0  # actors to build their datasets (a cold Ray worker imports torch)
 MAX_TASK_RETRIES = 2
+SPAWN_TRIES = 3  # starts of one new actor whose process dies before it is ready
 PROBE_EVERY_S = 1.0
 WAIT_S = 0.02  # how long one ray.wait waits for a batch before it looks for new tasks
 PROBE_FAILURES = 3  # consecutive unanswered probes of the GCS: the cluster is lost
@@ -124,22 +125,26 @@ class Bridge:
     # -- actors ------------------------------------------------------------------------
     def _spawn(self, count: int) -> list[_Actor]:
         """Start ``count`` actors and wait until each is ready. One that dies before it
-        ran, not by its own ``__init__`` (Ray placed it on a node that is gone but not
-        yet known dead: the GCS marks a node dead only after its health checks fail), is
-        started again, on another node once Ray knows, until START_TIMEOUT_S. An error
-        in the actor's ``__init__`` (the dataset failed to build) is raised at once."""
+        ran, not by an exception in its ``__init__`` (Ray placed it on a node that is
+        gone but not yet known dead: the GCS marks a node dead only after its health
+        checks fail), is started again, on another node once Ray knows: SPAWN_TRIES
+        starts in all, within START_TIMEOUT_S. An exception in the actor's ``__init__``
+        (the dataset failed to build) is raised at once."""
         deadline = time.monotonic() + START_TIMEOUT_S
         handles: list[Any] = [self._cls.remote(self._spec.worker) for _ in range(count)]
         pids: list[int] = []
+        tries = 1
         try:
             while len(pids) < count:
                 h = handles[len(pids)]
                 try:
                     left = max(deadline - time.monotonic(), 0.0)
                     pids.append(self._ray.get(h.ready.remote(), timeout=left))
+                    tries = 1
                 except self._ray.exceptions.RayActorError as exc:
-                    if exc.actor_init_failed or time.monotonic() >= deadline:
+                    if exc.actor_init_failed or tries >= SPAWN_TRIES:
                         raise
+                    tries += 1
                     log.warning("a new actor died before it ran; starting another (%s)", exc)
                     with contextlib.suppress(Exception):
                         self._ray.kill(h)
