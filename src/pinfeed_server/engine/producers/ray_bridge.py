@@ -66,6 +66,7 @@ log = logging.getLogger("pinfeed.ray")
 START_TIMEOUT_S = 120.0  # actors to build their datasets (a cold Ray worker imports torch)
 MAX_TASK_RETRIES = 2
 SPAWN_TRIES = 3  # starts of one new actor whose process dies before it is ready
+RESPAWN_PAUSE_S = 1.0  # before starting it again: the GCS to learn of a dead node
 PROBE_EVERY_S = 1.0
 WAIT_S = 0.02  # how long one ray.wait waits for a batch before it looks for new tasks
 PROBE_FAILURES = 3  # consecutive unanswered probes of the GCS: the cluster is lost
@@ -127,16 +128,16 @@ class Bridge:
         """Start ``count`` actors and wait until each is ready. One that dies before it
         ran, not by an exception in its ``__init__`` (Ray placed it on a node that is
         gone but not yet known dead: the GCS marks a node dead only after its health
-        checks fail), is started again, on another node once Ray knows: SPAWN_TRIES
-        starts in all, within START_TIMEOUT_S. An exception in the actor's ``__init__``
+        checks fail), is started again, on another node once Ray knows: at most
+        SPAWN_TRIES starts of each, within START_TIMEOUT_S. An exception in the actor's ``__init__``
         (the dataset failed to build) is raised at once."""
         deadline = time.monotonic() + START_TIMEOUT_S
         handles: list[Any] = [self._cls.remote(self._spec.worker) for _ in range(count)]
         pids: list[int] = []
         tries = 1
         try:
-            while len(pids) < count:
-                h = handles[len(pids)]
+            while (i := len(pids)) < count:
+                h = handles[i]
                 try:
                     left = max(deadline - time.monotonic(), 0.0)
                     pids.append(self._ray.get(h.ready.remote(), timeout=left))
@@ -148,8 +149,8 @@ class Bridge:
                     log.warning("a new actor died before it ran; starting another (%s)", exc)
                     with contextlib.suppress(Exception):
                         self._ray.kill(h)
-                    time.sleep(PROBE_EVERY_S)  # the GCS to learn of the dead node
-                    handles[len(pids)] = self._cls.remote(self._spec.worker)
+                    time.sleep(RESPAWN_PAUSE_S)
+                    handles[i] = self._cls.remote(self._spec.worker)
         except BaseException:
             for h in handles:
                 with contextlib.suppress(Exception):
