@@ -17,8 +17,10 @@ The sampler stays here, where DataLoader iterates it: each ``iter()`` draws the 
 seed and iterates the batch sampler exactly as DataLoader's iterator does
 (``_BaseDataLoaderIter`` itself), and sends the index batches to the server
 ``num_workers * prefetch_factor`` ahead, one more per batch it yields, as DataLoader
-puts them to its workers (and, as a ``Loader`` does, asks for the next batch as one
-arrives, so a ready batch waits in the socket). So the script's own sampler object behaves as under
+puts them to its workers (two more under torch's own batch and index samplers, whose
+moments of iteration cannot be seen: so no worker waits for an index), and, as a
+``Loader`` does, asks for the next batch as one arrives, so a ready batch waits in the
+socket. So the script's own sampler object behaves as under
 DataLoader (``set_epoch`` on its ``DistributedSampler``, a stateful sampler's position,
 a ``RandomSampler`` drawing from the generator or the global RNG), and the workers,
 seeded from that base seed as DataLoader seeds them, make DataLoader's batches.
@@ -38,6 +40,7 @@ with the trainer, however it ends; ``name=`` keeps it warm for the next trainer.
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import struct
 import time
@@ -54,7 +57,6 @@ from torch.utils.data import (
     RandomSampler,
     SequentialSampler,
     SubsetRandomSampler,
-    TensorDataset,
     WeightedRandomSampler,
 )
 from torch.utils.data import DataLoader as TorchDataLoader
@@ -260,7 +262,12 @@ class _Owned:
         self._finalize = weakref.finalize(self, os.close, self.payload)
         self.iterable = iterable
         self.num_workers = loader.num_workers
+        # Index batches fed ahead with workers: DataLoader's num_workers * prefetch_factor;
+        # where when they are taken cannot be seen (torch's samplers), as deep as the
+        # ring (and its two slots of the trainer's), so no worker waits for an index.
         self.prefetch = (loader.prefetch_factor or 2) * loader.num_workers
+        if loader.num_workers > 0 and not iterable and _quiet_batches(loader):
+            self.prefetch += 2
         # Without workers DataLoader makes each batch in next(), on the trainer's RNGs;
         # where nothing draws (a TensorDataset, default_collate, one of torch's samplers,
         # which draw at most at their first index) the next batches are fed ahead, with
@@ -295,7 +302,8 @@ class _Owned:
             samples=None if iterable else _length(loader.sampler),
             drop_last=loader.drop_last,
         )
-        digest = hashlib.sha256(_payload_bytes(self.payload) + request.encode()).hexdigest()
+        # A named loader's "equal configuration and objects": unnamed, nothing to compare.
+        digest = "" if name is None else _digest(self.payload, request.encode())
         message, fds = p.Create(**{**request.__dict__, "digest": digest}).encode(), (self.payload,)
         ensure_server(socket)
         timeout = loader.timeout or None
@@ -433,15 +441,22 @@ class _Owned:
 
 def _draws_nothing(loader: DataLoader, collate: Any) -> bool:
     """Whether a batch made without workers draws nothing from the trainer's RNGs and
-    its indices may be taken ahead: torch's own ``TensorDataset`` (its exact type, as
-    for each class here: a subclass may draw) with ``default_collate``, under torch's
-    ``BatchSampler`` over one of its samplers, which draw at most at their first index
-    (in the first ``next()``, as under DataLoader)."""
-    return (
-        type(loader.dataset) is TensorDataset
-        and collate is None
-        and type(loader.batch_sampler) is BatchSampler
-        and type(loader.sampler) in _QUIET_SAMPLERS
+    its indices may be taken ahead: objects that draw nothing (``rng.draws_nothing``)
+    under torch's ``BatchSampler`` over one of its samplers, which draw at most at their
+    first index (in the first ``next()``, as under DataLoader)."""
+    return rng.draws_nothing(loader.dataset, collate) and _quiet_batches(loader)
+
+
+def _quiet_batches(loader: DataLoader) -> bool:
+    """Whether the moments the batch sampler's indices are taken cannot be seen: torch's
+    own ``BatchSampler`` (its exact type, as each class here: a subclass may do more)
+    over one of torch's samplers that draw at most at their first index (not a
+    ``RandomSampler(replacement=True)`` on a generator: it draws 32 at a time)."""
+    sampler = loader.sampler
+    if type(loader.batch_sampler) is not BatchSampler or type(sampler) not in _QUIET_SAMPLERS:
+        return False
+    return not (
+        type(sampler) is RandomSampler and sampler.replacement and sampler.generator is not None
     )
 
 
@@ -454,9 +469,13 @@ def _failed_batch(exc: Exception) -> bool:
     )
 
 
-def _payload_bytes(fd: int) -> bytes:
-    size = os.fstat(fd).st_size
-    return os.pread(fd, size, 0)
+def _digest(fd: int, config: bytes) -> str:
+    """sha256 of payload ``fd`` (read in place) and the loader's configuration."""
+    h = hashlib.sha256()
+    with mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ) as mm:
+        h.update(mm)
+    h.update(config)
+    return h.hexdigest()
 
 
 def _length(obj: Any) -> int | None:

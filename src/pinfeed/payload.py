@@ -60,17 +60,23 @@ def write(data: bytes, buffers: list[memoryview], name: str = "pinfeed-payload")
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, max(at, start + len(data), 1))
-        with mmap.mmap(fd, max(at, 1)) as mm:
-            mm[: len(MAGIC)] = MAGIC
-            _LEN.pack_into(mm, len(MAGIC), len(header))
-            mm[len(MAGIC) + _LEN.size : len(MAGIC) + _LEN.size + len(header)] = header
-            mm[start : start + len(data)] = data
-            for (offset, length), b in zip(layout, buffers, strict=True):
-                mm[offset : offset + length] = b.cast("B")
+        # pwrite, not a mapping: the kernel copies, with no page fault per page on
+        # either side (a dataset's tensors can be GBs).
+        head = MAGIC + _LEN.pack(len(header)) + header
+        for offset, block in [(0, memoryview(head)), (start, memoryview(data))] + [
+            (offset, b.cast("B")) for (offset, _), b in zip(layout, buffers, strict=True)
+        ]:
+            _pwrite_all(fd, block, offset)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def _pwrite_all(fd: int, block: memoryview, offset: int) -> None:
+    while block.nbytes:
+        n = os.pwrite(fd, block, offset)
+        block, offset = block[n:], offset + n
 
 
 def read(fd: int) -> tuple[Any, Any]:

@@ -1,7 +1,8 @@
 """The process's global RNG states (``torch``, ``random``, numpy) as bytes: what a
 worker sends after each batch (an RNG snapshot), and what travels with a batch made for
 a ``pinfeed.DataLoader`` without workers (FEED and RNG messages), since DataLoader makes
-those in the trainer, on the trainer's RNGs. Both sides read and write it here."""
+those in the trainer, on the trainer's RNGs. Both sides read and write it here, and
+decide here which shipped objects draw nothing from them (``draws_nothing``)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,14 @@ def load_state(blob: bytes) -> None:
     """Make the global RNG states those ``dump_state`` gave."""
     torch_state, random_state, np_state = pickle.loads(blob)
     restore((torch.frombuffer(bytearray(torch_state), dtype=torch.uint8), random_state, np_state))
+
+
+def draws_nothing(dataset: Any, collate_fn: Any) -> bool:
+    """Whether a batch of ``dataset`` collated by ``collate_fn`` (None: the default) is
+    made without drawing from the global RNGs, whichever process makes it and on
+    whatever RNG state: torch's own ``TensorDataset`` (its exact type: a subclass may
+    draw) with ``default_collate``."""
+    return type(dataset) is torch.utils.data.TensorDataset and collate_fn in (
+        None,
+        torch.utils.data.default_collate,
+    )

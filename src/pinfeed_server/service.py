@@ -522,6 +522,7 @@ class Service:
             fed_turns=request.num_workers == 0,
         )
         code = LoaderCode(objects.collate_fn, objects.worker_init_fn)
+        params = shipped.params(objects)
         cap = max(0, self.settings.max_shm_bytes - self.shm_used()) // (4 * ring_slots(cfg))
         try:
             ready = prepare(
@@ -539,13 +540,13 @@ class Service:
         workers = cfg.num_workers if ready.executor.counts_workers else 0
         self._admit(cfg, ring_slots(cfg) * ready.layout.slot_bytes, workers)
         zygote = functools.partial(
-            self.zygotes.get, OWNED_ZYGOTE + name, objects, shipped.KIND.name, {}, fd
+            self.zygotes.get, OWNED_ZYGOTE + name, objects, shipped.KIND.name, params, fd
         )
         engine = LoaderEngine(
             cfg,
             objects.dataset,
             shipped.KIND,
-            {},
+            params,
             self.context,
             ready.layout,
             plan,

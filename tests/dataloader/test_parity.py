@@ -360,6 +360,81 @@ def test_a_tensordataset_gathered_a_batch_at_a_time(server: Server, workers: int
         assert_same(got, want, f"step {i}")
 
 
+def _shift_by_worker(worker_id: int) -> None:
+    info = get_worker_info()
+    assert info is not None
+    ds = info.dataset
+    ds.tensors = (ds.tensors[0] + 100 * (worker_id + 1), *ds.tensors[1:])  # type: ignore[attr-defined]
+
+
+def test_which_shipped_objects_draw_nothing() -> None:
+    """Only torch's own ``TensorDataset`` with ``default_collate`` and no
+    ``worker_init_fn`` draws nothing: its loader keeps no RNG stream per worker."""
+    from torch.utils.data import TensorDataset
+
+    from pinfeed_server.datasets.shipped import Shipped, params
+
+    class Sub(TensorDataset):
+        pass
+
+    t = torch.arange(4)
+    assert params(Shipped(TensorDataset(t), None, None, None)) == {"draws_rng": False}
+    assert params(Shipped(TensorDataset(t), default_collate, None, None)) == {"draws_rng": False}
+    for shipped in (
+        Shipped(Sub(t), None, None, None),
+        Shipped(TensorDataset(t), lambda b: b, None, None),
+        Shipped(TensorDataset(t), None, _shift_by_worker, None),
+        Shipped(Squares(), None, None, None),
+    ):
+        assert params(shipped) == {}
+
+
+def test_a_worker_init_fn_that_changes_its_workers_dataset(server: Server) -> None:
+    """A ``TensorDataset`` draws nothing, so any worker may make any of its batches
+    (``datasets.shipped.params``), unless a ``worker_init_fn`` may change it per worker:
+    here it rebinds the worker's tensors, so batch i must come from worker i % 2, as
+    under DataLoader; and, without persistent workers, each epoch's workers start from
+    the dataset as shipped, as DataLoader's new processes do (not the last epoch's)."""
+    from torch.utils.data import TensorDataset
+
+    ds = TensorDataset(torch.zeros(40, 2, dtype=torch.int64), torch.arange(40))
+    for persistent in (False, True):
+        check(
+            server,
+            lambda cls, x, p=persistent: cls(  # type: ignore[misc]
+                ds,
+                batch_size=4,
+                shuffle=True,
+                num_workers=2,
+                worker_init_fn=_shift_by_worker,
+                persistent_workers=p,
+                **x,
+            ),
+            epochs=2,
+        )
+
+
+def test_a_sampler_drawing_from_the_scripts_generator_as_it_goes(server: Server) -> None:
+    """Index batches go ahead of DataLoader's ``num_workers * prefetch_factor`` only
+    where when they are taken cannot be seen. ``RandomSampler(replacement=True)`` on the
+    script's generator draws 32 indices at a time from it as it is iterated: with the
+    loop drawing from that generator too, every batch must still be DataLoader's."""
+    from torch.utils.data import RandomSampler
+
+    runs = []
+    for cls, extra in ((TorchDataLoader, {}), (pinfeed.DataLoader, {"socket": server.socket})):
+        g = torch.Generator().manual_seed(5)
+        sampler = RandomSampler(range(200), replacement=True, generator=g)
+        loader = cls(Squares(200), batch_size=8, sampler=sampler, num_workers=2, **extra)
+        steps = [(_clone(b), torch.rand(1, generator=g)) for _ in range(2) for b in loader]
+        runs.append(steps)
+        if isinstance(loader, pinfeed.DataLoader):
+            loader.close()
+    assert len(runs[0]) == len(runs[1]) == 2 * 25
+    for i, (got, want) in enumerate(zip(runs[1], runs[0], strict=True)):
+        assert_same(got, want, f"step {i}")
+
+
 def test_default_collate_of_every_structure(server: Server, workers: int) -> None:
     check(server, lambda cls, x: cls(Mixed(), batch_size=4, num_workers=workers, **x), epochs=1)
 

@@ -297,7 +297,7 @@ class SlotWriter:
         self._ring = ring
         self._slot_bytes = slot_bytes
         strings = any(x.kind == "str" for x in layout.leaves)
-        self._fetch = None if strings or collate_fn is not None else batch_fetch(dataset)
+        self._gathers = not strings and collate_fn is None  # where batch_fetch may
         self._views: dict[tuple[int, int], list[torch.Tensor | None]] = {}
 
     def _slot(self, slot: int) -> torch.Tensor:
@@ -306,9 +306,11 @@ class SlotWriter:
 
     def write(self, slot: int, indices: Sequence[int]) -> bytes:
         """Fetch the samples of ``indices`` and write their batch into ``slot``."""
-        if self._fetch is not None:
+        # Of the dataset as it is now: a worker_init_fn may have rebound its tensors.
+        fetch = batch_fetch(self.dataset) if self._gathers else None
+        if fetch is not None:
             try:
-                self._fetch(indices, [v for v in self._fixed(slot, len(indices)) if v is not None])
+                fetch(indices, [v for v in self._fixed(slot, len(indices)) if v is not None])
                 return b""
             except Exception:
                 pass  # the per-sample path says what is wrong, as DataLoader would

@@ -339,10 +339,13 @@ class WorkerRngs:
     def reseed(self, reseed: Reseed) -> None:
         self._park()
         w = reseed.worker_id
-        if w not in self._datasets:
-            fresh = self._pristine if self._pristine is self.dataset else copy.copy(self._pristine)
-            self._datasets[w] = fresh if self._datasets else self.dataset
-        self.dataset = self._datasets[w]
+        # A worker (re)starting, as DataLoader's new worker process each epoch without
+        # persistent_workers: the dataset as it was before any worker_init_fn (a fresh
+        # shallow copy: attributes the last one set are gone; an in-place change of a
+        # buffer stays).
+        fresh = self._pristine if self._pristine is self.dataset else copy.copy(self._pristine)
+        self._datasets[w] = fresh
+        self.dataset = fresh
         apply(reseed, self.dataset, self._init_fn, collate_fn=self._collate_fn)
         self._current = w
 

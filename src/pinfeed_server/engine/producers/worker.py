@@ -143,7 +143,8 @@ class BatchMaker:
                 raise self._failed
             if self._spec.snapshots:  # built-in kinds draw no RNG: any process, any stream
                 self._rngs.enter(task.index)
-                self.writer.dataset = self._rngs.dataset
+            # the dataset its (last) worker_init_fn set up: a copy for each (re)start
+            self.writer.dataset = self._rngs.dataset
             seeded = True
             return Result(task.seq, self.writer.write(task.slot, task.indices)), seeded
         except Exception as exc:
