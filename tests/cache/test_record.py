@@ -22,7 +22,7 @@ def _roundtrip(sample: Any, copy: bool = True) -> tuple[Any, Region]:
     p = record.plan(sample)
     assert p is not None
     region = Region.memfd("t", Layout.within(1, 1 << 22))
-    record.write(p, region.rw, region.layout.data_at, 7)
+    region.write(region.layout.data_at, record.parts(p, 7))
     got = record.read(region.rw, region.layout.data_at, index=7, size=p.size, copy=copy)
     return got, region
 
@@ -92,7 +92,7 @@ def test_a_record_read_for_another_index_is_corrupt() -> None:
     p = record.plan(torch.ones(3))
     assert p is not None
     region = Region.memfd("t", Layout.within(1, 1 << 20))
-    record.write(p, region.rw, region.layout.data_at, 2)
+    region.write(region.layout.data_at, record.parts(p, 2))
     with pytest.raises(record.CorruptRecord):
         record.read(region.rw, region.layout.data_at, index=3, size=p.size, copy=True)
     with pytest.raises(record.CorruptRecord):

@@ -151,14 +151,22 @@ def plan(sample: Any) -> Plan | None:
     return None  # the meta's length kept moving the offsets: never seen, but bounded
 
 
-def write(p: Plan, buf: Any, at: int, index: int) -> None:
-    """Write ``p`` (the plan of sample ``index``) at byte ``at`` of the writable ``buf``."""
-    HEAD.pack_into(buf, at, MAGIC, len(p.meta), index, p.size)
-    start = at + HEAD.size
-    buf[start : start + len(p.meta)] = p.meta
+def parts(p: Plan, index: int) -> list[Any]:
+    """The record of ``p`` (the plan of sample ``index``) as the buffers that make its
+    ``p.size`` bytes, in order (the padding between them zeros): written with one
+    ``pwritev`` (``Region.write``), never copied into one buffer first."""
+    head = HEAD.pack(MAGIC, len(p.meta), index, p.size) + p.meta
+    out: list[Any] = [head]
+    at = len(head)
     for raw, off in zip(p.payloads, p.offsets, strict=True):
+        if off > at:
+            out.append(bytes(off - at))
         if raw.nbytes:
-            np.frombuffer(buf, dtype=np.uint8, count=raw.nbytes, offset=at + off)[:] = raw
+            out.append(raw)
+        at = off + raw.nbytes
+    if p.size > at:
+        out.append(bytes(p.size - at))
+    return out
 
 
 @functools.lru_cache(maxsize=256)

@@ -110,12 +110,13 @@ class SampleCache:
                 region.states[index] = REFUSED
                 return sample
             region.bump = at + p.size
-        start = self._data_at + at
-        region.prepare(start, start + p.size)
-        record.write(p, region.rw, start, index)
+        parts = record.parts(p, index)
+        region.write(self._data_at + at, parts)
         if self.checksums:
-            with memoryview(region.rw) as mv:
-                region.crcs[index] = crc32c.crc32c(mv[start : start + p.size])
+            crc = 0
+            for part in parts:
+                crc = crc32c.crc32c(part, crc)
+            region.crcs[index] = crc
         region.offsets[index] = at
         region.lengths[index] = p.size
         region.states[index] = READY
