@@ -339,23 +339,38 @@ def test_a_tensordataset_gathered_a_batch_at_a_time(server: Server, workers: int
             ),
             epochs=2,
         )
+
     # A training step that draws between batches (dropout): without workers the next
     # index batches go ahead, and the sampler still draws its seed in the first next().
-    runs = []
-    for cls, extra in ((TorchDataLoader, {}), (pinfeed.DataLoader, {"socket": server.socket})):
+    def steps(loader: Any) -> list[Any]:
         _seed()
-        loader = cls(
-            TensorDataset(*tensors), batch_size=4, shuffle=True, num_workers=workers, **extra
-        )
-        steps = []
+        out = []
         for _ in range(2):
             torch.rand(1)  # between iter() and the first next()
             for batch in loader:
-                steps.append((_clone(batch), torch.rand(3)))
-        runs.append(steps)
+                out.append((_clone(batch), torch.rand(3)))
+        return out
+
+    _same_steps(
+        server,
+        lambda cls, x: cls(
+            TensorDataset(*tensors), batch_size=4, shuffle=True, num_workers=workers, **x
+        ),
+        steps,
+        2 * 12,
+    )
+
+
+def _same_steps(server: Server, make: Make, steps: Callable[[Any], list[Any]], count: int) -> None:
+    """``steps(loader)`` (a loop that draws between batches) with torch's DataLoader and
+    with pinfeed.DataLoader: the same ``count`` steps, batches and draws alike."""
+    runs = []
+    for cls, extra in ((TorchDataLoader, {}), (pinfeed.DataLoader, {"socket": server.socket})):
+        loader = make(cls, extra)
+        runs.append(steps(loader))
         if isinstance(loader, pinfeed.DataLoader):
             loader.close()
-    assert len(runs[0]) == len(runs[1]) == 2 * 12
+    assert len(runs[0]) == len(runs[1]) == count
     for i, (got, want) in enumerate(zip(runs[1], runs[0], strict=True)):
         assert_same(got, want, f"step {i}")
 
@@ -421,18 +436,16 @@ def test_a_sampler_drawing_from_the_scripts_generator_as_it_goes(server: Server)
     loop drawing from that generator too, every batch must still be DataLoader's."""
     from torch.utils.data import RandomSampler
 
-    runs = []
-    for cls, extra in ((TorchDataLoader, {}), (pinfeed.DataLoader, {"socket": server.socket})):
-        g = torch.Generator().manual_seed(5)
-        sampler = RandomSampler(range(200), replacement=True, generator=g)
-        loader = cls(Squares(200), batch_size=8, sampler=sampler, num_workers=2, **extra)
-        steps = [(_clone(b), torch.rand(1, generator=g)) for _ in range(2) for b in loader]
-        runs.append(steps)
-        if isinstance(loader, pinfeed.DataLoader):
-            loader.close()
-    assert len(runs[0]) == len(runs[1]) == 2 * 25
-    for i, (got, want) in enumerate(zip(runs[1], runs[0], strict=True)):
-        assert_same(got, want, f"step {i}")
+    def make(cls: Any, extra: dict[str, Any]) -> Any:
+        sampler = RandomSampler(range(200), replacement=True, generator=torch.Generator())
+        sampler.generator.manual_seed(5)  # type: ignore[union-attr]
+        return cls(Squares(200), batch_size=8, sampler=sampler, num_workers=2, **extra)
+
+    def steps(loader: Any) -> list[Any]:
+        g = loader.sampler.generator
+        return [(_clone(b), torch.rand(1, generator=g)) for _ in range(2) for b in loader]
+
+    _same_steps(server, make, steps, 2 * 25)
 
 
 def test_default_collate_of_every_structure(server: Server, workers: int) -> None:
