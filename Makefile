@@ -9,11 +9,10 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: run test test-heavy test-ray lint typecheck pytest deploy-check bench clean
 
-# One pip run (torch's pin beside the project's ranges), no byte-compiling of every
-# installed module up front: Python compiles what is imported, once (~20 s less).
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --no-compile --disable-pip-version-check '$(TORCH_SPEC)' -e '.[test]'
+	$(BIN)/python -m pip install -q --disable-pip-version-check '$(TORCH_SPEC)'
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test]'
 	touch $(STAMP)
 
 run: $(STAMP)
