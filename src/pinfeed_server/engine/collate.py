@@ -33,7 +33,7 @@ from torch.utils.data import default_collate
 
 from pinfeed.errors import BatchTooLarge, SampleError
 from pinfeed.protocol import MAX_MESSAGE, Layout, Leaf, align
-from pinfeed_server.datasets.base import batch_fetch
+from pinfeed_server.datasets.base import Fetch, batch_fetch
 from pinfeed_server.engine.batchlayout import OutputError, output_leaves, write_output
 from pinfeed_server.engine.ring import SlotSpace  # a ring of several segments
 
@@ -298,6 +298,9 @@ class SlotWriter:
         self._slot_bytes = slot_bytes
         strings = any(x.kind == "str" for x in layout.leaves)
         self._gathers = not strings and collate_fn is None  # where batch_fetch may
+        # batch_fetch of the dataset written last (held: its identity cannot be reused)
+        self._fetch_for: Any = None
+        self._fetch: Fetch | None = None
         self._views: dict[tuple[int, int], list[torch.Tensor | None]] = {}
 
     def _slot(self, slot: int) -> torch.Tensor:
@@ -306,8 +309,12 @@ class SlotWriter:
 
     def write(self, slot: int, indices: Sequence[int]) -> bytes:
         """Fetch the samples of ``indices`` and write their batch into ``slot``."""
-        # Of the dataset as it is now: a worker_init_fn may have rebound its tensors.
-        fetch = batch_fetch(self.dataset) if self._gathers else None
+        # Of the dataset as it is now (a worker's copy, whose tensors its worker_init_fn
+        # may have rebound), resolved once per dataset object, not per batch.
+        if self.dataset is not self._fetch_for:
+            self._fetch_for = self.dataset
+            self._fetch = batch_fetch(self.dataset) if self._gathers else None
+        fetch = self._fetch
         if fetch is not None:
             try:
                 fetch(indices, [v for v in self._fixed(slot, len(indices)) if v is not None])
