@@ -190,7 +190,7 @@ def test_a_named_loader_stays_warm_for_the_next_trainer(own: Server) -> None:
     want = epoch(torch.utils.data.DataLoader(Squares(), **kwargs))
     torch.manual_seed(3)
     first = pinfeed.DataLoader(Squares(), name="warm-squares", socket=own.socket, **kwargs)
-    assert [torch.equal(a, b) for a, b in zip(epoch(first), want, strict=True)]
+    assert all(torch.equal(a, b) for a, b in zip(epoch(first), want, strict=True))
     first.close()
     with own.client() as c:
         (row,) = c.loaders()
