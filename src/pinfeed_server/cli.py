@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
+import os
 import signal
+import sys
+import threading
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 
@@ -80,6 +85,23 @@ def serve(
         # requests in flight uvicorn answers 503 at once instead of queueing more.
         limit_concurrency=HTTP_MAX_CONCURRENCY,
     )
+    _exit_stopped()
+
+
+def _exit_stopped() -> NoReturn:
+    """Exit 0 once the service has stopped (its lifespan closed every loader, worker,
+    socket and file): what Python's exit does (non-daemon threads joined, atexit
+    handlers run, stdio flushed), without tearing down the interpreter's modules, which
+    with torch loaded takes 0.6-0.9 s of a stop that is otherwise 0.25 s."""
+    current = threading.current_thread()
+    for t in threading.enumerate():
+        if t is not current and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
 
 
 @app.command(
@@ -93,7 +115,6 @@ def bench(ctx: typer.Context) -> None:
     """Benchmarks against torch DataLoader, from a source checkout (--help: its options);
     ``bench control``: a trainer's throughput under HTTP load on the same server."""
     import importlib
-    import sys
 
     checkout = Path(__file__).resolve().parent.parent
     if not (checkout / "bench" / "suite.py").is_file():

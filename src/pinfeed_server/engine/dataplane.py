@@ -167,6 +167,8 @@ class DataPlaneServer:
     def close(self) -> None:
         self._stop.set()
         if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() at once
             self._accept_thread.join(5)
             self._sock.close()
             self._sock = None
