@@ -17,13 +17,17 @@ The sampler stays here, where DataLoader iterates it: each ``iter()`` draws the 
 seed and iterates the batch sampler exactly as DataLoader's iterator does
 (``_BaseDataLoaderIter`` itself), and sends the index batches to the server
 ``num_workers * prefetch_factor`` ahead, one more per batch it yields, as DataLoader
-puts them to its workers (two more under torch's own batch and index samplers, whose
-moments of iteration cannot be seen: so no worker waits for an index), and, as a
-``Loader`` does, asks for the next batch as one arrives, so a ready batch waits in the
-socket. So the script's own sampler object behaves as under
-DataLoader (``set_epoch`` on its ``DistributedSampler``, a stateful sampler's position,
-a ``RandomSampler`` drawing from the generator or the global RNG), and the workers,
-seeded from that base seed as DataLoader seeds them, make DataLoader's batches.
+puts them to its workers, and, as a ``Loader`` does, asks for the next batch as one
+arrives, so a ready batch waits in the socket. So the script's own sampler object
+behaves as under DataLoader (``set_epoch`` on its ``DistributedSampler``, a stateful
+sampler's position, a ``RandomSampler`` drawing from the generator or the global RNG),
+and the workers, seeded from that base seed as DataLoader seeds them, make DataLoader's
+batches. Under torch's own ``BatchSampler`` over one of torch's samplers, which draw at
+most at their first index, when the indices are taken cannot be seen: there they go
+ahead a chunk at a time (``FEEDS_INDICES`` indices, one message, sliced from the list
+the sampler yields from), so a batch costs the trainer one NEXT, as a named loader's
+does. (What such a sampler reads lazily, a ``SubsetRandomSampler``'s ``indices``, is
+read up to a chunk ahead: change it between epochs, not inside one.)
 Without workers DataLoader makes batches in the trainer on its global RNGs: then the
 trainer's RNG states travel with each index batch and come back with the batch. Where
 nothing can draw (torch's ``TensorDataset`` and ``default_collate`` under one of torch's
@@ -39,13 +43,15 @@ with the trainer, however it ends; ``name=`` keeps it warm for the next trainer.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import mmap
 import os
 import struct
 import time
+import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +79,9 @@ from pinfeed.errors import PinfeedError, ServerUnavailable, error_from_info
 _NEXT, _BATCH, _END, _ERROR = p.NEXT, p.BATCH, p.END, p.ERROR
 RECONNECT_TIMEOUT_S = 60.0
 NO_DRAW_AHEAD = 2  # index batches fed ahead without workers, where nothing draws
+# Where when the sampler is iterated cannot be seen, its batches go this many indices at
+# a time (one FEEDS message, 64 KiB of them), not one FEED a batch.
+FEEDS_INDICES = 8192
 # torch's samplers, which draw from the global RNG at most at their first index
 _QUIET_SAMPLERS = (
     SequentialSampler,
@@ -280,6 +289,12 @@ class _Owned:
         # wherever the next batch does not wait for an index fed in next() on the
         # trainer's RNGs (no workers, where something may draw).
         self.next_ahead = loader.num_workers > 0 or self.ahead > 0
+        # Where nothing can see when the batch sampler is iterated (the batches fed
+        # ahead above), they go ``chunk`` at a time: one message for many batches, so a
+        # batch costs the trainer a NEXT, as a named loader's does (0: one FEED a batch).
+        chunk = FEEDS_INDICES // max(1, loader.batch_size or 0)
+        quiet = not iterable and _quiet_batches(loader) and _whole_epoch_quiet(loader)
+        self.chunk = chunk if chunk > 1 and quiet and self.next_ahead else 0
         self.next_sent = False  # a NEXT is in flight
         self.reconnect = reconnect
         self.epoch = -1  # the last epoch begun
@@ -379,6 +394,14 @@ class _Owned:
         except ServerUnavailable:
             self._lost()
 
+    def feed_many(self, index: int, batches: list[list[int]], ended: bool) -> None:
+        """Send batches ``index``, ``index + 1``, .. (``ended``: and then the sampler's
+        end) in one message (``struct.error``, nothing sent, if an index is no integer)."""
+        try:
+            self.conn.send_plain(p.encode_feeds(self.epoch, index, batches, ended))
+        except ServerUnavailable:
+            self._lost()
+
     def next_batch(self) -> bool:
         """Wait for the next item: True for a BATCH (``deliver`` it), False at the
         epoch's END; raises what failed."""
@@ -460,6 +483,65 @@ def _quiet_batches(loader: DataLoader) -> bool:
     )
 
 
+_SLICEABLE: tuple[type, ...] = (type(iter([])), type(iter(range(0))))  # list, range iterators
+
+
+def _take(it: Iterator[Any], n: int) -> list[Any]:
+    """``list(islice(it, n))``, the same items from the same iterator, taken a slice at a
+    time where ``it`` is, or is a generator now delegating (``yield from``) to, a list
+    or range iterator (torch's samplers: ``yield from torch.randperm(n).tolist()``,
+    ``iter(range(n))``, ``iter(indices)``): the slice, then the iterator moved past it,
+    in place of a generator step per index (30-80 us a batch of 256)."""
+    out: list[Any] = []
+    while len(out) < n:
+        sub: Any = it.gi_yieldfrom if type(it) is types.GeneratorType else it
+        if type(sub) in _SLICEABLE:
+            # (iter, (the list itself, or the range,), position); at its end: no position
+            state: Any = sub.__reduce__()
+            if len(state) == 3:
+                seq: Any = state[1][0]
+                at: int = state[2]
+                got = seq[at : at + n - len(out)]
+                if len(got):
+                    sub.__setstate__(at + len(got))
+                    out += got
+                    continue
+        try:
+            out.append(next(it))
+        except StopIteration:
+            break
+    return out
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """torch's samplers' draws on one intra-op thread (this thread's setting, restored):
+    the same values (torch's random ops do not depend on the thread count), without a
+    parallel region waiting on a core the loader's own workers hold. On 2 busy cores
+    ``randperm(50_000)`` takes 0.35 ms on one thread and up to 7 ms on two."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _whole_epoch_quiet(loader: DataLoader) -> bool:
+    """Whether the sampler draws at its first index only, however far ahead of the
+    batches it is iterated: not a ``RandomSampler`` on a generator with more samples
+    than the dataset, which draws its next permutation from that generator mid-epoch."""
+    sampler = loader.sampler
+    return not (
+        type(sampler) is RandomSampler
+        and sampler.generator is not None
+        and sampler.num_samples > len(sampler.data_source)
+    )
+
+
 def _failed_batch(exc: Exception) -> bool:
     """Whether ``exc`` is one batch's failure (the loader goes on), not the loader's."""
     return (
@@ -520,16 +602,51 @@ class _Iter(_BaseDataLoaderIter):
             self._base_seed = seed
         self._epoch = owned.begin(seed)
         self._fed = 0
+        self._indices: Iterator[Any] | None = None  # the sampler's, for _feed_chunk
         self._exhausted = False
         # What was fed this epoch: sent again to a restarted server (reconnect).
         self._history: list[tuple[list[int], bytes]] = []
         if index:
-            for _ in range(index):  # the batches before: the workers' streams replay them
-                self._feed()
+            self._feed_to(index)  # the batches before: the workers' streams replay them
             owned.seek(index)
         if owned.num_workers > 0 and not owned.iterable:
-            for _ in range(owned.prefetch):  # DataLoader's _reset puts this many ahead
-                self._feed()
+            self._feed_to(index + owned.prefetch)  # DataLoader's _reset puts these ahead
+
+    def _feed_to(self, fed: int) -> None:
+        """Feed the sampler's index batches until ``fed`` are (or it ran out): one at a
+        time, or ``chunk`` at a time where that cannot be seen."""
+        feed = self._feed_chunk if self._owned.chunk else self._feed
+        while self._fed < fed and feed():
+            pass
+
+    def _feed_chunk(self) -> bool:
+        """Send the sampler's next ``chunk`` index batches in one message (and its end,
+        if it ran out); False once it had run out. The batches are torch's
+        ``BatchSampler``'s (its exact type: ``_quiet_batches``): its sampler's indices in
+        ``batch_size`` runs, a short last one dropped with ``drop_last``; its sampler's
+        iterator is made at the first index, as ``BatchSampler.__iter__`` makes it."""
+        if self._exhausted:
+            return False
+        owned = self._owned
+        batch_sampler = self._index_sampler
+        size = batch_sampler.batch_size
+        with _one_thread():
+            if self._indices is None:
+                self._indices = iter(batch_sampler.sampler)
+            flat = _take(self._indices, owned.chunk * size)
+        batches = [flat[i : i + size] for i in range(0, len(flat), size)]
+        if batches and batch_sampler.drop_last and len(batches[-1]) < size:
+            batches.pop()
+        ended = len(flat) < owned.chunk * size
+        try:
+            owned.feed_many(self._fed, batches, ended)
+        except struct.error:
+            batches = [[int(i) for i in b] for b in batches]
+            owned.feed_many(self._fed, batches, ended)
+        self._history.extend((b, b"") for b in batches)
+        self._fed += len(batches)
+        self._exhausted = ended
+        return True
 
     def _feed(self, with_rng: bool = False, ask: bool = False) -> bool:
         """Send the sampler's next index batch (``with_rng``: and this process's RNG
@@ -570,8 +687,7 @@ class _Iter(_BaseDataLoaderIter):
                 owned.feed(self._fed, [], rng.dump_state())
                 self._fed += 1
             elif owned.ahead:
-                while self._fed <= owned.yielded + owned.ahead and self._feed():
-                    pass
+                self._feed_to(owned.yielded + owned.ahead + 1)
             else:
                 self._feed(with_rng=True)
         ahead = owned.num_workers > 0 and not owned.iterable
@@ -580,22 +696,32 @@ class _Iter(_BaseDataLoaderIter):
         except Exception as exc:
             owned.yielded += 1  # a failed batch counts as consumed, as in DataLoader
             goes_on = _failed_batch(exc)  # not the loader: the NEXT stays in flight
-            if ahead:
+            if ahead and not owned.chunk:
                 self._feed(ask=goes_on)  # DataLoader puts the next index, re-raises
-            elif goes_on:
-                owned.ask_ahead()
+            else:
+                self._feed_ahead()
+                if goes_on:
+                    owned.ask_ahead()
             raise
         if not got:
             raise StopIteration
         owned.yielded += 1
-        if ahead:
+        if ahead and not owned.chunk:
             # One more index for each batch handed out, as DataLoader, and the NEXT.
             self._feed(ask=True)
         else:
-            while owned.ahead and self._fed <= owned.yielded + owned.ahead and self._feed():
-                pass
+            self._feed_ahead()
             owned.ask_ahead()
         return owned.deliver()
+
+    def _feed_ahead(self) -> None:
+        """After a batch: the index batches fed ahead of it topped up (a chunk at a
+        time, or one at a time without workers where nothing draws)."""
+        owned = self._owned
+        if owned.chunk:
+            self._feed_to(owned.yielded + max(owned.prefetch, owned.ahead + 1))
+        elif owned.ahead:
+            self._feed_to(owned.yielded + owned.ahead + 1)
 
     def _next_batch(self) -> bool:
         """The owned loader's next item; after a server restart (``reconnect=True``),

@@ -17,15 +17,18 @@ so the hot path neither pickles nor parses JSON::
     CREATE  O  JSON Create + payload memfd   RNG      Y  RNG_HEAD + the trainer's RNG
     EPOCH   H  EPOCH_BODY (base seed)                    states, ahead of its BATCH
     FEED    F  FEED_HEAD, int64 indices, RNG
+    FEEDS   M  FEEDS_HEAD, uint32 batch sizes, int64 indices (many FEEDs in one)
                (FEED_NEXT: then a NEXT)
     RESUME  U  JSON {"state": state_dict}    RESUMED  u  JSON Resumed (after RESUME)
     REPLAY  V  JSON Replay (a connection's   REPLAYED v  JSON Replayed + a one-slot ring
                first message)                            memfd, then its BATCH or ERROR
 
-CREATE, EPOCH, FEED and RNG are ``pinfeed.DataLoader``'s: the trainer ships its objects
-(``pinfeed.payload``) and gets a loader of its own (the reply is ATTACHED), then, per
-epoch, sends the base seed its iterator drew and the index batches its sampler made,
-ahead of the batches it asks for, as DataLoader's iterator hands them to its workers.
+CREATE, EPOCH, FEED, FEEDS and RNG are ``pinfeed.DataLoader``'s: the trainer ships its
+objects (``pinfeed.payload``) and gets a loader of its own (the reply is ATTACHED), then,
+per epoch, sends the base seed its iterator drew and the index batches its sampler made,
+ahead of the batches it asks for, as DataLoader's iterator hands them to its workers
+(FEED, one a batch), or, where when the sampler is iterated cannot be seen (torch's own
+samplers), many at once (FEEDS).
 
 RESUME is ``load_state_dict`` (a version 2 state, ``pinfeed.elastic``: it may make one
 epoch the rest of a run at another world size); REPLAY, on a connection of its own,
@@ -47,19 +50,20 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 # HTTP, not the socket: the header a client names itself with; the control plane paces
 # each (address, this header) apart (pinfeed_server/api/throttle.py).
 HTTP_CLIENT_HEADER = "x-pinfeed-client"
 
 ATTACH, NEXT, RELEASE, SKIP, SEEK, CUDA = map(ord, "ANRSKC")  # client -> server
-CREATE, EPOCH, FEED = map(ord, "OHF")  # client -> server: pinfeed.DataLoader's
+CREATE, EPOCH, FEED, FEEDS = map(ord, "OHFM")  # client -> server: pinfeed.DataLoader's
 RESUME, REPLAY = map(ord, "UV")  # client -> server: load_state_dict, Loader.replay
 ATTACHED, BATCH, END, POSITION, ERROR, SEGMENT, RNG = map(ord, "aBEPXGY")  # server -> client
 RESUMED, REPLAYED = map(ord, "uv")  # server -> client
 KIND_NAMES = {
     ATTACH: "ATTACH", NEXT: "NEXT", RELEASE: "RELEASE", SKIP: "SKIP", SEEK: "SEEK",
-    CUDA: "CUDA", CREATE: "CREATE", EPOCH: "EPOCH", FEED: "FEED", ATTACHED: "ATTACHED",
+    CUDA: "CUDA", CREATE: "CREATE", EPOCH: "EPOCH", FEED: "FEED", FEEDS: "FEEDS",
+    ATTACHED: "ATTACHED",
     BATCH: "BATCH", END: "END", POSITION: "POSITION", ERROR: "ERROR", SEGMENT: "SEGMENT",
     RNG: "RNG", RESUME: "RESUME", RESUMED: "RESUMED", REPLAY: "REPLAY", REPLAYED: "REPLAYED",
 }  # fmt: skip
@@ -79,6 +83,10 @@ EPOCH_BODY = struct.Struct("<B3xIq")  # kind, epoch, base seed
 FEED_HEAD = struct.Struct("<BB2xIIII")
 FEED_END = 0xFFFFFFFF
 FEED_NEXT = 1  # flag: a NEXT follows the RNG states in the same message
+# kind, flags, epoch, index of the first batch, batches; then each batch's size (<I) and
+# all their indices (<q), in order
+FEEDS_HEAD = struct.Struct("<BB2xIII")
+FEEDS_END = 1  # flag: the sampler ran out after these batches
 RNG_HEAD = struct.Struct("<B3xI")  # kind, bytes of the pickled (torch, random, numpy) states
 SLOT = struct.Struct("<I")
 WAIT = struct.Struct("<I")
@@ -311,6 +319,35 @@ def feed_then_next(feed: bytes, next_message: bytes) -> bytes:
     """A FEED (``encode_feed``'s) and the NEXT after it as one message: the per-batch
     message of a ``pinfeed.DataLoader`` with workers."""
     return bytes((FEED, FEED_NEXT)) + feed[2:] + next_message
+
+
+def encode_feeds(epoch: int, index: int, batches: list[list[int]], ended: bool) -> bytes:
+    """Batches ``index``, ``index + 1``, .. of ``epoch`` in one message (``ended``: and
+    then the sampler ran out): what ``pinfeed.DataLoader`` sends where the moments its
+    sampler is iterated cannot be seen. ``struct.error`` if an index is no integer."""
+    head = FEEDS_HEAD.pack(FEEDS, FEEDS_END if ended else 0, epoch, index, len(batches))
+    sizes = struct.pack(f"<{len(batches)}I", *map(len, batches))
+    return b"".join([head, sizes, *(struct.pack(f"<{len(b)}q", *b) for b in batches)])
+
+
+def decode_feeds(data: Buffer) -> tuple[int, int, list[list[int]], bool]:
+    """(epoch, index of the first batch, the batches, whether the sampler ran out after
+    them); ValueError if malformed."""
+    data = memoryview(data)
+    if len(data) < FEEDS_HEAD.size:
+        raise ValueError("short FEEDS")
+    _, flags, epoch, index, count = FEEDS_HEAD.unpack_from(data)
+    if flags & ~FEEDS_END:
+        raise ValueError(f"a FEEDS with unknown flags {flags:#x}")
+    at = FEEDS_HEAD.size + 4 * count
+    sizes = struct.unpack_from(f"<{count}I", data, FEEDS_HEAD.size) if len(data) >= at else ()
+    if len(sizes) != count or len(data) != at + 8 * sum(sizes) or 0 in sizes:
+        raise ValueError("a FEEDS's length does not match its batch sizes")
+    batches = []
+    for n in sizes:
+        batches.append(list(struct.unpack_from(f"<{n}q", data, at)))
+        at += 8 * n
+    return epoch, index, batches, bool(flags & FEEDS_END)
 
 
 def decode_feed(data: Buffer) -> tuple[int, int, list[int] | None, bytes, memoryview | None]:

@@ -121,6 +121,10 @@ ROUND_TRIPS: dict[int, tuple[bytes, Callable[[bytes], object]]] = {
         p.encode_feed(1, 5, [9, 2, 4], b"rng"),
         lambda m: p.decode_feed(m) == (1, 5, [9, 2, 4], b"rng", None),
     ),
+    p.FEEDS: (
+        p.encode_feeds(2, 6, [[9, 2, 4], [1], [2**40, 0]], True),
+        lambda m: p.decode_feeds(m) == (2, 6, [[9, 2, 4], [1], [2**40, 0]], True),
+    ),
     p.RNG: (
         p.RNG_HEAD.pack(p.RNG, 3) + b"abc",
         lambda m: p.RNG_HEAD.unpack_from(m) == (p.RNG, 3) and m[p.RNG_HEAD.size :] == b"abc",
@@ -157,6 +161,25 @@ def test_a_feed_end_and_bad_feeds() -> None:
         p.decode_feed(p.feed_then_next(p.encode_feed(1, 0, [1]), b""))
     with pytest.raises(ValueError):
         p.decode_feed(p.feed_then_next(p.encode_feed(1, 0, [1]), p.encode_release(p.SKIP, [])))
+
+
+def test_feeds_an_end_alone_and_bad_feeds() -> None:
+    # The sampler ran out right after the last chunk: a FEEDS of no batches, ended.
+    assert p.decode_feeds(p.encode_feeds(4, 12, [], True)) == (4, 12, [], True)
+    assert p.decode_feeds(p.encode_feeds(4, 0, [[1, 2]], False)) == (4, 0, [[1, 2]], False)
+    good = p.encode_feeds(1, 0, [[1, 2], [3]], False)
+    for bad in (
+        good[:-1],  # short of its indices
+        good + bytes(8),  # more indices than its sizes say
+        good[: p.FEEDS_HEAD.size + 2],  # cut inside the sizes
+        p.encode_feeds(1, 0, [[1], []], False),  # an empty batch
+    ):
+        with pytest.raises(ValueError):
+            p.decode_feeds(bad)
+    with pytest.raises(ValueError, match="unknown flags"):
+        p.decode_feeds(bytes((p.FEEDS, 0x80)) + good[2:])
+    with pytest.raises(struct.error):
+        p.encode_feeds(1, 0, [[1.5]], False)
 
 
 def test_a_feed_carries_the_next_after_it() -> None:

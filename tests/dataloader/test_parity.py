@@ -7,6 +7,7 @@ and dtypes), ``len()`` too, and the trainer's own RNGs must have moved alike."""
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 import random
 import warnings
@@ -22,6 +23,7 @@ from torch.utils.data import (
     DistributedSampler,
     IterableDataset,
     Sampler,
+    TensorDataset,
     default_collate,
     get_worker_info,
 )
@@ -280,6 +282,69 @@ def test_batches_shuffle_with_a_generator_and_drop_last(server: Server, workers:
         )
 
 
+def test_index_batches_sent_many_at_a_time(
+    server: Server, workers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under torch's own samplers the index batches go to the server a chunk at a time
+    (FEEDS, ``FEEDS_INDICES`` indices each: here 3 batches of 4, so an epoch of 12
+    ends exactly at a chunk's end, one of 11 inside one): the same batches, the same
+    RNGs after, whether the sampler draws from a generator, from the global RNG, or a
+    ``DistributedSampler`` with ``set_epoch``; where a batch is made on the trainer's
+    RNGs (no workers, a dataset that draws), one FEED a batch, as before."""
+    from pinfeed import _dataloader
+
+    monkeypatch.setattr(_dataloader, "FEEDS_INDICES", 12)
+    made: list[Any] = []
+
+    def chunked(loader: Any) -> Any:
+        made.append(loader)
+        return loader
+
+    for drop_last in (False, True):
+        check(
+            server,
+            lambda cls, x, drop_last=drop_last: chunked(  # type: ignore[misc]
+                cls(
+                    Squares(),
+                    batch_size=4,
+                    shuffle=True,
+                    drop_last=drop_last,
+                    num_workers=workers,
+                    generator=torch.Generator().manual_seed(5),
+                    **x,
+                )
+            ),
+        )
+    check(
+        server,
+        lambda cls, x: chunked(
+            cls(Squares(), batch_size=4, shuffle=True, num_workers=workers, **x)
+        ),
+    )
+    check(
+        server,
+        lambda cls, x: chunked(
+            cls(
+                Augmented(),
+                batch_size=4,
+                sampler=DistributedSampler(Augmented(), num_replicas=2, rank=1, seed=3),
+                num_workers=workers,
+                **x,
+            )
+        ),
+        set_epoch=True,
+    )
+    tensors = TensorDataset(torch.arange(45) * 3, torch.arange(45) % 2)
+    check(
+        server,
+        lambda cls, x: chunked(cls(tensors, batch_size=4, shuffle=True, num_workers=workers, **x)),
+    )
+    owned = [d._owned for d in made if isinstance(d, pinfeed.DataLoader)]
+    # Without workers only a TensorDataset (it draws nothing: rng.draws_nothing) is fed
+    # ahead, so a chunk at a time; the script's own classes may draw.
+    assert [o.chunk for o in owned] == ([3] * 5 if workers else [0, 0, 0, 0, 3])
+
+
 def test_shuffle_from_the_global_rng(server: Server, workers: int) -> None:
     check(
         server, lambda cls, x: cls(Squares(), batch_size=6, shuffle=True, num_workers=workers, **x)
@@ -380,6 +445,47 @@ def _shift_by_worker(worker_id: int) -> None:
     assert info is not None
     ds = info.dataset
     ds.tensors = (ds.tensors[0] + 100 * (worker_id + 1), *ds.tensors[1:])  # type: ignore[attr-defined]
+
+
+def test_indices_taken_a_slice_at_a_time_are_the_samplers_own() -> None:
+    """``_take`` (the chunked feed's) against ``islice`` on the same sampler iterators:
+    the same indices for every chunk size, the sampler's end in the same place, and
+    the RNGs drawn alike, for each of torch's samplers, several permutations in one
+    epoch included."""
+    from torch.utils.data import (
+        RandomSampler,
+        SequentialSampler,
+        SubsetRandomSampler,
+        WeightedRandomSampler,
+    )
+
+    from pinfeed._dataloader import _take
+
+    samplers: list[Callable[[], Any]] = [
+        lambda: RandomSampler(range(1000)),
+        lambda: RandomSampler(range(100), num_samples=350, generator=torch.Generator()),
+        lambda: RandomSampler(range(100), replacement=True, num_samples=333),
+        lambda: SequentialSampler(range(77)),
+        lambda: DistributedSampler(range(101), num_replicas=3, rank=1),
+        lambda: WeightedRandomSampler([0.1, 0.5, 0.4] * 10, 123),
+        lambda: SubsetRandomSampler([5, 3, 9, 1] * 7),
+    ]
+
+    def chunks(take: Callable[[Any, int], list[Any]], make: Callable[[], Any], n: int) -> Any:
+        torch.manual_seed(3)
+        it, out = iter(make()), []
+        while len(out) < 10_000:
+            out.append(take(it, n))
+            if len(out[-1]) < n:
+                return out, torch.get_rng_state()
+        raise AssertionError("the sampler did not end")
+
+    for make in samplers:
+        for n in (1, 7, 32, 256, 10_000):
+            want, want_rng = chunks(lambda it, k: list(itertools.islice(it, k)), make, n)
+            got, got_rng = chunks(_take, make, n)
+            assert got == want, (make(), n)
+            assert torch.equal(got_rng, want_rng)
 
 
 def test_which_shipped_objects_draw_nothing() -> None:

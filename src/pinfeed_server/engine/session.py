@@ -16,6 +16,8 @@ from pinfeed_server.engine.consumers import BatchItem, EndItem, ErrorItem, Item
 from pinfeed_server.engine.loader import LoaderEngine
 from pinfeed_server.engine.ring import Ring
 
+_FED = (p.EPOCH, p.FEED, p.FEEDS)  # a pinfeed.DataLoader's epoch and its index batches
+
 
 class Session:
     """One attached consumer: its socket, its loader and member index, and the slots it
@@ -50,7 +52,7 @@ class Session:
             kind = self.buf[0]
             message = self.view[:n]
             item: Item | None
-            if kind in (p.EPOCH, p.FEED):
+            if kind in _FED:
                 ok, then = self.feed(kind, message)
                 if not ok:
                     return
@@ -141,12 +143,20 @@ class Session:
         return True
 
     def feed(self, kind: int, message: memoryview) -> tuple[bool, memoryview | None]:
-        """A ``pinfeed.DataLoader``'s EPOCH (the base seed its iterator drew) or FEED (an
-        index batch its sampler made, and maybe the NEXT after it); (False, None), after
-        a ProtocolError, if it makes no sense, else (True, the NEXT or None)."""
+        """A ``pinfeed.DataLoader``'s EPOCH (the base seed its iterator drew), FEED (an
+        index batch its sampler made, and maybe the NEXT after it) or FEEDS (several, and
+        maybe the sampler's end); (False, None), after a ProtocolError, if it makes no
+        sense, else (True, the NEXT or None)."""
         try:
             if kind == p.EPOCH:
                 self.engine.begin_fed_epoch(*p.decode_epoch(message))
+                return True, None
+            if kind == p.FEEDS:
+                epoch, index, batches, ended = p.decode_feeds(message)
+                for i, batch in enumerate(batches, index):
+                    self.engine.feed(epoch, i, batch, None)
+                if ended:
+                    self.engine.feed(epoch, index + len(batches), None, None)
                 return True, None
             epoch, index, indices, rng, then = p.decode_feed(message)
             self.engine.feed(epoch, index, indices, rng or None)
@@ -193,7 +203,7 @@ class Session:
             if n == 0:
                 return None
             kind = self.buf[0]
-            if kind in (p.EPOCH, p.FEED):  # the index batch the item may be waiting for
+            if kind in _FED:  # the index batch the item may be waiting for
                 ok, then = self.feed(kind, self.view[:n])
                 if not ok:
                     return None
