@@ -86,26 +86,23 @@ def epochs_with(
 def across_restart(
     srv: Any, create: Callable[[Any], str], copy: Callable[[Any], Any], before: int = 5
 ) -> list[list[Any]]:
-    """Two epochs of the loader ``create(admin)`` makes on ``srv``: ``before`` batches,
-    a checkpoint, a server restart, then a new Loader resumes from the checkpoint."""
+    """Two epochs of the loader ``create(admin)`` makes on the running ``srv``: ``before``
+    batches, a checkpoint, a server restart (SIGTERM), then a new Loader resumes from the
+    checkpoint. ``srv`` is left running (the ``restartable`` fixture's server)."""
     from pinfeed import Loader
 
+    with srv.client() as admin:
+        name = create(admin)
+    with Loader(name, socket=srv.socket) as loader:
+        it = iter(loader)
+        got = [copy(next(it)) for _ in range(before)]
+        state = loader.state_dict()
+    assert srv.stop() == 0
     srv.start()
-    try:
-        with srv.client() as admin:
-            name = create(admin)
-        with Loader(name, socket=srv.socket) as loader:
-            it = iter(loader)
-            got = [copy(next(it)) for _ in range(before)]
-            state = loader.state_dict()
-        assert srv.stop() == 0
-        srv.start()
-        with Loader(name, socket=srv.socket) as loader:
-            loader.load_state_dict(state)
-            got += [copy(b) for b in loader]
-            return [got, [copy(b) for b in loader]]
-    finally:
-        srv.stop()
+    with Loader(name, socket=srv.socket) as loader:
+        loader.load_state_dict(state)
+        got += [copy(b) for b in loader]
+        return [got, [copy(b) for b in loader]]
 
 
 def sigkill_worker(admin: Any, server: Any, name: str, workers: int, which: int) -> None:

@@ -75,32 +75,28 @@ def _tamper(how: str, srv: Server, params: dict[str, Any]) -> None:
 HOWS = ("stale", "truncated", "unreadable", "corrupt")
 
 
-def test_a_bad_file_is_rebuilt_counted_and_never_served(tmp_path: Path) -> None:
+def test_a_bad_file_is_rebuilt_counted_and_never_served(restartable: Server) -> None:
     """One dataset (and its own JPEGs and cache file) per way a file goes bad, each
     filled by a server, spoilt while it is down and read by the next one."""
-    srv = Server(tmp_path / "srv")
+    srv = restartable
     params = {how: make_jpegs(srv.data_root, how) for how in HOWS}
-    srv.start()
     first, again, reopened, stats = {}, {}, {}, {}
-    try:
-        with srv.client() as admin:
-            for how in HOWS:
-                admin.create_dataset(how, "images", params[how], cache={"persist": True})
-                admin.create_loader(how, dataset=how, batch_size=BATCH, num_workers=1)
-                first[how] = _epoch(admin, srv, how)
-                assert admin.dataset(how)["cache"]["samples"] == 40
-        assert srv.stop() == 0
+    with srv.client() as admin:
         for how in HOWS:
-            _tamper(how, srv, params[how])
-        srv.start()
-        with srv.client() as admin:
-            for how in HOWS:
-                reopened[how] = admin.dataset(how)["cache"]
-            for how in HOWS:
-                again[how] = _epoch(admin, srv, how)
-                stats[how] = admin.dataset(how)["cache"]
-    finally:
-        srv.stop()
+            admin.create_dataset(how, "images", params[how], cache={"persist": True})
+            admin.create_loader(how, dataset=how, batch_size=BATCH, num_workers=1)
+            first[how] = _epoch(admin, srv, how)
+            assert admin.dataset(how)["cache"]["samples"] == 40
+    assert srv.stop() == 0
+    for how in HOWS:
+        _tamper(how, srv, params[how])
+    srv.start()
+    with srv.client() as admin:
+        for how in HOWS:
+            reopened[how] = admin.dataset(how)["cache"]
+        for how in HOWS:
+            again[how] = _epoch(admin, srv, how)
+            stats[how] = admin.dataset(how)["cache"]
     for how in HOWS:
         want = _reference(srv, params[how])
         assert_epochs_same([first[how], again[how]], [want, want])  # nothing bad was served
@@ -120,32 +116,30 @@ def test_a_bad_file_is_rebuilt_counted_and_never_served(tmp_path: Path) -> None:
             assert stats[how]["samples"] == 40, how
 
 
-def test_a_sigkilled_server_loses_only_the_entries_in_flight(tmp_path: Path) -> None:
-    srv = Server(tmp_path / "srv")
+def test_a_sigkilled_server_loses_only_the_entries_in_flight(
+    restartable: Server, tmp_path: Path
+) -> None:
+    srv = restartable
     log = tmp_path / "reads"
     params = {
         "factory": "tests.fixtures.datasets:CountedReads",
         "kwargs": {"log": str(log), "length": 240, "delay_s": 0.01},
     }
+    with srv.client() as admin:
+        admin.create_dataset("slow", "python", params, cache={"persist": True})
+        admin.create_loader("l", dataset="slow", batch_size=8, num_workers=2)
+        with Loader("l", socket=srv.socket) as loader:
+            it = iter(loader)
+            for _ in range(10):
+                next(it)
+            stored = admin.dataset("slow")["cache"]["samples"]
+            srv.stop(signal.SIGKILL)  # its workers are mid-batch
     srv.start()
-    try:
-        with srv.client() as admin:
-            admin.create_dataset("slow", "python", params, cache={"persist": True})
-            admin.create_loader("l", dataset="slow", batch_size=8, num_workers=2)
-            with Loader("l", socket=srv.socket) as loader:
-                it = iter(loader)
-                for _ in range(10):
-                    next(it)
-                stored = admin.dataset("slow")["cache"]["samples"]
-                srv.stop(signal.SIGKILL)  # its workers are mid-batch
-        srv.start()
-        with srv.client() as admin:
-            reopened = admin.dataset("slow")["cache"]
-            with Loader("l", socket=srv.socket) as loader:
-                batches = [[t.clone() for t in b] for b in loader]
-            stats = admin.dataset("slow")["cache"]
-    finally:
-        srv.stop()
+    with srv.client() as admin:
+        reopened = admin.dataset("slow")["cache"]
+        with Loader("l", socket=srv.socket) as loader:
+            batches = [[t.clone() for t in b] for b in loader]
+        stats = admin.dataset("slow")["cache"]
     assert reopened["rebuilt"] == 0 and reopened["samples"] >= stored >= 80
     assert stats["corrupt"] == 0 and stats["misses"] == 240 - reopened["samples"]
     ds = CountedReads(str(tmp_path / "ref"), 240, 0)

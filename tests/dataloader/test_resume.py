@@ -84,9 +84,7 @@ def test_state_between_epochs_is_the_next_epochs_start(server: Server) -> None:
 
 
 @pytest.mark.parametrize("answered", [False, True], ids=["killed", "killed-after-answering"])
-def test_reconnect_after_a_server_restart_mid_epoch(
-    tmp_path_factory: pytest.TempPathFactory, answered: bool
-) -> None:
+def test_reconnect_after_a_server_restart_mid_epoch(restartable: Server, answered: bool) -> None:
     """``reconnect=True``: the server is SIGKILLed after 4 batches and started again;
     the loader ships its objects to the new one, sends the epoch's batches again and
     goes on: the epochs equal an uninterrupted torch DataLoader's. ``answered``: the
@@ -95,28 +93,24 @@ def test_reconnect_after_a_server_restart_mid_epoch(
     import signal
     import time
 
-    srv = Server(tmp_path_factory.mktemp("restart"))
-    srv.start()
-    try:
-        _seed()
-        reference = _make(TorchDataLoader, {}, "generator", 2, Augmented)
-        want = [[_clone(b) for b in reference] for _ in range(2)]
-        _seed()
-        extra = {"socket": srv.socket, "reconnect": True}
-        loader = _make(pinfeed.DataLoader, extra, "generator", 2, Augmented)
-        got: list[list[Any]] = [[], []]
-        for epoch in range(2):
-            for batch in loader:
-                got[epoch].append(_clone(batch))
-                if epoch == 0 and len(got[0]) == 4:
-                    if answered:
-                        time.sleep(1.5)  # the fifth batch is made and sent meanwhile
-                    srv.stop(signal.SIGKILL)
-                    srv.start()
-        loader.close()
-        for e in range(2):
-            assert len(got[e]) == len(want[e])
-            for i, (g, w) in enumerate(zip(got[e], want[e], strict=True)):
-                assert_same(g, w, f"epoch {e} batch {i}")
-    finally:
-        srv.stop()
+    srv = restartable
+    _seed()
+    reference = _make(TorchDataLoader, {}, "generator", 2, Augmented)
+    want = [[_clone(b) for b in reference] for _ in range(2)]
+    _seed()
+    extra = {"socket": srv.socket, "reconnect": True}
+    loader = _make(pinfeed.DataLoader, extra, "generator", 2, Augmented)
+    got: list[list[Any]] = [[], []]
+    for epoch in range(2):
+        for batch in loader:
+            got[epoch].append(_clone(batch))
+            if epoch == 0 and len(got[0]) == 4:
+                if answered:
+                    time.sleep(1.5)  # the fifth batch is made and sent meanwhile
+                srv.stop(signal.SIGKILL)
+                srv.start()
+    loader.close()
+    for e in range(2):
+        assert len(got[e]) == len(want[e])
+        for i, (g, w) in enumerate(zip(got[e], want[e], strict=True)):
+            assert_same(g, w, f"epoch {e} batch {i}")

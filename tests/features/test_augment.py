@@ -137,7 +137,7 @@ def test_sigkilled_worker_keeps_dataloaders_sequence(
     admin.delete_loader(name)
 
 
-def test_a_collate_fn_that_draws_is_replayed_too(tmp_path: Path) -> None:
+def test_a_collate_fn_that_draws_is_replayed_too(restartable: Server) -> None:
     """A stream resumed on a new server (no RNG snapshot to restore) replays its earlier
     batches through the ``collate_fn`` as well (DataLoader's fetcher collates in the
     worker): a collate_fn drawing from the global RNG keeps DataLoader's sequence."""
@@ -158,7 +158,7 @@ def test_a_collate_fn_that_draws_is_replayed_too(tmp_path: Path) -> None:
         _loader, num_workers=2, collate_fn="tests.fixtures.collate:jitter_collate",
         kwargs={"info": False},
     )  # fmt: skip
-    _check(across_restart(Server(tmp_path / "srv"), create, _dict_copy), want)
+    _check(across_restart(restartable, create, _dict_copy), want)
 
 
 def _dict_copy(batch: dict[str, Any]) -> dict[str, Any]:
@@ -209,10 +209,10 @@ def test_resume_in_a_new_trainer_process(
 
 
 @pytest.mark.slow
-def test_resume_across_server_restart(tmp_path: Path) -> None:
+def test_resume_across_server_restart(restartable: Server) -> None:
     want = _reference(2, 2, persistent=True, init=True)
     got = across_restart(
-        Server(tmp_path / "srv"),
+        restartable,
         lambda admin: _loader(admin, 2, persistent_workers=True, worker_init_fn=INIT),
         _copy,
     )

@@ -10,7 +10,6 @@ HTTP batch lookup of an elastic epoch."""
 from __future__ import annotations
 
 import signal
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -243,47 +242,43 @@ def test_the_batch_lookup_of_an_elastic_epoch(admin: Client, server: Server, dat
         admin.batch(new[1], 0, 0)  # consumed before the resize: not this loader's
 
 
-def test_a_second_resize_in_the_epoch_across_a_server_crash(tmp_path: Path) -> None:
-    srv = Server(tmp_path / "srv", env={"PINFEED_MAX_WORKERS": "64"})
+def test_a_second_resize_in_the_epoch_across_a_server_crash(restartable: Server) -> None:
+    srv = restartable  # its worker cap is 64
+    with srv.client() as admin:
+        ds = _dataset(admin)
+        before, states = _checkpointed(srv, _loaders(admin, ds, 4), 0, k=2)
+        first = merge_states(states)
+        middle = _loaders(admin, ds, 6, batch=4)  # resized, and a new batch size
+    stage: list[list[int]] = []
+    states = []
+    for name in middle:
+        with Loader(name, socket=srv.socket) as loader:
+            loader.load_state_dict(first)
+            it = iter(loader)
+            stage.append(indices([_copy(next(it)) for _ in range(2)]))
+            states.append(loader.state_dict())
+    # The server dies; its registry keeps the loaders and their elastic epochs.
+    assert srv.stop(signal.SIGKILL) == -signal.SIGKILL
     srv.start()
-    try:
-        with srv.client() as admin:
-            ds = _dataset(admin)
-            before, states = _checkpointed(srv, _loaders(admin, ds, 4), 0, k=2)
-            first = merge_states(states)
-            middle = _loaders(admin, ds, 6, batch=4)  # resized, and a new batch size
-        stage: list[list[int]] = []
-        states = []
-        for name in middle:
-            with Loader(name, socket=srv.socket) as loader:
-                loader.load_state_dict(first)
-                it = iter(loader)
-                stage.append(indices([_copy(next(it)) for _ in range(2)]))
-                states.append(loader.state_dict())
-        # The server dies; its registry keeps the loaders and their elastic epochs.
-        assert srv.stop(signal.SIGKILL) == -signal.SIGKILL
-        srv.start()
-        # Rank 0 goes on (its own state, the same world): one more batch of its share.
-        with Loader(middle[0], socket=srv.socket) as loader:
-            loader.load_state_dict(states[0])
-            one = _copy(next(iter(loader)))
-            share = _share(first, 0, 6, 4, WORKERS[0])
-            want = reference_epoch(
-                share, 0, batch_size=4, num_workers=WORKERS[0], seed=SEED, length=LENGTH
-            )
-            assert_same(one, want[2])
-            stage[0] += one[3].tolist()
-            states[0] = loader.state_dict()
-        second = merge_states(states)
-        with srv.client() as admin:
-            last = _loaders(admin, ds, 3)
-        rests = []
-        for name in last:
-            with Loader(name, socket=srv.socket) as loader:
-                loader.load_state_dict(second)
-                state = loader.state_dict()
-                assert len(state["elastic"]["stages"]) == 2
-                rests.append([_copy(b) for b in loader])
-        check_resumed(before + stage, rests, length=LENGTH, batch=BATCH, new_world=6 + 3)
-    finally:
-        srv.stop()
+    # Rank 0 goes on (its own state, the same world): one more batch of its share.
+    with Loader(middle[0], socket=srv.socket) as loader:
+        loader.load_state_dict(states[0])
+        one = _copy(next(iter(loader)))
+        share = _share(first, 0, 6, 4, WORKERS[0])
+        want = reference_epoch(
+            share, 0, batch_size=4, num_workers=WORKERS[0], seed=SEED, length=LENGTH
+        )
+        assert_same(one, want[2])
+        stage[0] += one[3].tolist()
+        states[0] = loader.state_dict()
+    second = merge_states(states)
+    with srv.client() as admin:
+        last = _loaders(admin, ds, 3)
+    rests = []
+    for name in last:
+        with Loader(name, socket=srv.socket) as loader:
+            loader.load_state_dict(second)
+            state = loader.state_dict()
+            assert len(state["elastic"]["stages"]) == 2
+            rests.append([_copy(b) for b in loader])
+    check_resumed(before + stage, rests, length=LENGTH, batch=BATCH, new_world=6 + 3)

@@ -14,7 +14,6 @@ import functools
 import os
 import warnings
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -368,12 +367,12 @@ def _with_errors(loader: Loader) -> list[Any]:
 
 
 @pytest.mark.slow
-def test_resume_across_server_restart(tmp_path: Path) -> None:
+def test_resume_across_server_restart(restartable: Server) -> None:
     """The loader comes back from the registry; its streams fast-forward to the
     checkpoint (the server's kept states died with it)."""
     want = _reference(2, 2, Stateful(), persistent_workers=True)
     got, rest = across_restart(
-        Server(tmp_path / "srv"),
+        restartable,
         lambda admin: _loader(
             admin, 2, dataset=_dataset(admin, "Stateful"), persistent_workers=True
         ),

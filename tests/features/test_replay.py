@@ -6,7 +6,6 @@ restart; the lookup's indices are the batch's."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -102,26 +101,22 @@ def test_replay_of_an_elastic_epoch(admin: Client, server: Server) -> None:
         admin.delete_loader(name)
 
 
-def test_replay_after_a_server_restart(tmp_path: Path) -> None:
-    srv = Server(tmp_path / "srv", env={"PINFEED_MAX_WORKERS": "16"})
-    srv.start()
-    try:
+def test_replay_after_a_server_restart(restartable: Server) -> None:
+    srv = restartable
+    with srv.client() as admin:
+        ds = unique("rep")
+        params = {"factory": FACTORY, "kwargs": {"length": 30, "info": False}}
+        admin.create_dataset(ds, "python", params)
+        name = _loader(admin, ds, 2)
+    with Loader(name, socket=srv.socket) as loader:
+        seen = [[_copy(b) for b in loader] for _ in range(2)]
+    srv.stop()
+    srv.start()  # a new server: the loader from the registry, nothing made yet
+    with Loader(name, socket=srv.socket) as loader:
+        for epoch, index in ((0, 2), (1, 7), (1, 0)):
+            assert_same(loader.replay(epoch, index), seen[epoch][index])
         with srv.client() as admin:
-            ds = unique("rep")
-            params = {"factory": FACTORY, "kwargs": {"length": 30, "info": False}}
-            admin.create_dataset(ds, "python", params)
-            name = _loader(admin, ds, 2)
-        with Loader(name, socket=srv.socket) as loader:
-            seen = [[_copy(b) for b in loader] for _ in range(2)]
-        srv.stop()
-        srv.start()  # a new server: the loader from the registry, nothing made yet
-        with Loader(name, socket=srv.socket) as loader:
-            for epoch, index in ((0, 2), (1, 7), (1, 0)):
-                assert_same(loader.replay(epoch, index), seen[epoch][index])
-            with srv.client() as admin:
-                assert admin.batch(name, 1, 5)["indices"] == _index(seen[1][5])
-    finally:
-        srv.stop()
+            assert admin.batch(name, 1, 5)["indices"] == _index(seen[1][5])
 
 
 def test_an_iterable_has_nothing_to_replay(admin: Client, server: Server) -> None:

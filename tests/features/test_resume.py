@@ -103,32 +103,28 @@ def test_resume_after_trainer_sigkill(admin: Client, server: Server, tmp_path: P
 
 
 @pytest.mark.slow
-def test_resume_across_server_restart(tmp_path: Path) -> None:
-    srv = Server(tmp_path / "srv")
+def test_resume_across_server_restart(restartable: Server) -> None:
+    srv = restartable
     epochs = across_restart(srv, lambda admin: _new_loader(admin, num_workers=1), digest, 9)
     assert epochs[0] + epochs[1] == _reference(srv.data_root, 2, 21)
 
 
 @pytest.mark.slow
-def test_reconnect_after_server_crash(tmp_path: Path) -> None:
-    srv = Server(tmp_path / "srv")
-    srv.start()
-    try:
-        with srv.client() as admin:
-            name = _new_loader(admin, num_workers=2)
-        got: list[str] = []
-        with Loader(name, socket=srv.socket, reconnect=True, reconnect_timeout=60) as loader:
-            for epoch in range(2):
-                for i, batch in enumerate(loader):
-                    got.append(digest(batch))
-                    if epoch == 0 and i == 6:
-                        assert srv.stop(signal.SIGKILL) == -signal.SIGKILL
-                        srv.start()
-        with Loader(name, socket=srv.socket) as plain:
+def test_reconnect_after_server_crash(restartable: Server) -> None:
+    srv = restartable  # left SIGKILLed: the fixture starts it again
+    with srv.client() as admin:
+        name = _new_loader(admin, num_workers=2)
+    got: list[str] = []
+    with Loader(name, socket=srv.socket, reconnect=True, reconnect_timeout=60) as loader:
+        for epoch in range(2):
+            for i, batch in enumerate(loader):
+                got.append(digest(batch))
+                if epoch == 0 and i == 6:
+                    assert srv.stop(signal.SIGKILL) == -signal.SIGKILL
+                    srv.start()
+    with Loader(name, socket=srv.socket) as plain:
+        next(iter(plain))
+        assert srv.stop(signal.SIGKILL) == -signal.SIGKILL
+        with pytest.raises(ServerUnavailable, match="restarted or stopped"):
             next(iter(plain))
-            assert srv.stop(signal.SIGKILL) == -signal.SIGKILL
-            with pytest.raises(ServerUnavailable, match="restarted or stopped"):
-                next(iter(plain))
-    finally:
-        srv.stop()
     assert got == _reference(srv.data_root, 2, 21)

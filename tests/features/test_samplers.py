@@ -293,27 +293,23 @@ def test_bad_samplers_are_422_and_the_server_carries_on(
 
 
 @pytest.mark.slow
-def test_resume_across_a_server_restart_replays_the_sampler(tmp_path: Path) -> None:
-    srv = Server(tmp_path / "srv")
-    srv.start()
-    try:
-        name, ds = register_synthetic(srv, PARAMS, "smp")
-        loader_name = unique("bucket-restart")
-        with srv.client() as admin:
-            admin.create_loader(loader_name, dataset=name, batch_sampler=BUCKETS)
-        ref = DataLoader(ds, batch_sampler=samplers.BucketBatchSampler(ds, seed=9))
-        want = _epochs(ref, 3)
-        with Loader(loader_name, socket=srv.socket) as loader:
-            got = _epochs(loader, 1)
-            it = iter(loader)
-            got.append([_copy(next(it)) for _ in range(4)])
-            state = loader.state_dict()
-        assert srv.stop() == 0
-        srv.start()  # the loader comes back from the registry: its sampler is replayed
-        with Loader(loader_name, socket=srv.socket) as loader:
-            loader.load_state_dict(state)
-            got[1] += _epochs(loader, 1)[0]
-            got += _epochs(loader, 1)
-    finally:
-        srv.stop()
+def test_resume_across_a_server_restart_replays_the_sampler(restartable: Server) -> None:
+    srv = restartable
+    name, ds = register_synthetic(srv, PARAMS, "smp")
+    loader_name = unique("bucket-restart")
+    with srv.client() as admin:
+        admin.create_loader(loader_name, dataset=name, batch_sampler=BUCKETS)
+    ref = DataLoader(ds, batch_sampler=samplers.BucketBatchSampler(ds, seed=9))
+    want = _epochs(ref, 3)
+    with Loader(loader_name, socket=srv.socket) as loader:
+        got = _epochs(loader, 1)
+        it = iter(loader)
+        got.append([_copy(next(it)) for _ in range(4)])
+        state = loader.state_dict()
+    assert srv.stop() == 0
+    srv.start()  # the loader comes back from the registry: its sampler is replayed
+    with Loader(loader_name, socket=srv.socket) as loader:
+        loader.load_state_dict(state)
+        got[1] += _epochs(loader, 1)[0]
+        got += _epochs(loader, 1)
     _same_epochs(got, want)

@@ -168,37 +168,33 @@ def test_resume_in_a_new_trainer_process(
     admin.delete_dataset(ds)
 
 
-def test_a_server_restart_serves_the_persisted_cache(tmp_path: Path) -> None:
+def test_a_server_restart_serves_the_persisted_cache(restartable: Server) -> None:
     """A checkpoint after 6 batches, a server restart, a resume: the batches are
     DataLoader's, and the new server reads from the files only what the old one had not
     stored (its entries come from the file, each checksum checked on its first read)."""
-    srv = Server(tmp_path / "srv")
+    srv = restartable
     params = make_jpegs(srv.data_root, "w9")
     want = _reference(srv.data_root, params, 2, True)[:2]
+    with srv.client() as admin:
+        admin.create_dataset("w9", "images", params, cache={"persist": True})
+        name = _loader(admin, "w9", 2, persistent_workers=True)
+        with Loader(name, socket=srv.socket) as loader:
+            it = iter(loader)
+            got = [_copy(next(it)) for _ in range(6)]
+            state = loader.state_dict()
+        stored = admin.dataset("w9")["cache"]["samples"]
+    assert srv.stop() == 0
     srv.start()
-    try:
-        with srv.client() as admin:
-            admin.create_dataset("w9", "images", params, cache={"persist": True})
-            name = _loader(admin, "w9", 2, persistent_workers=True)
-            with Loader(name, socket=srv.socket) as loader:
-                it = iter(loader)
-                got = [_copy(next(it)) for _ in range(6)]
-                state = loader.state_dict()
-            stored = admin.dataset("w9")["cache"]["samples"]
-        assert srv.stop() == 0
-        srv.start()
-        with srv.client() as admin:
-            reopened = admin.dataset("w9")["cache"]
-            assert reopened["persisted"] and reopened["rebuilt"] == 0
-            # the old server's workers went on filling its warm queue after the GET
-            assert reopened["samples"] >= stored >= 30
-            with Loader(name, socket=srv.socket) as loader:
-                loader.load_state_dict(state)
-                got += [_copy(b) for b in loader]
-                epochs = [got, [_copy(b) for b in loader]]
-            stats = admin.dataset("w9")["cache"]
-    finally:
-        srv.stop()
+    with srv.client() as admin:
+        reopened = admin.dataset("w9")["cache"]
+        assert reopened["persisted"] and reopened["rebuilt"] == 0
+        # the old server's workers went on filling its warm queue after the GET
+        assert reopened["samples"] >= stored >= 30
+        with Loader(name, socket=srv.socket) as loader:
+            loader.load_state_dict(state)
+            got += [_copy(b) for b in loader]
+            epochs = [got, [_copy(b) for b in loader]]
+        stats = admin.dataset("w9")["cache"]
     assert_epochs_same(epochs, want)
     assert stats["misses"] == 40 - reopened["samples"] and stats["samples"] == 40
     assert stats["corrupt"] == 0 and stats["hits"] > 0
