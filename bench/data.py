@@ -186,6 +186,7 @@ def make_w2(root: Path, scale: float) -> Workload:
         "over a user's np.memmap Dataset (bench.references.MemmapArrays)",
         reference="memmap",
         tuned="memmap",
+        extra_systems=("pinfeed-dataloader",),
     )
 
 

@@ -294,6 +294,7 @@ def test_index_batches_sent_many_at_a_time(
     from pinfeed import _dataloader
 
     monkeypatch.setattr(_dataloader, "FEEDS_INDICES", 12)
+    threads = torch.get_num_threads()
     made: list[Any] = []
 
     def chunked(loader: Any) -> Any:
@@ -343,6 +344,8 @@ def test_index_batches_sent_many_at_a_time(
     # Without workers only a TensorDataset (it draws nothing: rng.draws_nothing) is fed
     # ahead, so a chunk at a time; the script's own classes may draw.
     assert [o.chunk for o in owned] == ([3] * 5 if workers else [0, 0, 0, 0, 3])
+    # The sampler ran on one intra-op thread (_one_thread); the trainer's own setting is back.
+    assert torch.get_num_threads() == threads
 
 
 def test_shuffle_from_the_global_rng(server: Server, workers: int) -> None:
