@@ -266,20 +266,21 @@ def workers(request: pytest.FixtureRequest) -> int:
 
 
 # -- the cases ------------------------------------------------------------------------------
+def _shuffled_squares(workers: int, drop_last: bool) -> Make:
+    return lambda cls, x: cls(
+        Squares(),
+        batch_size=4,
+        shuffle=True,
+        drop_last=drop_last,
+        num_workers=workers,
+        generator=torch.Generator().manual_seed(5),
+        **x,
+    )
+
+
 def test_batches_shuffle_with_a_generator_and_drop_last(server: Server, workers: int) -> None:
     for drop_last in (False, True):
-        check(
-            server,
-            lambda cls, x, drop_last=drop_last: cls(  # type: ignore[misc]
-                Squares(),
-                batch_size=4,
-                shuffle=True,
-                drop_last=drop_last,
-                num_workers=workers,
-                generator=torch.Generator().manual_seed(5),
-                **x,
-            ),
-        )
+        check(server, _shuffled_squares(workers, drop_last))
 
 
 def test_index_batches_sent_many_at_a_time(
@@ -302,20 +303,8 @@ def test_index_batches_sent_many_at_a_time(
         return loader
 
     for drop_last in (False, True):
-        check(
-            server,
-            lambda cls, x, drop_last=drop_last: chunked(  # type: ignore[misc]
-                cls(
-                    Squares(),
-                    batch_size=4,
-                    shuffle=True,
-                    drop_last=drop_last,
-                    num_workers=workers,
-                    generator=torch.Generator().manual_seed(5),
-                    **x,
-                )
-            ),
-        )
+        make = _shuffled_squares(workers, drop_last)
+        check(server, lambda cls, x, make=make: chunked(make(cls, x)))  # type: ignore[misc]
     check(
         server,
         lambda cls, x: chunked(
