@@ -295,6 +295,9 @@ class _Owned:
         chunk = FEEDS_INDICES // max(1, loader.batch_size or 0)
         quiet = not iterable and _quiet_batches(loader) and _whole_epoch_quiet(loader)
         self.chunk = chunk if chunk > 1 and quiet and self.next_ahead else 0
+        # The index batches kept fed beyond those handed out, topped up after each batch
+        # (0: none; with workers and one FEED a batch, that FEED carries the NEXT).
+        self.depth = self.ahead + 1 if self.ahead else self.prefetch if self.chunk else 0
         self.next_sent = False  # a NEXT is in flight
         self.reconnect = reconnect
         self.epoch = -1  # the last epoch begun
@@ -687,7 +690,7 @@ class _Iter(_BaseDataLoaderIter):
                 owned.feed(self._fed, [], rng.dump_state())
                 self._fed += 1
             elif owned.ahead:
-                self._feed_to(owned.yielded + owned.ahead + 1)
+                self._feed_to(owned.yielded + owned.depth)
             else:
                 self._feed(with_rng=True)
         ahead = owned.num_workers > 0 and not owned.iterable
@@ -718,10 +721,8 @@ class _Iter(_BaseDataLoaderIter):
         """After a batch: the index batches fed ahead of it topped up (a chunk at a
         time, or one at a time without workers where nothing draws)."""
         owned = self._owned
-        if owned.chunk:
-            self._feed_to(owned.yielded + max(owned.prefetch, owned.ahead + 1))
-        elif owned.ahead:
-            self._feed_to(owned.yielded + owned.ahead + 1)
+        if owned.depth:
+            self._feed_to(owned.yielded + owned.depth)
 
     def _next_batch(self) -> bool:
         """The owned loader's next item; after a server restart (``reconnect=True``),
