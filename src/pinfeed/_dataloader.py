@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import mmap
+import operator
 import os
 import struct
 import time
@@ -75,6 +76,7 @@ from pinfeed._connection import Connection
 from pinfeed._shipping import ship
 from pinfeed._transport import SocketTransport
 from pinfeed.errors import PinfeedError, ServerUnavailable, error_from_info
+from pinfeed.unbatched import Unbatched
 
 _NEXT, _BATCH, _END, _ERROR = p.NEXT, p.BATCH, p.END, p.ERROR
 RECONNECT_TIMEOUT_S = 60.0
@@ -162,11 +164,6 @@ class DataLoader(TorchDataLoader):  # type: ignore[type-arg]
             pin_memory_device=pin_memory_device,
             in_order=in_order,
         )
-        if batch_size is None and batch_sampler is None:
-            raise NotImplementedError(
-                "pinfeed.DataLoader with batch_size=None (no automatic batching) is not "
-                "supported yet: give a batch_size, or a batch_sampler"
-            )
         # pinfeed's options as attributes of their own names: what tools that make a
         # DataLoader anew from its attributes read (Lightning, to put a sampler in).
         self.name, self.device, self.copy, self.reconnect = name, device, copy, reconnect
@@ -174,7 +171,9 @@ class DataLoader(TorchDataLoader):  # type: ignore[type-arg]
         target = torch.device(device) if device is not None else None
         if target is not None and target.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"device={device!r} was asked for, but CUDA is not available")
+        # Without automatic batching (batch_size=None) each item is one sample's.
         rows = max_batch_size or self.batch_size or getattr(self.batch_sampler, "batch_size", None)
+        rows = rows if self._auto_collation else 1
         if not rows:
             raise ValueError(
                 "pinfeed.DataLoader: this batch_sampler has no batch_size; give "
@@ -259,8 +258,11 @@ class _Owned:
         dataset = loader.dataset
         iterable = isinstance(dataset, IterableDataset)
         collate: Any = loader.collate_fn
-        if collate is torch.utils.data.default_collate:
+        if not loader._auto_collation:
+            collate = Unbatched(collate)  # batch_size=None: each index a batch of one
+        elif collate is torch.utils.data.default_collate:
             collate = None  # the server writes default-collated batches itself
+        self.batched = loader._auto_collation
         self.payload = ship(
             {
                 "dataset": dataset,
@@ -545,6 +547,27 @@ def _whole_epoch_quiet(loader: DataLoader) -> bool:
     )
 
 
+def _index(i: Any) -> int:
+    """A sampler's index as the int the server reads ``dataset[index]`` with."""
+    try:
+        return operator.index(i)
+    except TypeError:
+        pass
+    shown = repr(i) if len(repr(i)) < 60 else f"{repr(i)[:57]}..."
+    if isinstance(i, list | tuple):  # a BatchSampler given as sampler=, batch_size=None
+        raise TypeError(
+            f"pinfeed.DataLoader: the sampler yielded {shown}; without automatic batching "
+            "(batch_size=None) the server reads one integer index per item. For batched "
+            "reads give that sampler as batch_sampler= and define __getitems__(indices) "
+            "on the dataset: DataLoader and pinfeed call it with each batch's indices"
+        )
+    raise TypeError(
+        f"pinfeed.DataLoader: the sampler yielded {shown} ({type(i).__name__}); the server "
+        "reads a map-style dataset by integer index: make the sampler yield ints, and map "
+        "them to keys in __getitem__"
+    )
+
+
 def _failed_batch(exc: Exception) -> bool:
     """Whether ``exc`` is one batch's failure (the loader goes on), not the loader's."""
     return (
@@ -668,12 +691,15 @@ class _Iter(_BaseDataLoaderIter):
             return False
         state = rng.dump_state() if with_rng else b""
         # torch's batch samplers yield lists of ints: sent as they are (anything else
-        # DataLoader indexes with, numpy or tensor integers, as ints).
+        # DataLoader indexes with, numpy or tensor integers, as ints); without automatic
+        # batching the sampler's one index is a batch of one.
+        if not self._owned.batched:
+            indices = [indices]
         batch = indices if type(indices) is list else list(indices)
         try:
             self._owned.feed(self._fed, batch, state, ask=ask)
         except struct.error:
-            batch = [int(i) for i in indices]
+            batch = [_index(i) for i in indices]
             self._owned.feed(self._fed, batch, state, ask=ask)
         self._history.append((batch, state))
         self._fed += 1

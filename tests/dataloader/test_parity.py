@@ -643,6 +643,38 @@ def test_an_iterable_dataset_split_across_workers(server: Server, workers: int) 
     )
 
 
+class ItemsAsTheyCome(Dataset[Any]):
+    """Its ``__getitems__`` differs from its ``__getitem__``: DataLoader reads a batch
+    through the first, and one sample without automatic batching through the second."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> Any:
+        return torch.tensor([i, 1]), torch.rand(1)
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        return [(torch.tensor([i, 2]), torch.rand(1)) for i in indices]
+
+
+def test_batch_size_none_without_automatic_batching(server: Server, workers: int) -> None:
+    # Each item one sample, default_convert-ed (no batch dimension: shapes may differ;
+    # ints, floats, strings and numpy scalars as they are), or the script's collate_fn
+    # of it; the sampler's indices one at a time; an iterable's items as they come.
+    for make in (
+        lambda cls, x: cls(
+            Mixed(), batch_size=None, shuffle=True, generator=torch.Generator().manual_seed(6), **x
+        ),
+        lambda cls, x: cls(Ragged(), batch_size=None, sampler=EveryOther(33), **x),
+        lambda cls, x: cls(ItemsAsTheyCome(), batch_size=None, **x),
+        lambda cls, x: cls(Shards(), batch_size=None, **x),
+        lambda cls, x: cls(Squares(), batch_size=None, collate_fn=lambda s: s[0] * 2 + s[1], **x),
+    ):
+        check(server, lambda cls, x, make=make: make(cls, {"num_workers": workers, **x}), epochs=2)
+    # Augmentations on DataLoader's worker streams, as with batches.
+    check(server, lambda cls, x: cls(Augmented(), batch_size=None, num_workers=workers, **x))
+
+
 def test_exceptions_from_getitem_reach_the_loop(server: Server, workers: int) -> None:
     check(server, lambda cls, x: cls(Flaky(), batch_size=3, num_workers=workers, **x))
 
@@ -669,6 +701,7 @@ def test_dataloaders_argument_errors_word_for_word(server: Server) -> None:
         {"num_workers": 0, "prefetch_factor": 2},
         {"num_workers": 0, "persistent_workers": True},
         {"num_workers": -1},
+        {"batch_size": None, "drop_last": True},
     ):
         with pytest.raises(ValueError) as want:
             TorchDataLoader(Squares(), **kwargs)

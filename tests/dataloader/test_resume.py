@@ -2,7 +2,7 @@
 them: a new loader that loads the state of one stopped after k batches yields batch k
 onward of that epoch, augmentations and all, then the epochs after, batch for batch as
 an uninterrupted torch DataLoader; shuffled from a generator or from the global RNG,
-with a stateful sampler, at 0 and 2 workers."""
+with a stateful sampler, without automatic batching, at 0 and 2 workers."""
 
 from __future__ import annotations
 
@@ -34,12 +34,18 @@ def _make(
         kwargs |= {"shuffle": True, "generator": torch.Generator().manual_seed(8)}
     elif case == "global":
         kwargs |= {"shuffle": True}
+    elif case == "unbatched":  # batch_size=None: each item one sample's
+        kwargs |= {
+            "batch_size": None,
+            "shuffle": True,
+            "generator": torch.Generator().manual_seed(8),
+        }
     else:
         kwargs |= {"sampler": Rotating(len(dataset()))}
     return cls(dataset(), **kwargs)
 
 
-@pytest.mark.parametrize("case", ["generator", "global", "stateful"])
+@pytest.mark.parametrize("case", ["generator", "global", "stateful", "unbatched"])
 @pytest.mark.parametrize("workers", [0, 2])
 def test_resume_mid_epoch_in_a_new_loader(server: Server, case: str, workers: int) -> None:
     # Without workers the batches are made on the trainer's global RNGs, as under
@@ -67,7 +73,7 @@ def test_resume_mid_epoch_in_a_new_loader(server: Server, case: str, workers: in
     second.close()
     got = [seen + rest, then]
     assert [len(e) for e in got] == [len(e) for e in want]
-    assert len(want[0]) == -(-len(dataset()) // 3)
+    assert len(want[0]) == len(dataset()) if case == "unbatched" else -(-len(dataset()) // 3)
     for e in range(2):
         for i, (g, w) in enumerate(zip(got[e], want[e], strict=True)):
             assert_same(g, w, f"epoch {e} batch {i}")

@@ -33,6 +33,7 @@ from torch.utils.data import default_collate
 
 from pinfeed.errors import BatchTooLarge, SampleError
 from pinfeed.protocol import MAX_MESSAGE, Layout, Leaf, align
+from pinfeed.unbatched import Unbatched
 from pinfeed_server.datasets.base import Fetch, batch_fetch
 from pinfeed_server.engine.batchlayout import OutputError, output_leaves, write_output
 from pinfeed_server.engine.ring import SlotSpace  # a ring of several segments
@@ -226,8 +227,13 @@ def leaf_views(layout: Layout, slot: torch.Tensor, rows: int) -> list[torch.Tens
     return views
 
 
-def fetch_samples(dataset: Any, indices: Sequence[int]) -> list[Any]:
-    getitems = getattr(dataset, "__getitems__", None)
+def fetch_samples(
+    dataset: Any, indices: Sequence[int], collate_fn: Collate | None = None
+) -> list[Any]:
+    """The samples of ``indices``, as DataLoader's fetcher reads them: through the
+    dataset's ``__getitems__`` where it has one; without automatic batching (an
+    ``Unbatched`` collate: DataLoader's ``batch_size=None``), ``dataset[index]``."""
+    getitems = None if isinstance(collate_fn, Unbatched) else getattr(dataset, "__getitems__", None)
     if getitems is not None:
         try:
             return list(getitems(list(indices)))
@@ -321,7 +327,8 @@ class SlotWriter:
                 return b""
             except Exception:
                 pass  # the per-sample path says what is wrong, as DataLoader would
-        return self.write_samples(slot, fetch_samples(self.dataset, indices), indices)
+        samples = fetch_samples(self.dataset, indices, self.collate_fn)
+        return self.write_samples(slot, samples, indices)
 
     def write_samples(
         self, slot: int, samples: list[Any], indices: Sequence[int] | None = None

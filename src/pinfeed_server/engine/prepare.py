@@ -109,7 +109,7 @@ def prepare(
             if iterable:
                 batch, where = first_samples(dataset, cfg, n), "the first batch of its iterator"
             else:
-                batch, where = fetch_samples(dataset, indices[:n]), f"sample {first}"
+                batch, where = fetch_samples(dataset, indices[:n], collate), f"sample {first}"
                 if transform is not None and isinstance(shared, CachedDataset):
                     _check_transform(cfg, shared, transform, indices[0])
             layout = loader_layout(batch, plan.max_rows, collate, cfg.max_batch_bytes, cap, where)

@@ -308,7 +308,7 @@ def apply(
         load_state(reseed.state)
     for indices in reseed.replay:
         try:
-            samples = fetch_samples(dataset, indices)
+            samples = fetch_samples(dataset, indices, collate_fn)
             if collate_fn is not None:
                 collate_fn(samples)
         except Exception:  # the original batch raised here too, after the same draws
