@@ -171,9 +171,12 @@ class DataLoader(TorchDataLoader):  # type: ignore[type-arg]
         target = torch.device(device) if device is not None else None
         if target is not None and target.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"device={device!r} was asked for, but CUDA is not available")
-        # Without automatic batching (batch_size=None) each item is one sample's.
-        rows = max_batch_size or self.batch_size or getattr(self.batch_sampler, "batch_size", None)
-        rows = rows if self._auto_collation else 1
+        # Without automatic batching (batch_size=None) each item is one sample's, or one
+        # index list's (a BatchSampler as sampler=: DataLoader's batched reads).
+        batches = self.batch_sampler if self._auto_collation else self.sampler
+        rows = max_batch_size or self.batch_size or getattr(batches, "batch_size", None)
+        if not self._auto_collation and not isinstance(self.sampler, BatchSampler):
+            rows = 1
         if not rows:
             raise ValueError(
                 "pinfeed.DataLoader: this batch_sampler has no batch_size; give "
@@ -258,11 +261,13 @@ class _Owned:
         dataset = loader.dataset
         iterable = isinstance(dataset, IterableDataset)
         collate: Any = loader.collate_fn
-        if not loader._auto_collation:
-            collate = Unbatched(collate)  # batch_size=None: each index a batch of one
+        by_list = isinstance(loader.sampler, BatchSampler)
+        if not loader._auto_collation:  # batch_size=None: each index a batch of one
+            collate = Unbatched(collate, by_list=by_list)
         elif collate is torch.utils.data.default_collate:
             collate = None  # the server writes default-collated batches itself
         self.batched = loader._auto_collation
+        self.by_list = by_list and not loader._auto_collation  # the index is a list
         self.payload = ship(
             {
                 "dataset": dataset,
@@ -554,12 +559,13 @@ def _index(i: Any) -> int:
     except TypeError:
         pass
     shown = repr(i) if len(repr(i)) < 60 else f"{repr(i)[:57]}..."
-    if isinstance(i, list | tuple):  # a BatchSampler given as sampler=, batch_size=None
+    if isinstance(i, list | tuple):  # index lists from a sampler that is no BatchSampler
         raise TypeError(
             f"pinfeed.DataLoader: the sampler yielded {shown}; without automatic batching "
-            "(batch_size=None) the server reads one integer index per item. For batched "
-            "reads give that sampler as batch_sampler= and define __getitems__(indices) "
-            "on the dataset: DataLoader and pinfeed call it with each batch's indices"
+            "(batch_size=None) the server reads an integer index per item, or an index "
+            "list where the sampler is a torch BatchSampler (dataset[indices]): make it "
+            "one (a subclass), or give it as batch_sampler= and define "
+            "__getitems__(indices) on the dataset"
         )
     raise TypeError(
         f"pinfeed.DataLoader: the sampler yielded {shown} ({type(i).__name__}); the server "
@@ -693,7 +699,7 @@ class _Iter(_BaseDataLoaderIter):
         # torch's batch samplers yield lists of ints: sent as they are (anything else
         # DataLoader indexes with, numpy or tensor integers, as ints); without automatic
         # batching the sampler's one index is a batch of one.
-        if not self._owned.batched:
+        if not self._owned.batched and not self._owned.by_list:
             indices = [indices]
         batch = indices if type(indices) is list else list(indices)
         try:

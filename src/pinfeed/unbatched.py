@@ -8,6 +8,10 @@ sample keeps its shape, with no batch dimension. ``pinfeed.DataLoader`` feeds su
 index as a batch of one and ships this wrapper as the loader's ``collate_fn``; the
 server's fetch reads the one sample as DataLoader's does where the collate is one
 (``pinfeed_server.engine.collate.fetch_samples``).
+
+The batched read DataLoader is tuned with (a ``BatchSampler`` given as ``sampler=``,
+``batch_size=None``: ``dataset[indices]`` makes the whole batch in one call) is
+``by_list``: each index list is fed as it is, and read as ``dataset[indices]``.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ class Unbatched:
     """The collate of a loader without automatic batching: ``collate_fn`` of the one
     sample of each batch of one."""
 
-    def __init__(self, collate_fn: Callable[[Any], Any]) -> None:
+    def __init__(self, collate_fn: Callable[[Any], Any], by_list: bool = False) -> None:
         self.collate_fn = collate_fn
+        self.by_list = by_list  # each fed batch is one index list: dataset[indices]
 
     def __call__(self, samples: list[Any]) -> Any:
         (sample,) = samples

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import BatchSampler, Dataset
+from torch.utils.data import Dataset
 
 import pinfeed
 from pinfeed import InvalidRequest, Unshippable
@@ -142,10 +142,11 @@ def test_a_collate_fn_that_raises_on_the_first_batch(server: Server) -> None:
 
 def test_a_sampler_of_keys_or_lists_without_automatic_batching(server: Server) -> None:
     # DataLoader indexes with whatever the sampler yields; the server reads by integer
-    # index: a key or a list (a BatchSampler as sampler=) is an error saying what to do.
+    # index, or by index list from a BatchSampler: a key, or lists from another sampler,
+    # is an error saying what to do.
     for sampler, says in (
         (["a", "b"], "map them to keys"),
-        (BatchSampler(range(8), 4, False), "batch_sampler="),
+        ([[0, 1], [2, 3]], "batch_sampler="),
     ):
         loader = pinfeed.DataLoader(
             Squares(), batch_size=None, sampler=sampler, socket=server.socket

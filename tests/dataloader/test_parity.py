@@ -22,6 +22,7 @@ from torch.utils.data import (
     Dataset,
     DistributedSampler,
     IterableDataset,
+    RandomSampler,
     Sampler,
     TensorDataset,
     default_collate,
@@ -657,6 +658,20 @@ class ItemsAsTheyCome(Dataset[Any]):
         return [(torch.tensor([i, 2]), torch.rand(1)) for i in indices]
 
 
+class ReadsBatches(Dataset[Any]):
+    """Reads a whole batch in one ``__getitem__(indices)``: DataLoader's tuned batched
+    read, with a ``BatchSampler`` as ``sampler=`` and ``batch_size=None``."""
+
+    def __init__(self) -> None:
+        self.table = torch.arange(45) ** 2
+
+    def __len__(self) -> int:
+        return 45
+
+    def __getitem__(self, indices: list[int]) -> Any:
+        return {"x": self.table[indices], "noise": torch.rand(len(indices))}
+
+
 def test_batch_size_none_without_automatic_batching(server: Server, workers: int) -> None:
     # Each item one sample, default_convert-ed (no batch dimension: shapes may differ;
     # ints, floats, strings and numpy scalars as they are), or the script's collate_fn
@@ -669,6 +684,14 @@ def test_batch_size_none_without_automatic_batching(server: Server, workers: int
         lambda cls, x: cls(ItemsAsTheyCome(), batch_size=None, **x),
         lambda cls, x: cls(Shards(), batch_size=None, **x),
         lambda cls, x: cls(Squares(), batch_size=None, collate_fn=lambda s: s[0] * 2 + s[1], **x),
+        lambda cls, x: cls(
+            ReadsBatches(),
+            batch_size=None,
+            sampler=BatchSampler(
+                RandomSampler(range(45), generator=torch.Generator().manual_seed(2)), 8, False
+            ),
+            **x,
+        ),
     ):
         check(server, lambda cls, x, make=make: make(cls, {"num_workers": workers, **x}), epochs=2)
     # Augmentations on DataLoader's worker streams, as with batches.

@@ -232,8 +232,19 @@ def fetch_samples(
 ) -> list[Any]:
     """The samples of ``indices``, as DataLoader's fetcher reads them: through the
     dataset's ``__getitems__`` where it has one; without automatic batching (an
-    ``Unbatched`` collate: DataLoader's ``batch_size=None``), ``dataset[index]``."""
-    getitems = None if isinstance(collate_fn, Unbatched) else getattr(dataset, "__getitems__", None)
+    ``Unbatched`` collate: DataLoader's ``batch_size=None``) the one item, read with the
+    sampler's index as it yielded it: ``dataset[index]``, or ``dataset[indices]`` where
+    it yields index lists."""
+    if isinstance(collate_fn, Unbatched):
+        key: Any = list(indices) if collate_fn.by_list else indices[0]
+        try:
+            return [dataset[key]]
+        except Exception as exc:
+            at = None if collate_fn.by_list else key
+            raise dataset_error(
+                exc, f"sample {key} raised {type(exc).__name__}: {exc}", at
+            ) from exc
+    getitems = getattr(dataset, "__getitems__", None)
     if getitems is not None:
         try:
             return list(getitems(list(indices)))
