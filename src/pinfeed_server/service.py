@@ -48,6 +48,7 @@ from pinfeed_server.engine.producers import Zygotes, configure_forkserver, execu
 from pinfeed_server.engine.producers.inline import GLOBAL_RNG
 from pinfeed_server.engine.stats import StatsSnapshot
 from pinfeed_server.engine.status import LoaderStatus
+from pinfeed_server.malloc import give_back_freed
 from pinfeed_server.node.arbiter import NodeArbiter
 from pinfeed_server.node.budget import NodeBudget
 from pinfeed_server.registry import DuplicateName, Registry
@@ -751,3 +752,4 @@ class Service:
             os.close(owned.payload_fd)
             del engine
             gc.collect()  # the trainer's objects (and their pages) are in reference cycles
+            give_back_freed()
