@@ -218,8 +218,8 @@ class DataPlaneServer:
         try:
             attached = self._attach(conn, peer)
             if attached is not None:
-                engine, member, owned = attached
-                session = Session(conn, engine, member, self._stop)
+                owned = attached[2]
+                session = Session(conn, attached[0], attached[1], self._stop)
                 session.run()
         except ValueError as exc:  # a malformed message: say so, then hang up
             log.debug("consumer broke the protocol: %s", exc)
@@ -232,6 +232,10 @@ class DataPlaneServer:
         finally:
             if session is not None:
                 session.engine.detach(session.member, session.leased)
+            # This frame lets go of the loader before its owner is gone: the collection
+            # there frees the trainer's objects (reference cycles) only if nothing holds
+            # them; else they stayed mapped in an idle server until some later collection.
+            session = attached = None
             if owned is not None and self._owner_gone is not None:
                 self._owner_gone(owned)
             _close_gently(conn)
@@ -276,6 +280,7 @@ class DataPlaneServer:
             member = engine.attach(None if owned else request.member)
         except PinfeedError as exc:
             conn.send(exc.info().encode())
+            del engine  # as in _serve: nothing here holds the loader while it goes
             if owned is not None and self._owner_gone is not None:
                 self._owner_gone(owned)
             return None
@@ -304,6 +309,7 @@ class DataPlaneServer:
             )
         except BaseException:
             engine.detach(member, set())
+            del engine  # as in _serve: nothing here holds the loader while it goes
             if owned is not None and self._owner_gone is not None:
                 self._owner_gone(owned)
             raise
