@@ -290,16 +290,18 @@ def tuned_loader(
     batch_size: int,
     shuffle: bool,
     generator: torch.Generator,
+    cls: Callable[..., DataLoader[Any]] = DataLoader,
     **loader: Any,
 ) -> DataLoader[Any]:
     """The tuned DataLoader of reference ``name``; ``loader``: DataLoader's other
-    arguments (num_workers, pin_memory, persistent_workers, prefetch_factor)."""
+    arguments (num_workers, pin_memory, persistent_workers, prefetch_factor); ``cls``:
+    the class called (``pinfeed.DataLoader``: the one-line switch of a tuned script)."""
     if name == "webdataset":
         ds = _webdataset_batched(root, params, batch_size)
-        return DataLoader(ds, batch_size=None, generator=generator, **loader)
+        return cls(ds, batch_size=None, generator=generator, **loader)
     ds = BATCHED[name](root, params)
     base = RandomSampler(ds, generator=generator) if shuffle else SequentialSampler(ds)
     batches = BatchSampler(base, batch_size, drop_last=False)
     # The DataLoader's generator is the sampler's too, as DataLoader(shuffle=True,
     # generator=g) has it: the same base seed, then the same permutation.
-    return DataLoader(ds, batch_size=None, sampler=batches, generator=generator, **loader)
+    return cls(ds, batch_size=None, sampler=batches, generator=generator, **loader)

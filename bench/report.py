@@ -45,9 +45,16 @@ SYSTEM_NAMES = {
     "dataloader": "DataLoader",
     "dataloader-tuned": "tuned DataLoader",
     "pinfeed-dataloader": "pinfeed.DataLoader",
+    "pinfeed-dataloader-tuned": "pinfeed.DataLoader, tuned",
 }
 LOADED = "†"
-ORDER = ("pinfeed", "pinfeed-dataloader", "dataloader", "dataloader-tuned")
+ORDER = (
+    "pinfeed",
+    "pinfeed-dataloader",
+    "pinfeed-dataloader-tuned",
+    "dataloader",
+    "dataloader-tuned",
+)
 
 
 def ordered(cells: dict[str, Any]) -> list[str]:

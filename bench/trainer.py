@@ -194,13 +194,19 @@ def _pinfeed_dataloader(spec: dict[str, Any]) -> tuple[Run, float]:
     return run, time.perf_counter() - t0
 
 
-def _dataloader_tuned(spec: dict[str, Any]) -> tuple[Run, float]:
+def _dataloader_tuned(spec: dict[str, Any], switched: bool = False) -> tuple[Run, float]:
     """What a performance engineer writes with DataLoader alone: one batched read a
-    batch (``bench.references.tuned_loader``), pinned with CUDA."""
+    batch (``bench.references.tuned_loader``), pinned with CUDA; ``switched``: that very
+    script with ``pinfeed.DataLoader`` in its place (the one-line switch of a tuned one)."""
     from pathlib import Path
 
     from bench.references import tuned_loader
 
+    extra: dict[str, Any] = {}
+    if switched:
+        import pinfeed
+
+        extra = {"cls": pinfeed.DataLoader, "socket": spec["socket"]}
     t0 = time.perf_counter()
     dl = tuned_loader(
         spec["tuned"],
@@ -209,8 +215,10 @@ def _dataloader_tuned(spec: dict[str, Any]) -> tuple[Run, float]:
         batch_size=spec["batch_size"],
         shuffle=spec["shuffle"],
         **_dataloader_args(spec),
+        **extra,
     )
-    run = Run(lambda: iter(dl), lambda: None)
+    close = getattr(dl, "close", None) if switched else None
+    run = Run(lambda: iter(dl), close or (lambda: None))
     run.start()
     return run, time.perf_counter() - t0
 
@@ -424,6 +432,7 @@ SYSTEMS: dict[str, Callable[[dict[str, Any]], tuple[Run, float]]] = {
     "dataloader": _dataloader,
     "dataloader-tuned": _dataloader_tuned,
     "pinfeed-dataloader": _pinfeed_dataloader,
+    "pinfeed-dataloader-tuned": lambda spec: _dataloader_tuned(spec, switched=True),
     "roofline": _roofline,
 }
 MODES: dict[str, Callable[[Run, dict[str, Any]], dict[str, Any]]] = {

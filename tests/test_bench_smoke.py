@@ -36,7 +36,13 @@ def test_suite_w1_quick(tmp_path: Path) -> None:
     _bench("W1", "--quick", "--data-dir", str(tmp_path / "data"), tmp_path=tmp_path)
     res = json.loads((tmp_path / "results" / "W1.json").read_text())
     assert res["name"] == "W1" and res["commit"]["sha"] and res["machine"]["cpus"]
-    assert set(res["cells"]) == {"pinfeed", "pinfeed-dataloader", "dataloader", "dataloader-tuned"}
+    assert set(res["cells"]) == {
+        "pinfeed",
+        "pinfeed-dataloader",
+        "pinfeed-dataloader-tuned",
+        "dataloader",
+        "dataloader-tuned",
+    }
     for system, by in res["cells"].items():
         assert set(by) == {"0", "2"}, system
         for nw, c in by.items():
