@@ -6,6 +6,7 @@ memory budget) and raises ``pinfeed.errors`` exceptions that become problem+json
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import hashlib
@@ -18,6 +19,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -74,6 +76,36 @@ DEMO_LOADER = LoaderCreate(name="demo", dataset="demo", batch_size=10)
 LIVE_FIELDS = {"num_workers", "prefetch_factor", "autotune", "priority", "min_workers"}
 # A trainer-made loader's zygote, apart from the registered datasets' ('~' is in no name).
 OWNED_ZYGOTE = "~"
+
+
+COLLECT_RETRY_S = (0.05, 10.0)  # a closed loader's objects: first retry, give up after
+
+
+def _weak(objs: list[Any]) -> list[weakref.ref[Any]]:
+    refs = []
+    for obj in objs:
+        with contextlib.suppress(TypeError):  # an object that takes no weak reference
+            refs.append(weakref.ref(obj))
+    return refs
+
+
+def _collect_until_gone(name: str, gone: list[weakref.ref[Any]], waited: float = 0.0) -> None:
+    """Collect until what ``gone`` refers to (a closed loader, its dataset) is freed: the
+    trainer's objects and their pages are in reference cycles, which only a collection
+    frees, and one of the loader's threads may still be ending. Then give the heaps'
+    free pages back. At once, and again from a timer, backing off, for
+    ``COLLECT_RETRY_S[1]`` at most."""
+    gc.collect()
+    if all(ref() is None for ref in gone):
+        give_back_freed()
+        return
+    if waited >= COLLECT_RETRY_S[1]:
+        log.warning("loader %s: its objects still referenced %.0f s after it closed", name, waited)
+        return
+    pause = max(COLLECT_RETRY_S[0], waited)
+    timer = threading.Timer(pause, _collect_until_gone, (name, gone, waited + pause))
+    timer.daemon = True
+    timer.start()
 
 
 @dataclass
@@ -750,6 +782,6 @@ class Service:
         if owned is not None:  # its objects: the zygote that holds them, their memfd
             self.zygotes.discard(OWNED_ZYGOTE + name)
             os.close(owned.payload_fd)
+            gone = _weak([engine, engine.dataset])
             del engine
-            gc.collect()  # the trainer's objects (and their pages) are in reference cycles
-            give_back_freed()
+            _collect_until_gone(name, gone)
