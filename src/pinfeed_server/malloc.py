@@ -15,9 +15,9 @@ is then reused from the heap. A fixed threshold, as this module set before, mapp
 faulted every such buffer afresh: 768 page faults a 3 MiB batch, a tuned DataLoader's
 batched read through pinfeed.DataLoader at 52k samples/s where DataLoader makes 480k.
 So the threshold keeps adapting, and ``give_back_freed`` (``malloc_trim(0)``: every
-arena's free pages, not only the main heap's top) runs when a loader's engine has
-closed. Only the server does this; its workers, fresh processes from the forkserver,
-end with their loader.
+arena's free pages, not only the main heap's top) runs once a deleted loader's engine
+is freed (``service.py``, ``_collect_until_gone``). Only the server does this; its
+workers, fresh processes from the forkserver, end with their loader.
 """
 
 from __future__ import annotations

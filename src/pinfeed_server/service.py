@@ -779,9 +779,11 @@ class Service:
                 self.registry.delete_loader(name)
             del self.loaders[name]
         engine.close()
+        # What goes with it: the engine, and an owned loader's objects (a named loader's
+        # dataset is the registry's, shared).
+        gone = _weak([engine, engine.dataset] if owned is not None else [engine])
         if owned is not None:  # its objects: the zygote that holds them, their memfd
             self.zygotes.discard(OWNED_ZYGOTE + name)
             os.close(owned.payload_fd)
-            gone = _weak([engine, engine.dataset])
-            del engine
-            _collect_until_gone(name, gone)
+        del engine
+        _collect_until_gone(name, gone)

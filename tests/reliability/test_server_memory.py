@@ -2,9 +2,10 @@
 the system. Each loader's producer thread is a new thread; under glibc's default
 (adaptive) mmap threshold its epoch orders (``torch.randperm`` of the dataset's length)
 stayed in that thread's heap after the loader was deleted, and the server grew by
-tens of MiB a loader on a large dataset (``src/pinfeed_server/malloc.py``): measured
-here, 31 MiB over the six loaders below without ``malloc_trim`` at a loader's close,
-0.4 MiB with it."""
+tens of MiB a loader on a large dataset (``src/pinfeed_server/malloc.py``). With
+glibc's adaptive threshold, what a deleted loader freed is trimmed (``malloc_trim``):
+measured on one machine, 31 MiB over the six loaders below without the trim, 0.4 MiB
+with it."""
 
 from __future__ import annotations
 
@@ -50,5 +51,5 @@ def test_deleted_loaders_give_their_memory_back(make_server: Callable[..., Serve
             cycle(k, k % 2)
         grown = _private_dirty(server.proc.pid) - before
     # six loaders, each with several 16 MB epoch orders: ~100 MiB and more if kept
-    assert grown < 12 * MiB, f"the server grew by {grown / MiB:.1f} MiB over 6 deleted loaders"
+    assert grown < 24 * MiB, f"the server grew by {grown / MiB:.1f} MiB over 6 deleted loaders"
     server.stop()

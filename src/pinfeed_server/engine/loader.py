@@ -64,7 +64,6 @@ from pinfeed_server.engine.ring import Ring, SlotState, SlotTable
 from pinfeed_server.engine.sampler import BatchPlan, ElasticEpoch, EpochSampler, with_last
 from pinfeed_server.engine.stats import LoaderStats, StatsSnapshot
 from pinfeed_server.engine.status import LoaderState, LoaderStatus, MemberStatus, SlotCounts
-from pinfeed_server.malloc import give_back_freed
 from pinfeed_server.metric import built
 
 log = logging.getLogger("pinfeed.loader")
@@ -284,7 +283,6 @@ class LoaderEngine:
         self.producer.close()
         if self.ring is not None:
             self.ring.close()
-        give_back_freed()  # what its threads' heaps kept (malloc.py)
         with self._cond:
             self.state = "closed"
             self._cond.notify_all()
