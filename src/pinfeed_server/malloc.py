@@ -1,5 +1,4 @@
-"""glibc's malloc in the server: freed memory of a loader's threads goes back to the
-system when the loader goes.
+"""glibc's malloc in the server, set so that freed big buffers go back to the system.
 
 glibc serves an allocation at or above its mmap threshold with a mapping of its own,
 unmapped on free; but the threshold adapts upwards (to 32 MiB on 64-bit) each time such
@@ -7,39 +6,32 @@ a chunk is freed, and from then on buffers of that size come from the per-thread
 (arenas), which keep them after ``free``. Every loader's producer thread is a new
 thread, often with an arena of its own, so each loader created and deleted left its
 epoch orders behind (``torch.randperm`` of the dataset's length: 10 MiB each at 1.28 M
-samples, several per loader): the server grew by ~59 MiB a loader at that size.
-
-The adaptation is what a producer in the server needs, though: a batch-sized buffer
-made anew every batch (a batched ``__getitem__``'s gather, a ``collate_fn``'s output)
-is then reused from the heap. A fixed threshold, as this module set before, mapped and
-faulted every such buffer afresh: 768 page faults a 3 MiB batch, a tuned DataLoader's
-batched read through pinfeed.DataLoader at 52k samples/s where DataLoader makes 480k.
-So the threshold keeps adapting, and ``give_back_freed`` (``malloc_trim(0)``: every
-arena's free pages, not only the main heap's top) runs once a deleted loader's engine
-is freed (``service.py``, ``_collect_until_gone``). Only the server does this; its
-workers, fresh processes from the forkserver, end with their loader.
+samples, several per loader): the server grew by ~59 MiB a loader at that size. A
+fixed threshold turns the adaptation off: such buffers are always mapped, and always
+returned. Only the server is set; its workers, fresh processes from the forkserver,
+keep glibc's defaults (their batch-sized buffers are reused, not mapped per batch).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import functools
-from typing import Any
+import logging
+
+log = logging.getLogger("pinfeed")
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+MMAP_THRESHOLD = 1 << 20
 
 
-@functools.cache
-def _malloc_trim() -> Any:
+def return_big_buffers() -> bool:
+    """Fix glibc's mmap threshold at 1 MiB in this process; False where it is not glibc."""
+    name = ctypes.util.find_library("c")
     try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+        mallopt = ctypes.CDLL(name).mallopt
     except (OSError, AttributeError, TypeError):
-        return None  # not glibc (musl, macOS): nothing to trim
-    fn.argtypes, fn.restype = (ctypes.c_size_t,), ctypes.c_int
-    return fn
-
-
-def give_back_freed() -> bool:
-    """Return the free pages of every malloc arena to the system; whether any went
-    (False where it is not glibc)."""
-    trim = _malloc_trim()
-    return bool(trim(0)) if trim is not None else False
+        return False  # not glibc (musl, macOS): nothing to set
+    ok = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    if not ok:
+        log.warning("mallopt(M_MMAP_THRESHOLD) refused: freed buffers may stay in the heap")
+    return ok

@@ -50,7 +50,6 @@ from pinfeed_server.engine.producers import Zygotes, configure_forkserver, execu
 from pinfeed_server.engine.producers.inline import GLOBAL_RNG
 from pinfeed_server.engine.stats import StatsSnapshot
 from pinfeed_server.engine.status import LoaderStatus
-from pinfeed_server.malloc import give_back_freed
 from pinfeed_server.node.arbiter import NodeArbiter
 from pinfeed_server.node.budget import NodeBudget
 from pinfeed_server.registry import DuplicateName, Registry
@@ -92,12 +91,10 @@ def _weak(objs: list[Any]) -> list[weakref.ref[Any]]:
 def _collect_until_gone(name: str, gone: list[weakref.ref[Any]], waited: float = 0.0) -> None:
     """Collect until what ``gone`` refers to (a closed loader, its dataset) is freed: the
     trainer's objects and their pages are in reference cycles, which only a collection
-    frees, and one of the loader's threads may still be ending. Then give the heaps'
-    free pages back. At once, and again from a timer, backing off, for
-    ``COLLECT_RETRY_S[1]`` at most."""
+    frees, and one of the loader's threads may still be ending. At once, and again from
+    a timer, backing off, for ``COLLECT_RETRY_S[1]`` at most."""
     gc.collect()
     if all(ref() is None for ref in gone):
-        give_back_freed()
         return
     if waited >= COLLECT_RETRY_S[1]:
         log.warning("loader %s: its objects still referenced %.0f s after it closed", name, waited)
@@ -779,11 +776,9 @@ class Service:
                 self.registry.delete_loader(name)
             del self.loaders[name]
         engine.close()
-        # What goes with it: the engine, and an owned loader's objects (a named loader's
-        # dataset is the registry's, shared).
-        gone = _weak([engine, engine.dataset] if owned is not None else [engine])
         if owned is not None:  # its objects: the zygote that holds them, their memfd
             self.zygotes.discard(OWNED_ZYGOTE + name)
             os.close(owned.payload_fd)
-        del engine
-        _collect_until_gone(name, gone)
+            gone = _weak([engine, engine.dataset])
+            del engine
+            _collect_until_gone(name, gone)

@@ -2,10 +2,7 @@
 the system. Each loader's producer thread is a new thread; under glibc's default
 (adaptive) mmap threshold its epoch orders (``torch.randperm`` of the dataset's length)
 stayed in that thread's heap after the loader was deleted, and the server grew by
-tens of MiB a loader on a large dataset (``src/pinfeed_server/malloc.py``). With
-glibc's adaptive threshold, what a deleted loader freed is trimmed (``malloc_trim``):
-measured on one machine, 31 MiB over the six loaders below without the trim, 0.4 MiB
-with it."""
+tens of MiB a loader on a large dataset (``src/pinfeed_server/malloc.py``)."""
 
 from __future__ import annotations
 
