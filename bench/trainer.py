@@ -217,8 +217,7 @@ def _dataloader_tuned(spec: dict[str, Any], switched: bool = False) -> tuple[Run
         **_dataloader_args(spec),
         **extra,
     )
-    close = getattr(dl, "close", None) if switched else None
-    run = Run(lambda: iter(dl), close or (lambda: None))
+    run = Run(lambda: iter(dl), dl.close if switched else lambda: None)  # type: ignore[attr-defined]
     run.start()
     return run, time.perf_counter() - t0
 

@@ -175,7 +175,7 @@ class DataLoader(TorchDataLoader):  # type: ignore[type-arg]
         # index list's (a BatchSampler as sampler=: DataLoader's batched reads).
         batches = self.batch_sampler if self._auto_collation else self.sampler
         rows = max_batch_size or self.batch_size or getattr(batches, "batch_size", None)
-        if not self._auto_collation and not isinstance(self.sampler, BatchSampler):
+        if _one_index_a_batch(self):
             rows = 1
         if not rows:
             raise ValueError(
@@ -261,13 +261,11 @@ class _Owned:
         dataset = loader.dataset
         iterable = isinstance(dataset, IterableDataset)
         collate: Any = loader.collate_fn
-        by_list = isinstance(loader.sampler, BatchSampler)
-        if not loader._auto_collation:  # batch_size=None: each index a batch of one
-            collate = Unbatched(collate, by_list=by_list)
+        if not loader._auto_collation:  # batch_size=None
+            collate = Unbatched(collate, by_list=not _one_index_a_batch(loader))
         elif collate is torch.utils.data.default_collate:
             collate = None  # the server writes default-collated batches itself
-        self.batched = loader._auto_collation
-        self.by_list = by_list and not loader._auto_collation  # the index is a list
+        self.one_index = _one_index_a_batch(loader)  # each index fed as a batch of one
         self.payload = ship(
             {
                 "dataset": dataset,
@@ -552,6 +550,13 @@ def _whole_epoch_quiet(loader: DataLoader) -> bool:
     )
 
 
+def _one_index_a_batch(loader: TorchDataLoader) -> bool:  # type: ignore[type-arg]
+    """Whether the loader's sampler yields single indices, each read as one item (no
+    automatic batching, and no BatchSampler as ``sampler=``, whose index lists are read
+    as ``dataset[indices]``)."""
+    return not loader._auto_collation and not isinstance(loader.sampler, BatchSampler)
+
+
 def _index(i: Any) -> int:
     """A sampler's index as the int the server reads ``dataset[index]`` with."""
     try:
@@ -699,7 +704,7 @@ class _Iter(_BaseDataLoaderIter):
         # torch's batch samplers yield lists of ints: sent as they are (anything else
         # DataLoader indexes with, numpy or tensor integers, as ints); without automatic
         # batching the sampler's one index is a batch of one.
-        if not self._owned.batched and not self._owned.by_list:
+        if self._owned.one_index:
             indices = [indices]
         batch = indices if type(indices) is list else list(indices)
         try:
