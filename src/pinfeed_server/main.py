@@ -16,7 +16,6 @@ from pinfeed_server.api.problems import install_handlers
 from pinfeed_server.api.routes import datasets, health, loaders, metrics, node, page
 from pinfeed_server.api.throttle import Throttle
 from pinfeed_server.datasets import KINDS
-from pinfeed_server.malloc import return_big_buffers
 from pinfeed_server.service import Service
 from pinfeed_server.settings import Settings, get_settings
 
@@ -46,9 +45,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         settings.check_safe()
-        return_big_buffers()  # before the service allocates (malloc.py says why)
         service = Service(settings)
-        service.start()
+        service.start()  # fixes the server's mmap threshold (malloc.py says why)
         app.state.service = service
         try:
             yield

@@ -8,8 +8,15 @@ thread, often with an arena of its own, so each loader created and deleted left 
 epoch orders behind (``torch.randperm`` of the dataset's length: 10 MiB each at 1.28 M
 samples, several per loader): the server grew by ~59 MiB a loader at that size. A
 fixed threshold turns the adaptation off: such buffers are always mapped, and always
-returned. Only the server is set; its workers, fresh processes from the forkserver,
-keep glibc's defaults (their batch-sized buffers are reused, not mapped per batch).
+returned. Only the server is set, and only once its forkserver has been forked from
+it (``Service.start``): the forkserver, each dataset's zygote and every worker forked
+from them keep glibc's adaptive threshold, so a worker's batch-sized buffers are reused
+from its heap, not mapped and faulted in anew each batch (set before the fork, as it
+once was, a batched read's 3 MiB batch cost a worker ~770 page faults a batch).
+
+The cost the server keeps: a loader without workers makes its batches in the server,
+so a dataset that allocates a buffer of 1 MiB or more per batch (a batched read's
+``index_select``) has it mapped and faulted in each batch.
 """
 
 from __future__ import annotations

@@ -50,6 +50,7 @@ from pinfeed_server.engine.producers import Zygotes, configure_forkserver, execu
 from pinfeed_server.engine.producers.inline import GLOBAL_RNG
 from pinfeed_server.engine.stats import StatsSnapshot
 from pinfeed_server.engine.status import LoaderStatus
+from pinfeed_server.malloc import return_big_buffers
 from pinfeed_server.node.arbiter import NodeArbiter
 from pinfeed_server.node.budget import NodeBudget
 from pinfeed_server.registry import DuplicateName, Registry
@@ -173,6 +174,9 @@ class Service:
         # One short directory per socket path (AF_UNIX paths are capped at 107 bytes).
         key = hashlib.sha1(str(self.settings.socket_path.resolve()).encode()).hexdigest()[:10]
         configure_forkserver(Path(tempfile.gettempdir()) / f"pinfeed-{os.getuid()}-{key}")
+        # Once the forkserver is forked from this process (it and the workers forked
+        # from it keep glibc's adaptive threshold), before any loader allocates.
+        return_big_buffers()
         self.dataplane.start()
         self.restore()
         if self.settings.demo:
