@@ -71,6 +71,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from pinfeed import protocol as p
 from pinfeed import rng
+from pinfeed._accelerate import PreparedAsIs
 from pinfeed._autostart import ensure_server
 from pinfeed._connection import Connection
 from pinfeed._shipping import ship
@@ -112,8 +113,9 @@ class DataLoader(TorchDataLoader):  # type: ignore[type-arg]
     """
 
     # Accelerate hands a prepared loader back as it is (it shards nothing: the sampler
-    # is the script's, as with DataLoader), and tracks it as stateful.
-    _is_accelerate_prepared = True
+    # is the script's, as with DataLoader; with several processes and no sampler that
+    # shards, a warning), and tracks it as stateful.
+    _is_accelerate_prepared = PreparedAsIs()
     use_stateful_dataloader = True
 
     def __init__(
@@ -231,6 +233,21 @@ class DataLoader(TorchDataLoader):  # type: ignore[type-arg]
             if callable(set_epoch):
                 set_epoch(epoch)
                 return
+
+    def _unsharded(self) -> str:
+        """What to do where nothing shards this loader across processes ("": a
+        ``DistributedSampler`` does, or an ``IterableDataset``, which may itself)."""
+        if self._owned.iterable:
+            return ""
+        held = (self.sampler, self.batch_sampler)  # a BatchSampler's own, as sampler= too
+        if any(isinstance(getattr(s, "sampler", s), DistributedSampler) for s in held):
+            return ""
+        return (
+            "Give it a sampler that shards, as a DDP script does: sampler="
+            "DistributedSampler(dataset, num_replicas=accelerator.num_processes, "
+            "rank=accelerator.process_index, shuffle=...), and call its "
+            "set_epoch(epoch) each epoch."
+        )
 
     def close(self) -> None:
         """Let the server's loader go (it goes anyway when this object does)."""

@@ -28,6 +28,7 @@ import torch
 
 from pinfeed import elastic
 from pinfeed import protocol as p
+from pinfeed._accelerate import PreparedAsIs
 from pinfeed._connection import Connection
 from pinfeed._epochs import Epoch, Epochs
 from pinfeed._info import RemoteBatchSampler, RemoteDataset, RemoteSampler, server_side
@@ -53,7 +54,8 @@ class Loader:
     # Accelerate: ``accelerator.prepare_data_loader(loader)`` hands back an object marked
     # prepared as it is and tracks it; ``save_state``/``load_state`` then store and
     # restore ``state_dict()`` of a tracked loader marked stateful (as StatefulDataLoader).
-    _is_accelerate_prepared = True
+    # With several processes and a loader without ``world_size``: a warning.
+    _is_accelerate_prepared = PreparedAsIs()
     use_stateful_dataloader = True
 
     def __init__(
@@ -266,6 +268,16 @@ class Loader:
         if not config.shuffle or config.world_size is not None:
             return None
         return torch.Generator().manual_seed(config.seed)
+
+    def _unsharded(self) -> str:
+        """What to do where nothing shards this loader across processes ("": its
+        ``world_size`` does)."""
+        if self._conn.info.config.world_size is not None:
+            return ""
+        return (
+            "Create a named loader for each rank with world_size=accelerator.num_processes "
+            "and rank=accelerator.process_index (POST /v1/loaders), as under DDP."
+        )
 
     # -- lifecycle -----------------------------------------------------------------------
     def close(self) -> None:

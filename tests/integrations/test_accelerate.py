@@ -1,12 +1,14 @@
 """Accelerate: ``save_state`` mid-epoch in one process, ``load_state`` in a new one, and
 the new one continues with the next batch (DataLoader's epoch, batch for batch); a
 4-process job's ``save_state`` resumed by 3 processes with each sample of the epoch
-once (Accelerate keeps the main process's loader state alone: it has every rank's)."""
+once (Accelerate keeps the main process's loader state alone: it has every rank's); a
+2-process job's ``prepare`` warns of a loader nothing shards."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -130,7 +132,9 @@ def test_prepare_and_save_load_state_of_a_pinfeed_dataloader(
     want = [list(b) for b in make(DataLoader)]
     accelerator = Accelerator(cpu=True)
     loader = make(pinfeed.DataLoader, socket=server.socket, copy=True)
-    assert accelerator.prepare_data_loader(loader) is loader
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one process: nothing to shard, no warning
+        assert accelerator.prepare_data_loader(loader) is loader
     it = iter(loader)
     got = [next(it) for _ in range(3)]
     accelerator.save_state(tmp_path / "ckpt")
@@ -176,3 +180,38 @@ def test_a_4_process_save_state_resumed_by_3(admin: Client, server: Server, tmp_
     check_resumed(before, rests, length=LENGTH, batch=BATCH)
     for name in old + new:
         admin.delete_loader(name)
+
+
+@pytest.mark.heavy  # torchrun: 2 Accelerate processes
+def test_prepare_under_2_processes_warns_of_a_loader_nothing_shards(
+    admin: Client, server: Server, tmp_path: Path
+) -> None:
+    """Accelerate shards a DataLoader it prepares, not a pinfeed loader it hands back:
+    ``prepare`` warns, once a loader, where nothing else shards it (a pinfeed.DataLoader
+    without a ``DistributedSampler``, a named loader without ``world_size``), naming the
+    fix; the fix (``DistributedSampler`` with ``set_epoch``) gives each rank torch's
+    DataLoader's batches of the same objects, over 2 epochs."""
+    from tests.features.test_elastic_ddp import torchrun
+
+    ds_name, name = unique("acc"), unique("acc")
+    admin.create_dataset(ds_name, "synthetic", PARAMS)
+    for rank in range(2):
+        admin.create_loader(f"{name}-{rank}", dataset=ds_name, batch_size=4)
+    script = REPO / "tests" / "integrations" / "accelerate_shards.py"
+    torchrun(2, str(server.socket), name, str(tmp_path), script=script)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["processes"] == 2
+        (unsharded,) = got["unsharded"]
+        assert "each of the 2 processes would iterate the whole dataset" in unsharded
+        assert "DistributedSampler(dataset, num_replicas=accelerator.num_processes" in unsharded
+        assert got["again"] == []
+        assert got["distributed"] == got["tuned"] == []
+        (named,) = got["named"]
+        assert "world_size=accelerator.num_processes" in named
+        for mine, torchs in got["epochs"]:
+            assert len(mine) == len(torchs) == 3
+            for g, w in zip(mine, torchs, strict=True):
+                assert all(torch.equal(a, b) for a, b in zip(g, w, strict=True))
+    for rank in range(2):
+        admin.delete_loader(f"{name}-{rank}")
