@@ -271,12 +271,16 @@ class Loader:
 
     def _unsharded(self) -> str:
         """What to do where nothing shards this loader across processes ("": its
-        ``world_size`` does)."""
-        if self._conn.info.config.world_size is not None:
+        ``world_size`` does, or a consumer group that splits its batches)."""
+        config = self._conn.info.config
+        if config.world_size is not None or (
+            config.group_size > 1 and config.group_mode == "split"
+        ):
             return ""
         return (
             "Create a named loader for each rank with world_size=accelerator.num_processes "
-            "and rank=accelerator.process_index (POST /v1/loaders), as under DDP."
+            "and rank=accelerator.process_index (POST /v1/loaders), as under DDP, or one "
+            "loader with group_size=accelerator.num_processes and group_mode='split'."
         )
 
     # -- lifecycle -----------------------------------------------------------------------

@@ -6,7 +6,8 @@ loaders, for test_accelerate's sharding test.
 Each rank ``prepare``s, with its model and optimizer: a ``pinfeed.DataLoader`` that
 nothing shards, one over a ``DistributedSampler``, the tuned batched read over one
 (``sampler=BatchSampler(DistributedSampler)``, ``batch_size=None``), and the named
-loader LOADER-{rank} (one a rank, without ``world_size``). It records the warnings
+loader LOADER-{rank} (one a rank, without ``world_size``), and LOADER-group (a consumer
+group that splits its batches). It records the warnings
 each ``prepare`` gave, and two epochs of the ``DistributedSampler`` loader beside
 torch's DataLoader on the same objects, under ``set_epoch``, in ``OUT/rank{r}.pt``.
 """
@@ -74,6 +75,8 @@ def main() -> None:
 
     with pinfeed.Loader(f"{name}-{rank}", socket=socket) as named:
         result["named"] = prepared(accelerator, named)
+    with pinfeed.Loader(f"{name}-group", socket=socket, member=rank) as group:
+        result["group"] = prepared(accelerator, group)  # split: sharded
     torch.save(result, Path(out) / f"rank{rank}.pt")
 
 

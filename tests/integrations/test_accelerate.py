@@ -188,7 +188,8 @@ def test_prepare_under_2_processes_warns_of_a_loader_nothing_shards(
 ) -> None:
     """Accelerate shards a DataLoader it prepares, not a pinfeed loader it hands back:
     ``prepare`` warns, once a loader, where nothing else shards it (a pinfeed.DataLoader
-    without a ``DistributedSampler``, a named loader without ``world_size``), naming the
+    without a ``DistributedSampler``, a named loader without ``world_size`` or a split
+    group), naming the
     fix; the fix (``DistributedSampler`` with ``set_epoch``) gives each rank torch's
     DataLoader's batches of the same objects, over 2 epochs."""
     from tests.features.test_elastic_ddp import torchrun
@@ -197,6 +198,9 @@ def test_prepare_under_2_processes_warns_of_a_loader_nothing_shards(
     admin.create_dataset(ds_name, "synthetic", PARAMS)
     for rank in range(2):
         admin.create_loader(f"{name}-{rank}", dataset=ds_name, batch_size=4)
+    admin.create_loader(
+        f"{name}-group", dataset=ds_name, batch_size=4, group_size=2, group_mode="split"
+    )
     script = REPO / "tests" / "integrations" / "accelerate_shards.py"
     torchrun(2, str(server.socket), name, str(tmp_path), script=script)
     for rank in range(2):
@@ -209,9 +213,10 @@ def test_prepare_under_2_processes_warns_of_a_loader_nothing_shards(
         assert got["distributed"] == got["tuned"] == []
         (named,) = got["named"]
         assert "world_size=accelerator.num_processes" in named
+        assert got["group"] == []
         for mine, torchs in got["epochs"]:
             assert len(mine) == len(torchs) == 3
             for g, w in zip(mine, torchs, strict=True):
                 assert all(torch.equal(a, b) for a, b in zip(g, w, strict=True))
-    for rank in range(2):
-        admin.delete_loader(f"{name}-{rank}")
+    for suffix in ("0", "1", "group"):
+        admin.delete_loader(f"{name}-{suffix}")
