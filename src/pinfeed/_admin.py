@@ -12,13 +12,14 @@ that cannot be reached raises ``ServerUnavailable`` (naming the URL), as the dat
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
-
-import httpx
 
 from pinfeed.errors import PinfeedError, ProblemError, ServerUnavailable, error_from_slug
 from pinfeed.protocol import HTTP_CLIENT_HEADER
+
+if TYPE_CHECKING:
+    import httpx
 
 DEFAULT_URL = "http://127.0.0.1:8321"
 
@@ -43,6 +44,8 @@ class Client:
         # The server paces each client apart (its address and this header): one
         # process's Client is one client, whatever else runs on the node's loopback.
         headers[HTTP_CLIENT_HEADER] = f"pinfeed-{os.getpid()}"
+        import httpx  # here, not at import: a trainer or server without a Client pays no 0.2 s
+
         self._http = httpx.Client(
             base_url=url, headers=headers, timeout=timeout, transport=transport
         )
@@ -57,6 +60,8 @@ class Client:
         self.close()
 
     def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        import httpx
+
         try:
             response = self._http.request(method, path, **kwargs)
         except httpx.TransportError as exc:

@@ -36,10 +36,9 @@ def serve(
     demo: Annotated[bool, typer.Option(help="register the demo dataset and loader")] = False,
 ) -> None:
     """Run the service: HTTP control plane and the data-plane socket."""
-    import uvicorn
     from pydantic import ValidationError
 
-    from pinfeed_server.main import create_app
+    from pinfeed_server.service import Service
     from pinfeed_server.settings import Settings
 
     overrides: dict[str, Any] = {
@@ -71,12 +70,28 @@ def serve(
     except ValueError as exc:
         console.print(f"[red]refusing to start:[/red] {exc}")
         raise typer.Exit(2) from None
+    # The data plane first: a trainer that started this server (pinfeed.DataLoader's
+    # autostart) waits for the socket alone, not for the HTTP stack's imports too.
+    service = Service(settings)
+    # Until uvicorn takes the signals over, SIGTERM (PINFEED_IDLE_EXIT_S's too) stops
+    # the service, below, and exits 0.
+    signal.signal(signal.SIGTERM, _stop_starting)
+    try:
+        service.start()
+        import uvicorn
+
+        from pinfeed_server.main import create_app
+
+        app = create_app(settings, service)  # its lifespan stops the service
+    except BaseException:
+        service.close()
+        raise
     # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal under the previous
     # handler; a no-op one makes a graceful stop exit 0, as supervisors expect.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     uvicorn.run(
-        create_app(settings),
+        app,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level.lower(),
@@ -86,6 +101,10 @@ def serve(
         limit_concurrency=HTTP_MAX_CONCURRENCY,
     )
     _exit_stopped()
+
+
+def _stop_starting(*_: object) -> NoReturn:
+    raise SystemExit(0)
 
 
 def _exit_stopped() -> NoReturn:

@@ -39,14 +39,20 @@ TAGS = [
 ]
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, service: Service | None = None) -> FastAPI:
+    """The app; its lifespan starts a ``Service`` of ``settings``, or takes ``service``,
+    already started (``pinfeed serve``: its data plane answers before the HTTP stack is
+    imported), and stops it."""
     settings = settings or get_settings()
+    started = service
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        settings.check_safe()
-        service = Service(settings)
-        service.start()  # fixes the server's mmap threshold (malloc.py says why)
+        service = started
+        if service is None:
+            settings.check_safe()
+            service = Service(settings)
+            service.start()  # fixes the server's mmap threshold (malloc.py says why)
         app.state.service = service
         try:
             yield

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner, Result
 
+from pinfeed._autostart import answers
 from pinfeed_server.cli import app
 from pinfeed_server.cli_admin import console
 from tests.conftest import Server, free_port
 from tests.helpers import unique
+from tests.reliability.procs import descendants, gone, wait_for
 
 SYNTHETIC = json.dumps({"length": 24, "fields": [{"shape": [4]}, {"shape": [], "dtype": "int64"}]})
 
@@ -146,3 +153,29 @@ def test_status_names_a_pinfeed_dataloaders_owner(server: Server) -> None:
         assert f"pid {os.getpid()}" in line
     finally:
         loader.close()
+
+
+def test_serve_opens_its_data_plane_first_and_a_sigterm_then_stops_it(tmp_path: Path) -> None:
+    """``pinfeed serve`` opens its data-plane socket before it imports the HTTP stack (a
+    trainer that started it waits for the socket alone); a SIGTERM from that moment on,
+    as PINFEED_IDLE_EXIT_S's, stops it: exit 0, no process and no socket left."""
+    sock = tmp_path / "s.sock"
+    env = dict(
+        os.environ,
+        PINFEED_SOCKET=str(sock),
+        PINFEED_PORT=str(free_port()),
+        PINFEED_STATE_DIR=str(tmp_path / "state"),
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pinfeed_server", "serve"], env=env, cwd=tmp_path
+    )
+    try:
+        wait_for(lambda: answers(sock), "the data plane to answer", 60, every=0.01)
+        pids = [proc.pid, *(p.pid for p in descendants(proc.pid))]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    wait_for(lambda: gone(pids), "the server's processes to exit", 10)
+    assert not sock.exists()
