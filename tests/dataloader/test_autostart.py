@@ -97,7 +97,8 @@ def test_two_trainers_at_once_start_one_server(tmp_path: Path) -> None:
             assert t.returncode == 0, err[-3000:]
         assert len(_servers(tmp_path / "pinfeed.sock")) == 1
         log = (tmp_path / "autostart.log").read_text()
-        assert log.count("Application startup complete") == 1, log[-2000:]
+        # One server opened a data plane; the trainers may be done before its HTTP stack is up.
+        assert log.count("INFO pinfeed: data plane on ") == 1, log[-2000:]
     finally:
         for server in _servers(tmp_path / "pinfeed.sock"):
             server.terminate()
