@@ -38,10 +38,13 @@ pytest: $(STAMP) compile
 	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile -m 'not serial and not heavy'
 	$(BIN)/pytest -m 'serial and not heavy'
 
-# Tests that run many processes at once (torchrun and Lightning DDP jobs of 2-6 ranks,
-# the benchmarks' smoke runs): minutes of their own, so not in `make test`; CI runs both.
+# Tests that run many processes at once or a whole deployment (torchrun and Lightning DDP
+# jobs of 2-6 ranks, Docker images and compose stacks, two nodes, the benchmarks' smoke
+# runs, fifty trainer processes in a row): minutes of their own, so not in `make test`;
+# CI runs both. The same two passes as `pytest`.
 test-heavy: $(STAMP) compile
-	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile -m heavy
+	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile -m 'heavy and not serial'
+	$(BIN)/pytest -m 'heavy and serial'
 
 test: lint typecheck deploy-check pytest
 
@@ -60,7 +63,7 @@ deploy-check: $(STAMP)
 	$(BIN)/check-jsonschema --builtin-schema vendor.compose-spec $(COMPOSE_FILES)
 	$(BIN)/kubernetes-validate --strict --quiet deploy/k8s/pinfeed.yaml
 
-bench: $(STAMP)
+bench: $(STAMP) compile
 	$(BIN)/python -m bench
 
 clean:

@@ -149,6 +149,7 @@ def test_a_trainer_killed_mid_epoch_leaves_nothing(own: Server) -> None:
     assert smaps_rollup(own.pid)["Pss"] - pss < 16 * 2**20
 
 
+@pytest.mark.heavy
 def test_fifty_create_and_close_cycles_leak_nothing(own: Server) -> None:
     before = _warm(own)
     pss = smaps_rollup(own.pid)["Pss"]
@@ -190,6 +191,7 @@ def test_a_closed_loaders_objects_leave_the_server_at_once(own: Server, workers:
     assert grown < 16 * 2**20, f"the server kept {grown / 2**20:.0f} MiB of a closed loader"
 
 
+@pytest.mark.heavy
 def test_exits_of_trainer_processes_leave_nothing(own: Server) -> None:
     before = _warm(own)
     for _ in range(3):

@@ -109,6 +109,7 @@ def _epochs(output: str) -> list[float]:
     indirect=["project"],
 )
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_compose_smoke(project: Project, trainer: str) -> None:
     assert sorted(project.services) == sorted(["pinfeed", trainer])
     server = project.start("pinfeed")

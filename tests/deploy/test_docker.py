@@ -27,6 +27,7 @@ from tests.deploy import engine
 pytestmark = [
     pytest.mark.skipif(engine.engine_missing() is not None, reason=str(engine.engine_missing())),
     pytest.mark.slow,
+    pytest.mark.heavy,  # images and containers: make test-heavy
     # The first test also makes the base image and builds the image (minutes, once).
     pytest.mark.timeout(1800),
 ]

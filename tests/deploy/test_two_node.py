@@ -64,6 +64,7 @@ def nodes(short_tmp: Path) -> Iterator[list[Project]]:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_two_nodes_train_one_model(nodes: list[Project]) -> None:
     for node in nodes:
         node.start("pinfeed")
