@@ -60,7 +60,7 @@ def serve(
         problems = "; ".join(
             f"PINFEED_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']}" for e in exc.errors()
         )
-        console.print(f"[red]refusing to start:[/red] {problems}")
+        console().print(f"[red]refusing to start:[/red] {problems}")
         raise typer.Exit(2) from None
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -68,7 +68,7 @@ def serve(
     try:
         settings.check_safe()
     except ValueError as exc:
-        console.print(f"[red]refusing to start:[/red] {exc}")
+        console().print(f"[red]refusing to start:[/red] {exc}")
         raise typer.Exit(2) from None
     # The data plane first: a trainer that started this server (pinfeed.DataLoader's
     # autostart) waits for the socket alone, not for the HTTP stack's imports too.
@@ -137,7 +137,7 @@ def bench(ctx: typer.Context) -> None:
 
     checkout = Path(__file__).resolve().parent.parent
     if not (checkout / "bench" / "suite.py").is_file():
-        console.print(
+        console().print(
             "[red]error:[/red] the benchmarks live in bench/ of a source checkout; "
             "run `python -m bench` there"
         )

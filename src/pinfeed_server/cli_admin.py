@@ -6,20 +6,29 @@ one line and exits 1. ``--json`` prints what the API returned, for scripts.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich import box
-from rich.console import Console
-from rich.table import Table
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from pinfeed import Client
 
-console = Console()
+
+@functools.cache
+def console() -> Console:
+    """The commands' console, made at its first use: ``pinfeed serve`` never imports
+    rich (~0.1 s of an autostarted server's start)."""
+    from rich.console import Console
+
+    return Console()
+
+
 datasets_app = typer.Typer(help="Register and inspect datasets.", no_args_is_help=True)
 loaders_app = typer.Typer(help="Create, inspect, tune and delete loaders.", no_args_is_help=True)
 
@@ -42,7 +51,7 @@ def _client(url: str | None, token: str | None) -> Iterator[Client]:
         with Client(url, token=token) as c:
             yield c
     except PinfeedError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console().print(f"[red]error:[/red] {exc}")
         raise typer.Exit(1) from None
 
 
@@ -62,6 +71,8 @@ def datasets_ls(url: UrlOpt = None, token: TokenOpt = None, as_json: JsonOpt = F
         rows = c.datasets()
     if as_json:
         return _json(rows)
+    from rich.table import Table
+
     table = Table("name", "kind", "length", "sample", "cache", "error")
     for r in rows:
         table.add_row(
@@ -72,7 +83,7 @@ def datasets_ls(url: UrlOpt = None, token: TokenOpt = None, as_json: JsonOpt = F
             _cache(r.get("cache"), r["length"]),
             r["error"] or "",
         )
-    console.print(table)
+    console().print(table)
 
 
 def _cache(stats: dict[str, Any] | None, length: int | None) -> str:
@@ -104,11 +115,11 @@ def datasets_add(
     try:
         parsed = json.loads(params)
     except ValueError as exc:
-        console.print(f"[red]error:[/red] --params is not JSON: {exc}")
+        console().print(f"[red]error:[/red] --params is not JSON: {exc}")
         raise typer.Exit(2) from None
     with _client(url, token) as c:
         ds = c.create_dataset(name, kind, parsed)
-    console.print(f"dataset {name} added: {ds['length']} samples")
+    console().print(f"dataset {name} added: {ds['length']} samples")
 
 
 @datasets_app.command("rm")
@@ -116,7 +127,7 @@ def datasets_rm(name: str, url: UrlOpt = None, token: TokenOpt = None) -> None:
     """Delete a dataset (refused while a loader uses it)."""
     with _client(url, token) as c:
         c.delete_dataset(name)
-    console.print(f"dataset {name} deleted")
+    console().print(f"dataset {name} deleted")
 
 
 @loaders_app.command("ls")
@@ -126,6 +137,8 @@ def loaders_ls(url: UrlOpt = None, token: TokenOpt = None, as_json: JsonOpt = Fa
         rows = c.loaders()
     if as_json:
         return _json(rows)
+    from rich.table import Table
+
     table = Table(
         "name",
         "dataset",
@@ -151,7 +164,7 @@ def loaders_ls(url: UrlOpt = None, token: TokenOpt = None, as_json: JsonOpt = Fa
             _mb(lo["ring_bytes"]),
             str(lo["page_locked"]),
         )
-    console.print(table)
+    console().print(table)
 
 
 def _option(pair: str) -> tuple[str, Any]:
@@ -195,7 +208,7 @@ def loaders_add(
     config.update(_option(o) for o in option or [])  # -o wins over the flags
     with _client(url, token) as c:
         lo = c.create_loader(name, dataset=dataset, **config)
-    console.print(f"loader {name} created: {lo['state']}, ring {_mb(lo['ring_bytes'])} MB")
+    console().print(f"loader {name} created: {lo['state']}, ring {_mb(lo['ring_bytes'])} MB")
 
 
 @loaders_app.command("set")
@@ -214,7 +227,7 @@ def loaders_set(
     }
     with _client(url, token) as c:
         lo = c.patch_loader(name, **changes)
-    console.print(
+    console().print(
         f"loader {name}: num_workers={lo['num_workers']} prefetch_factor={lo['prefetch_factor']}"
     )
 
@@ -224,7 +237,7 @@ def loaders_rm(name: str, url: UrlOpt = None, token: TokenOpt = None) -> None:
     """Delete a loader and free its ring."""
     with _client(url, token) as c:
         c.delete_loader(name)
-    console.print(f"loader {name} deleted")
+    console().print(f"loader {name} deleted")
 
 
 @loaders_app.command("show")
@@ -267,7 +280,7 @@ def status(url: UrlOpt = None, token: TokenOpt = None, as_json: JsonOpt = False)
     else:
         mode = "arbiter measuring"
     stall = "-" if arb.weighted_stall is None else f"{arb.weighted_stall:.2f}"
-    console.print(
+    console().print(
         f"node: {node.cpus} CPUs, workers {node.workers_used}/{node.max_workers}, "
         f"ring memory {_mb(node.shm_used_bytes)}/{_mb(node.shm_budget_bytes)} MB; "
         f"{mode}; weighted stall {stall}",
@@ -277,6 +290,9 @@ def status(url: UrlOpt = None, token: TokenOpt = None, as_json: JsonOpt = False)
     # Short, whole headers, no box, the box's one space between columns and no padding:
     # every column readable in 80 columns (rich cuts headers to their column's width, so
     # they are chosen to fit); a long loader name folds instead of squeezing the numbers.
+    from rich import box
+    from rich.table import Table
+
     table = Table(box=box.SIMPLE_HEAD, padding=0, show_edge=False)
     for head, justify in (
         ("loader", "left"),
@@ -312,14 +328,14 @@ def status(url: UrlOpt = None, token: TokenOpt = None, as_json: JsonOpt = False)
             workers,
             str(lo.get("priority", 1)),
         )
-    console.print(table)
-    console.print("workers: processes x prefetch_factor; *: autotuned (moved by the arbiter)")
+    console().print(table)
+    console().print("workers: processes x prefetch_factor; *: autotuned (moved by the arbiter)")
     if node.decisions:
-        console.print("last decisions:")
+        console().print("last decisions:")
         for d in node.decisions[-5:]:
             donor = f" from {d.donor}" if d.donor else ""
             line = f"  {d.t:7.1f}s {d.kind} {d.loader}{donor}: {d.reason}"
-            console.print(line, overflow="ellipsis", no_wrap=True, crop=True, markup=False)
+            console().print(line, overflow="ellipsis", no_wrap=True, crop=True, markup=False)
 
 
 def _trainers(loader: dict[str, Any], count: int) -> str:

@@ -25,14 +25,14 @@ SYNTHETIC = json.dumps({"length": 24, "fields": [{"shape": [4]}, {"shape": [], "
 def run(server: Server | str, *args: str) -> Result:
     url = server if isinstance(server, str) else server.url
     # Wide columns so rich does not truncate names in tables. The CLI's console is made
-    # once, at import, and keeps COLUMNS if the environment had it then (a pytest-xdist
-    # worker has COLUMNS=80), so it is told its width too.
+    # once, at its first use, and keeps COLUMNS if the environment had it then (a
+    # pytest-xdist worker has COLUMNS=80), so it is told its width too.
     env: dict[str, str | None] = {"COLUMNS": "250", "PINFEED_TOKEN": None, "PINFEED_URL": None}
-    width, console.width = console.width, 250
+    width, console().width = console().width, 250
     try:
         return CliRunner().invoke(app, [*args, "--url", url], env=env)
     finally:
-        console.width = width
+        console().width = width
 
 
 def ok(server: Server, *args: str) -> str:
