@@ -6,7 +6,6 @@ one line and exits 1. ``--json`` prints what the API returned, for scripts.
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,10 +19,10 @@ if TYPE_CHECKING:
     from pinfeed import Client
 
 
-@functools.cache
 def console() -> Console:
-    """The commands' console, made at its first use: ``pinfeed serve`` never imports
-    rich (~0.1 s of an autostarted server's start)."""
+    """A console for one command's output, made when it prints: ``pinfeed serve`` never
+    imports rich (~0.1 s of an autostarted server's start), and each command reads the
+    terminal's width (``COLUMNS``) as it is then, not as it was at some earlier call."""
     from rich.console import Console
 
     return Console()

@@ -14,7 +14,6 @@ from typer.testing import CliRunner, Result
 
 from pinfeed._autostart import answers
 from pinfeed_server.cli import app
-from pinfeed_server.cli_admin import console
 from tests.conftest import Server, free_port
 from tests.helpers import unique
 from tests.reliability.procs import descendants, gone, wait_for
@@ -24,15 +23,10 @@ SYNTHETIC = json.dumps({"length": 24, "fields": [{"shape": [4]}, {"shape": [], "
 
 def run(server: Server | str, *args: str) -> Result:
     url = server if isinstance(server, str) else server.url
-    # Wide columns so rich does not truncate names in tables. The CLI's console is made
-    # once, at its first use, and keeps COLUMNS if the environment had it then (a
-    # pytest-xdist worker has COLUMNS=80), so it is told its width too.
+    # Wide columns so rich does not truncate names in tables: each command's console
+    # reads COLUMNS when it prints.
     env: dict[str, str | None] = {"COLUMNS": "250", "PINFEED_TOKEN": None, "PINFEED_URL": None}
-    width, console().width = console().width, 250
-    try:
-        return CliRunner().invoke(app, [*args, "--url", url], env=env)
-    finally:
-        console().width = width
+    return CliRunner().invoke(app, [*args, "--url", url], env=env)
 
 
 def ok(server: Server, *args: str) -> str:
