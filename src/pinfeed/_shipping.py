@@ -18,7 +18,6 @@ path that failed and what to do.
 from __future__ import annotations
 
 import io
-import mmap
 import os
 import pickle
 import sys
@@ -50,12 +49,8 @@ class _Pickler(cloudpickle.CloudPickler):  # type: ignore[misc]
     maps the same pages) instead of its contents."""
 
     def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, np.memmap) and isinstance(obj.base, mmap.mmap) and obj.filename:
-            # The array np.memmap/np.load(mmap_mode=...) made (a view of it is data).
-            order = "F" if obj.flags.f_contiguous and not obj.flags.c_contiguous else "C"
-            mode = "r" if not obj.flags.writeable else "c"  # never write the user's file
-            args = (obj.filename, obj.dtype, mode, obj.offset, obj.shape, order)
-            return np.memmap, args
+        if isinstance(obj, np.memmap) and (as_file := payload.memmap_file(obj)) is not None:
+            return as_file
         if isinstance(obj, torch.Tensor) and type(obj) is torch.Tensor:
             if obj.device.type != "cpu":
                 raise Unshippable(f"a {obj.device.type} tensor")

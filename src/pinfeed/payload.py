@@ -127,6 +127,19 @@ def _map_private(fd: int, size: int) -> Any:
     return array
 
 
+def memmap_file(obj: np.memmap[Any, Any]) -> tuple[Any, tuple[Any, ...]] | None:
+    """``obj`` as the call that maps its file again (a process on this node maps the
+    same page cache: nothing is copied), where it is a file's mapping as ``np.memmap``
+    or ``np.load(mmap_mode=...)`` made it; None for a view of one (it is pickled as
+    data). A writable mapping comes back copy-on-write: the receiver never writes the
+    file, as a copy of the array would not."""
+    if not (isinstance(obj.base, mmap.mmap) and obj.filename):
+        return None
+    order = "F" if obj.flags.f_contiguous and not obj.flags.c_contiguous else "C"
+    mode = "r" if not obj.flags.writeable else "c"
+    return np.memmap, (obj.filename, obj.dtype, mode, obj.offset, obj.shape, order)
+
+
 def tensor_from_buffer(
     data: np.ndarray[Any, Any], dtype: str, shape: tuple[int, ...]
 ) -> torch.Tensor:

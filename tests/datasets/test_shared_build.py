@@ -22,7 +22,7 @@ from pinfeed import Client, Loader
 from pinfeed_server.datasets.shared import SharedArrays, StringTable, string_arrays
 from tests.conftest import Server
 from tests.datasets.test_images import SIZE, _own, make_tree
-from tests.fixtures.datasets import PathList
+from tests.fixtures.datasets import MappedRows, PathList
 from tests.helpers import assert_same, unique
 
 
@@ -107,6 +107,37 @@ def test_the_images_index_is_one_memfd_mapped_by_the_workers(admin: Client, serv
 def _maps(pid: int, memfd: str) -> bool:
     with open(f"/proc/{pid}/maps") as f:
         return any(f"memfd:{memfd}" in line for line in f)
+
+
+def test_a_python_datasets_memory_mapped_file_is_mapped_by_its_zygote_not_copied(
+    admin: Client, server: Server, tmp_path: Path
+) -> None:
+    """The zygote gets the server's build pickled; an ``np.load(mmap_mode="r")`` array in
+    it goes as its file and is mapped again there (the workers inherit that mapping),
+    not as its 32 MiB of contents copied into the zygote's heap."""
+    path = tmp_path / "rows.npy"
+    np.save(path, np.arange(32 * 2**20 // 8, dtype=np.int64).reshape(-1, 512))
+    name = unique("mapped-rows")
+    factory = "tests.fixtures.datasets:MappedRows"
+    admin.create_dataset(name, "python", {"factory": factory, "kwargs": {"path": str(path)}})
+    loader = unique("mapped-rows-l")
+    try:
+        admin.create_loader(loader, dataset=name, batch_size=64, num_workers=2)
+        want = list(DataLoader(MappedRows(str(path)), batch_size=64))  # type: ignore[arg-type]
+        _assert_epoch(loader, server, want)
+        assert server.proc is not None
+        tree = psutil.Process(server.proc.pid).children(recursive=True)
+        holders = [p.pid for p in tree if _file_mapped(p.pid, path)]
+        # the zygote and its two workers map the file (a copy would map nothing)
+        assert len(holders) >= 3, holders
+    finally:
+        admin.delete_loader(loader)
+        admin.delete_dataset(name)
+
+
+def _file_mapped(pid: int, path: Path) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return any(line.rstrip().endswith(str(path)) for line in f)
 
 
 def test_a_large_folder_is_described_in_a_few_bytes(admin: Client, server: Server) -> None:

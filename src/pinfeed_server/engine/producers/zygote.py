@@ -13,7 +13,8 @@ How the zygote gets the dataset, by ``Kind.ship_build``:
 
 - shipped: the server's build, pickled once (``images``: its shared arrays go as file
   descriptors, nothing is copied; ``python``: the user's object, one copy in the
-  zygote; an object that will not pickle is built by the zygote instead);
+  zygote, but for its memory-mapped arrays, which go as their files and are mapped
+  again; an object that will not pickle is built by the zygote instead);
 - built: the zygote builds it from (kind, params), once (kinds whose build only opens
   memory maps, whose pages are the same page cache for every process). A cached
   dataset (``pinfeed_server.cache``) is shipped either way: its cache's region as a file
@@ -40,10 +41,26 @@ from multiprocessing.context import ForkServerProcess, set_spawning_popen
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+import numpy as np
+
+from pinfeed import payload as payload_format
 from pinfeed_server.datasets import KINDS, DatasetContext, build_dataset, shipped
 from pinfeed_server.engine.producers.seeding import seed_rngs
 
 log = logging.getLogger("pinfeed.workers")
+
+
+def _reduce_memmap(obj: np.memmap[Any, Any]) -> Any:
+    """A memory-mapped array in a dataset shipped to its zygote: as its file, as a
+    trainer ships one (``pinfeed.payload.memmap_file``), not as its contents, which
+    multiprocessing would copy into the zygote's heap (a nanoGPT-style token file of
+    GBs: seconds of start and the file's size in memory); a view of one as data."""
+    return payload_format.memmap_file(obj) or obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+
+
+# multiprocessing pickles what a process starts with (the zygote's dataset) with this
+# pickler; the registration is by exact type, as np.memmap and np.load make them.
+reduction.ForkingPickler.register(np.memmap, _reduce_memmap)
 
 START_TIMEOUT_S = 120
 
