@@ -1,22 +1,34 @@
-"""glibc's malloc in the server, set so that freed big buffers go back to the system.
+"""glibc's malloc in pinfeed's processes: the server returns freed big buffers to the
+system; a worker keeps a batch's worth of its freed heap for the next batch.
 
-glibc serves an allocation at or above its mmap threshold with a mapping of its own,
-unmapped on free; but the threshold adapts upwards (to 32 MiB on 64-bit) each time such
-a chunk is freed, and from then on buffers of that size come from the per-thread heaps
-(arenas), which keep them after ``free``. Every loader's producer thread is a new
-thread, often with an arena of its own, so each loader created and deleted left its
-epoch orders behind (``torch.randperm`` of the dataset's length: 10 MiB each at 1.28 M
-samples, several per loader): the server grew by ~59 MiB a loader at that size. A
-fixed threshold turns the adaptation off: such buffers are always mapped, and always
-returned. Only the server is set, and only once its forkserver has been forked from
-it (``Service.start``): the forkserver, each dataset's zygote and every worker forked
-from them keep glibc's adaptive threshold, so a worker's batch-sized buffers are reused
-from its heap, not mapped and faulted in anew each batch (set before the fork, as it
-once was, a batched read's 3 MiB batch cost a worker ~770 page faults a batch).
+The server (``return_big_buffers``). glibc serves an allocation at or above its mmap
+threshold with a mapping of its own, unmapped on free; but the threshold adapts upwards
+(to 32 MiB on 64-bit) each time such a chunk is freed, and from then on buffers of that
+size come from the per-thread heaps (arenas), which keep them after ``free``. Every
+loader's producer thread is a new thread, often with an arena of its own, so each
+loader created and deleted left its epoch orders behind (``torch.randperm`` of the
+dataset's length: 10 MiB each at 1.28 M samples, several per loader): the server grew
+by ~59 MiB a loader at that size. A fixed threshold turns the adaptation off: such
+buffers are always mapped, and always returned. Only the server is set, and only once
+its forkserver has been forked from it (``Service.start``), so the forkserver and each
+dataset's zygote keep glibc's defaults. The cost the server keeps: a loader without
+workers makes its batches in the server, so a dataset that allocates a buffer of 1 MiB
+or more per batch (a batched read's ``index_select``) has it mapped and faulted in each
+batch.
 
-The cost the server keeps: a loader without workers makes its batches in the server,
-so a dataset that allocates a buffer of 1 MiB or more per batch (a batched read's
-``index_select``) has it mapped and faulted in each batch.
+A worker (``keep_batch_buffers``). A worker allocates much the same buffers for every
+batch, and frees them once the batch is in its slot. glibc's adaptive thresholds fit
+that badly either way: a buffer at or above the mmap threshold is mapped and faulted in
+anew each time (a fixed 1 MiB threshold: ~770 page faults a 3 MiB batched read), and a
+heap whose free top exceeds the trim threshold (adaptively twice the largest buffer
+freed so far) is shrunk, so a batch of many samples below the threshold (64 rows of
+588 KiB: 37 MiB) is given back and faulted in again at every batch: W2's rows through a
+per-sample Dataset, named loader, 2 workers: ~100 ``brk`` calls and 9,000 page faults a
+batch in each worker, 2.4k samples/s; with this setting 4.8k, as many page faults as
+its pages are read. So a worker serves everything below glibc's own ceiling (32 MiB)
+from its heap and keeps up to two slots' worth of freed heap, plus 32 MiB, for the next
+batch: its resident memory stays at what a batch needs instead of going up and down
+with each one.
 """
 
 from __future__ import annotations
@@ -24,21 +36,44 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+from typing import Any
 
 log = logging.getLogger("pinfeed")
 
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-MMAP_THRESHOLD = 1 << 20
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+MMAP_THRESHOLD = 1 << 20  # the server's
+WORKER_MMAP_THRESHOLD = 32 << 20  # glibc's ceiling for its own adaptive threshold (64-bit)
+WORKER_TRIM_SLACK = 32 << 20
+
+
+def _mallopt() -> Any:
+    """glibc's ``mallopt``, or None where the C library is not glibc (musl, macOS)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c")).mallopt
+    except (OSError, AttributeError, TypeError):
+        return None
 
 
 def return_big_buffers() -> bool:
     """Fix glibc's mmap threshold at 1 MiB in this process; False where it is not glibc."""
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError, TypeError):
-        return False  # not glibc (musl, macOS): nothing to set
+    mallopt = _mallopt()
+    if mallopt is None:
+        return False  # nothing to set
     ok = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
     if not ok:
         log.warning("mallopt(M_MMAP_THRESHOLD) refused: freed buffers may stay in the heap")
+    return ok
+
+
+def keep_batch_buffers(slot_bytes: int) -> bool:
+    """Set a worker's malloc (see the module docstring) for batches of up to
+    ``slot_bytes``; False where it is not glibc or glibc refused."""
+    mallopt = _mallopt()
+    if mallopt is None:
+        return False
+    # The mmap threshold first: setting either turns glibc's adaptation off.
+    ok = bool(mallopt(M_MMAP_THRESHOLD, WORKER_MMAP_THRESHOLD))
+    ok = bool(mallopt(M_TRIM_THRESHOLD, 2 * slot_bytes + WORKER_TRIM_SLACK)) and ok
+    if not ok:
+        log.warning("mallopt refused: a worker may fault its batch buffers in anew each batch")
     return ok

@@ -3,8 +3,9 @@ the system. Each loader's producer thread is a new thread; under glibc's default
 (adaptive) mmap threshold its epoch orders (``torch.randperm`` of the dataset's length)
 stayed in that thread's heap after the loader was deleted, and the server grew by
 tens of MiB a loader on a large dataset (``src/pinfeed_server/malloc.py``). The
-server's fixed threshold is its own: its workers keep glibc's adaptive one, and reuse a
-batch-sized buffer instead of faulting one in each batch."""
+server's fixed threshold is its own: its workers keep what a batch needs in their heap
+(a batch-sized buffer, or a batch's many sample-sized ones) instead of faulting it in
+anew each batch."""
 
 from __future__ import annotations
 
@@ -73,12 +74,33 @@ class Allocates(Dataset[int]):
 
 
 def test_workers_reuse_their_buffers_instead_of_faulting_them_in(server: Server) -> None:
-    """A worker forked from the server's forkserver keeps glibc's adaptive mmap
-    threshold: from the second sample on, its 3 MiB buffer comes back from its heap
-    (a few faults a sample), not mapped anew (768 faults a sample at a fixed 1 MiB)."""
+    """A worker's 3 MiB buffer comes back from its heap from the second sample on (a few
+    faults a sample), not mapped anew (768 faults a sample at a fixed 1 MiB threshold)."""
     with pinfeed.DataLoader(
         Allocates(), batch_size=None, num_workers=1, socket=server.socket
     ) as loader:
         faults = [int(n) for n in loader]
     per_sample = [b - a for a, b in itertools.pairwise(faults[5:])]
     assert statistics.median(per_sample) < 100, f"page faults a sample: {per_sample}"
+
+
+class Rows(Dataset[tuple[torch.Tensor, int]]):
+    """Each sample a new 512 KiB tensor (a row copied out of a file, as a per-sample
+    Dataset reads), with the page faults its process has taken."""
+
+    def __len__(self) -> int:
+        return 32 * 12
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        row = torch.full((128 * 1024,), float(index))
+        return row, resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def test_workers_keep_a_batch_of_sample_buffers_for_the_next_batch(server: Server) -> None:
+    """A batch of 32 samples of 512 KiB (16 MiB, freed once collated into the slot) is
+    served from the worker's heap batch after batch. Under glibc's adaptive thresholds
+    the heap was trimmed after each batch and its 4,096 pages faulted in again."""
+    with pinfeed.DataLoader(Rows(), batch_size=32, num_workers=1, socket=server.socket) as loader:
+        faults = [int(faults[0]) for _, faults in loader]
+    per_batch = [b - a for a, b in itertools.pairwise(faults[2:])]
+    assert statistics.median(per_batch) < 512, f"page faults a batch: {per_batch}"

@@ -24,6 +24,7 @@ from pinfeed_server.engine.producers.base import Task
 from pinfeed_server.engine.producers.codec import encode_result
 from pinfeed_server.engine.producers.seeding import Reseed
 from pinfeed_server.engine.producers.worker import BatchMaker, WorkerSpec
+from pinfeed_server.malloc import keep_batch_buffers
 
 # (the result as the pool's pipe encodes it, the slot's bytes or None, an RNG snapshot)
 Made = tuple[bytes, np.ndarray[Any, Any] | None, bytes | None]
@@ -34,6 +35,7 @@ class BatchActor:
 
     def __init__(self, spec: WorkerSpec) -> None:
         torch.set_num_threads(1)  # as DataLoader's workers
+        keep_batch_buffers(spec.slot_bytes)
         self._buf = torch.zeros(spec.slot_bytes, dtype=torch.uint8)
         dataset = build_dataset(spec.kind, spec.params, spec.context)
         self._maker = BatchMaker(spec, dataset, self._buf)

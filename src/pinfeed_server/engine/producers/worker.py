@@ -53,6 +53,7 @@ from pinfeed_server.engine.producers.iterating import IterStreams, make_turn
 from pinfeed_server.engine.producers.seeding import Reseed, WorkerRngs
 from pinfeed_server.engine.producers.zygote import inherited
 from pinfeed_server.engine.ring import Ring, SegmentInfo, SlotSpace, map_ring
+from pinfeed_server.malloc import keep_batch_buffers
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,7 @@ class BatchMaker:
 def worker_main(worker_id: int, conn: Connection, spec: WorkerSpec) -> None:
     """Entry point of a worker process."""
     torch.set_num_threads(1)  # as DataLoader's workers
+    keep_batch_buffers(spec.slot_bytes)
     try:
         fd = reduction.recv_handle(conn)
         mm, base = map_ring(fd, spec.ring_size)
