@@ -152,7 +152,7 @@ def make_w1(root: Path, scale: float) -> Workload:
         "DataLoader over torch's TensorDataset of the same file's tensors",
         reference="tensordataset",
         tuned="tensordataset",
-        extra_systems=("pinfeed-dataloader", "pinfeed-dataloader-tuned"),
+        extra_systems=("pinfeed-dataloader", "pinfeed-dataloader-tuned", "pinfeed-python"),
     )
 
 
@@ -186,7 +186,7 @@ def make_w2(root: Path, scale: float) -> Workload:
         "over a user's np.memmap Dataset (bench.references.MemmapArrays)",
         reference="memmap",
         tuned="memmap",
-        extra_systems=("pinfeed-dataloader", "pinfeed-dataloader-tuned"),
+        extra_systems=("pinfeed-dataloader", "pinfeed-dataloader-tuned", "pinfeed-python"),
     )
 
 
@@ -243,7 +243,7 @@ def make_w3(root: Path, scale: float) -> Workload:
         "over bench.references.PilImageFolder (torchvision's ImageFolder + Resize + "
         "CenterCrop in Pillow: torchvision does not import beside this torch)",
         reference="imagefolder",
-        extra_systems=("pinfeed-dataloader",),
+        extra_systems=("pinfeed-dataloader", "pinfeed-python"),
     )
 
 

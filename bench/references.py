@@ -258,6 +258,13 @@ def build(name: str, root: Path, params: dict[str, Any]) -> Any:
     return REFERENCES[name](root, params)
 
 
+def named(reference: str, data_root: str, params: dict[str, Any]) -> Any:
+    """Reference ``reference`` as a ``python`` dataset's factory: a named loader over the
+    very Dataset object the DataLoader and pinfeed.DataLoader runs read (the
+    ``pinfeed-python`` system), so the two ways into pinfeed are compared on one object."""
+    return build(reference, Path(data_root), params)
+
+
 # --- tuned: what a performance engineer writes with DataLoader alone -----------------
 
 # Map-style datasets indexed with a whole batch's index list (batch_size=None over a

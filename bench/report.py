@@ -46,12 +46,14 @@ SYSTEM_NAMES = {
     "dataloader-tuned": "tuned DataLoader",
     "pinfeed-dataloader": "pinfeed.DataLoader",
     "pinfeed-dataloader-tuned": "pinfeed.DataLoader, tuned",
+    "pinfeed-python": "pinfeed, named loader on the script's Dataset",
 }
 LOADED = "†"
 ORDER = (
     "pinfeed",
     "pinfeed-dataloader",
     "pinfeed-dataloader-tuned",
+    "pinfeed-python",
     "dataloader",
     "dataloader-tuned",
 )
@@ -298,10 +300,50 @@ def headline(r: Results, args: list[str]) -> str:
 BASE = ("pinfeed", "dataloader", "dataloader-tuned")
 
 
+# Systems with a table of their own, left out of the throughput table's columns.
+OWN_TABLE = ("pinfeed-python",)
+
+
 def _systems(found: list[dict[str, Any]]) -> list[str]:
     """The columns: pinfeed, DataLoader, tuned, and any other system a result has."""
-    names = {s for res in found for s in res["cells"]} | set(BASE)
+    names = {s for res in found for s in res["cells"] if s not in OWN_TABLE} | set(BASE)
     return ordered(dict.fromkeys(names))
+
+
+def one_line(r: Results, args: list[str]) -> str:
+    """pinfeed.DataLoader (the script's objects, shipped) against a named loader on the
+    very same Dataset object (a ``python`` dataset whose factory builds it) and against
+    a named loader on pinfeed's own kind for the same files, per num_workers."""
+    rows: list[list[Any]] = []
+    files: list[dict[str, Any]] = []
+    for key, res in _measured(r, args, rows, files, 7):
+        cells = res["cells"]
+        nws = sorted(cells.get("pinfeed-dataloader", {}), key=int)
+        for i, nw in enumerate(nws):
+            one = cells["pinfeed-dataloader"][nw]
+            same = cells.get("pinfeed-python", {}).get(nw)
+            kind = cells.get("pinfeed", {}).get(nw)
+            rows.append(
+                [
+                    _title(key, res) if i == 0 else "",
+                    nw,
+                    ranged(one["samples_per_s"]) + flag(one),
+                    ranged(same["samples_per_s"]) + flag(same) if same else "-",
+                    verdict(one["samples_per_s"], same["samples_per_s"]) if same else "-",
+                    ranged(kind["samples_per_s"]) + flag(kind) if kind else "-",
+                    verdict(one["samples_per_s"], kind["samples_per_s"]) if kind else "-",
+                ]
+            )
+    head = [
+        "workload",
+        "num_workers",
+        "pinfeed.DataLoader samples/s",
+        "named loader, the same Dataset object",
+        "pinfeed.DataLoader vs it",
+        "named loader, pinfeed's kind",
+        "pinfeed.DataLoader vs it",
+    ]
+    return _with_provenance([table(head, rows)], files)
 
 
 def throughput_rows(
@@ -1200,6 +1242,7 @@ RENDERERS: dict[str, Callable[[Results, list[str]], str]] = {
     "autotune": autotune,
     "w4-profile": w4_profile,
     "first-batch": first_batch,
+    "one-line": one_line,
     "scale": scale,
     "scale-detail": scale_detail,
     "control": control,

@@ -127,12 +127,25 @@ def fmt(x: float | None) -> str:
     return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
 
 
-def register(srv: BenchServer, w: data.Workload) -> str:
+def register(srv: BenchServer, w: data.Workload, system: str = "pinfeed") -> str:
+    """The workload's dataset for a pinfeed run: of its kind, or for ``pinfeed-python``
+    a ``python`` dataset whose factory builds the reference Dataset object itself."""
     from pinfeed import Client
 
     name = f"{w.key.lower()}-{next(_ids)}"
+    kind, params = w.kind, w.params
+    if system == "pinfeed-python":
+        kind = "python"
+        params = {
+            "factory": "bench.references:named",
+            "kwargs": {
+                "reference": w.reference,
+                "data_root": str(srv.data_root),
+                "params": w.params,
+            },
+        }
     with Client(srv.url, timeout=300) as c:
-        c.create_dataset(name, w.kind, w.params, cache=w.cache)
+        c.create_dataset(name, kind, params, cache=w.cache)
     return name
 
 
@@ -156,7 +169,7 @@ def measure(
     if not system.startswith("pinfeed"):
         res, mem = run_trainers(specs, server_pid=None)
     else:
-        dataset = register(srv, w)
+        dataset = register(srv, w, system)
         for spec in specs:
             spec["dataset"] = dataset
         try:

@@ -428,6 +428,8 @@ def training(run: Run, batches: int, step_s: float, step_kind: str) -> dict[str,
 # A system makes a Run (its first batch already taken) and its time to first batch.
 SYSTEMS: dict[str, Callable[[dict[str, Any]], tuple[Run, float]]] = {
     "pinfeed": lambda spec: _pinfeed(spec, warm=spec.get("mode") == "handoff"),
+    # A named loader as "pinfeed", over a python dataset of the reference object itself.
+    "pinfeed-python": lambda spec: _pinfeed(spec, warm=spec.get("mode") == "handoff"),
     "dataloader": _dataloader,
     "dataloader-tuned": _dataloader_tuned,
     "pinfeed-dataloader": _pinfeed_dataloader,
