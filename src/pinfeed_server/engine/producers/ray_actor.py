@@ -13,6 +13,7 @@ by name, so pinfeed must be installed where the actors run.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import numpy as np
@@ -22,7 +23,7 @@ from pinfeed.rng import dump_state
 from pinfeed_server.datasets import build_dataset
 from pinfeed_server.engine.producers.base import Task
 from pinfeed_server.engine.producers.codec import encode_result
-from pinfeed_server.engine.producers.seeding import Reseed
+from pinfeed_server.engine.producers.seeding import Reseed, SnapshotCadence
 from pinfeed_server.engine.producers.worker import BatchMaker, WorkerSpec
 from pinfeed_server.malloc import keep_batch_buffers
 
@@ -39,7 +40,7 @@ class BatchActor:
         self._buf = torch.zeros(spec.slot_bytes, dtype=torch.uint8)
         dataset = build_dataset(spec.kind, spec.params, spec.context)
         self._maker = BatchMaker(spec, dataset, self._buf)
-        self._snapshots = spec.snapshots
+        self._cadence = SnapshotCadence(spec.snapshots)
 
     def ready(self) -> int:
         """The actor's process id, once its dataset is built."""
@@ -50,8 +51,11 @@ class BatchActor:
         Ray runs one caller's calls of an actor in order, as a worker takes its pipe's."""
         if isinstance(reseed, Reseed):
             self._maker.reseed(reseed)
+            self._cadence.reset()
+        t0 = time.perf_counter()
         result, seeded = self._maker.make(Task(seq, epoch, index, 0, indices))
-        snapshot = dump_state() if self._snapshots and seeded else None
+        due = self._cadence.due(epoch, seeded, time.perf_counter() - t0)
+        snapshot = dump_state() if due else None
         # Ray serializes the return value before the next call runs: reusing the buffer
         # for the next batch is safe.
         data = self._buf.numpy() if result.error is None else None

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import time
 from dataclasses import dataclass
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
@@ -50,7 +51,7 @@ from pinfeed_server.engine.producers.codec import (
     encode_segment,
 )
 from pinfeed_server.engine.producers.iterating import IterStreams, make_turn
-from pinfeed_server.engine.producers.seeding import Reseed, WorkerRngs
+from pinfeed_server.engine.producers.seeding import Reseed, SnapshotCadence, WorkerRngs
 from pinfeed_server.engine.producers.zygote import inherited
 from pinfeed_server.engine.ring import Ring, SegmentInfo, SlotSpace, map_ring
 from pinfeed_server.malloc import keep_batch_buffers
@@ -69,7 +70,7 @@ class WorkerSpec:
     slot_bytes: int
     worker_init_fn: str | None = None
     streams: int = 1  # DataLoader's num_workers as created: the RNG streams (seeding.py)
-    snapshots: bool = False  # send the RNG state after each batch
+    snapshots: bool = False  # send the RNG state after batches (seeding.SnapshotCadence)
     collate_fn: str | None = None
     iterable: LoaderConfig | None = None  # an IterableDataset's loader: turns (iterating.py)
     transform: str | None = None  # applied over the dataset the worker inherits
@@ -180,6 +181,7 @@ def worker_main(worker_id: int, conn: Connection, spec: WorkerSpec) -> None:
         conn.send_bytes(RESULT_TAG + encode_result(Result(STARTUP_SEQ, error=error_info(exc))))
         return
     conn.send_bytes(RESULT_TAG + encode_result(Result(STARTUP_SEQ)))  # ready
+    cadence = SnapshotCadence(spec.snapshots)
     while True:
         try:
             message = conn.recv_bytes()
@@ -193,11 +195,13 @@ def worker_main(worker_id: int, conn: Connection, spec: WorkerSpec) -> None:
             continue
         if message[:1] == RESEED_TAG:
             maker.reseed(decode_pickled(message))
+            cadence.reset()
             continue
         task = decode_task(message[1:])
+        t0 = time.perf_counter()
         result, seeded = maker.make(task)
-        if spec.snapshots and seeded:  # the worker's RNG state after the batch
-            snapshot = (task.epoch, task.index, dump_state(), task.seq)
+        if cadence.due(task.epoch, seeded, time.perf_counter() - t0):
+            snapshot = (task.epoch, task.index, dump_state(), task.seq)  # its RNG state now
             conn.send_bytes(encode_pickled(SNAPSHOT_TAG, snapshot))
         conn.send_bytes(RESULT_TAG + encode_result(result))
     maker.close()
