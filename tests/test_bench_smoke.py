@@ -40,6 +40,7 @@ def test_suite_w1_quick(tmp_path: Path) -> None:
         "pinfeed",
         "pinfeed-dataloader",
         "pinfeed-dataloader-tuned",
+        "pinfeed-python",
         "dataloader",
         "dataloader-tuned",
     }
