@@ -73,9 +73,20 @@ def serve(
     # The data plane first: a trainer that started this server (pinfeed.DataLoader's
     # autostart) waits for the socket alone, not for the HTTP stack's imports too.
     service = Service(settings)
-    # Until uvicorn takes the signals over, SIGTERM (PINFEED_IDLE_EXIT_S's too) stops
-    # the service, below, and exits 0.
-    signal.signal(signal.SIGTERM, _stop_starting)
+    # A SIGTERM (PINFEED_IDLE_EXIT_S's too) or SIGINT from now on stops the service and
+    # exits 0. The handler only records it: an exception raised from a signal handler
+    # lands wherever the main thread is, and inside an import's lock callback Python
+    # ignores it ("Exception ignored in ... _get_module_lock"): the stop was lost.
+    stopping = threading.Event()
+    http: list[Any] = []  # uvicorn's server, once made
+
+    def stop(*_: object) -> None:
+        stopping.set()
+        for server in http:
+            server.should_exit = True  # uvicorn drains, then its lifespan closes the service
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
     try:
         service.start()
         import uvicorn
@@ -86,25 +97,29 @@ def serve(
     except BaseException:
         service.close()
         raise
-    # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal under the previous
-    # handler; a no-op one makes a graceful stop exit 0, as supervisors expect.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level.lower(),
-        timeout_graceful_shutdown=8,
-        # A backstop behind PINFEED_HTTP_MAX_RPS: past this many connections and
-        # requests in flight uvicorn answers 503 at once instead of queueing more.
-        limit_concurrency=HTTP_MAX_CONCURRENCY,
+    if stopping.is_set():  # stopped while it started: the HTTP stack never serves
+        service.close()
+        _exit_stopped()
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_level=settings.log_level.lower(),
+            timeout_graceful_shutdown=8,
+            # A backstop behind PINFEED_HTTP_MAX_RPS: past this many connections and
+            # requests in flight uvicorn answers 503 at once instead of queueing more.
+            limit_concurrency=HTTP_MAX_CONCURRENCY,
+        )
     )
+    http.append(server)
+    if stopping.is_set():  # a signal between the check above and the line before
+        server.should_exit = True
+    # uvicorn takes SIGTERM/SIGINT over while it serves, drains on them, then raises the
+    # signal again under the handler it found (stop: nothing more to do), so a graceful
+    # stop exits 0, as supervisors expect.
+    server.run()
     _exit_stopped()
-
-
-def _stop_starting(*_: object) -> NoReturn:
-    raise SystemExit(0)
 
 
 def _exit_stopped() -> NoReturn:

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -149,10 +150,15 @@ def test_status_names_a_pinfeed_dataloaders_owner(server: Server) -> None:
         loader.close()
 
 
-def test_serve_opens_its_data_plane_first_and_a_sigterm_then_stops_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("after_s", [0.0, 0.1, 0.25, 0.5])
+def test_serve_opens_its_data_plane_first_and_a_sigterm_then_stops_it(
+    tmp_path: Path, after_s: float
+) -> None:
     """``pinfeed serve`` opens its data-plane socket before it imports the HTTP stack (a
     trainer that started it waits for the socket alone); a SIGTERM from that moment on,
-    as PINFEED_IDLE_EXIT_S's, stops it: exit 0, no process and no socket left."""
+    as PINFEED_IDLE_EXIT_S's, stops it: exit 0, no process and no socket left. Sent at
+    several moments of the HTTP stack's imports and start (``after_s`` after the socket
+    answers): an exception raised from the handler was once lost inside an import."""
     sock = tmp_path / "s.sock"
     env = dict(
         os.environ,
@@ -165,6 +171,7 @@ def test_serve_opens_its_data_plane_first_and_a_sigterm_then_stops_it(tmp_path: 
     )
     try:
         wait_for(lambda: answers(sock), "the data plane to answer", 60, every=0.01)
+        time.sleep(after_s)  # a moment of the start to stop it at, not a wait for one
         pids = [proc.pid, *(p.pid for p in descendants(proc.pid))]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
