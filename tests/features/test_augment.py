@@ -124,6 +124,28 @@ def test_num_workers_0_is_one_dataloader_worker_and_undisturbed(
         admin.delete_loader(name)
 
 
+def test_num_workers_0_keeps_its_stream_while_the_server_draws_between_batches(
+    admin: Client, server: Server
+) -> None:
+    """An inline loader's RNG states stay in the process's globals between its batches
+    (``inline.GlobalRngs``); the server's own code that draws there (registering a
+    dataset reads its first sample, which draws) gets the server's states back first,
+    so the loader's stream does not move: its batches stay DataLoader's."""
+    want = _reference(2, 1, info=False)
+    name = _loader(admin, 0, kwargs={"info": False})
+    got: list[list[Any]] = []
+    with Loader(name, socket=server.socket) as loader:
+        for _ in range(2):
+            got.append([])
+            for batch in loader:
+                got[-1].append(_copy(batch))
+                noisy = unique("noisy")
+                admin.create_dataset(noisy, "python", {"factory": "tests.fixtures.datasets:Noisy"})
+                admin.delete_dataset(noisy)
+    _check(got, want)
+    admin.delete_loader(name)
+
+
 @pytest.mark.parametrize("persistent", [False, True])
 def test_sigkilled_worker_keeps_dataloaders_sequence(
     admin: Client, server: Server, persistent: bool
