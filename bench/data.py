@@ -475,8 +475,7 @@ WHY = {
     "W4": "Python-bound: 64 `__getitem__` calls and the padding `collate_fn` per batch, "
     "in pinfeed's workers as in DataLoader's; pinfeed saves the pickling into shared "
     "memory and the unpickling in the trainer (`python -m bench w4-profile`). The "
-    "tuned DataLoader pads a batch straight into one array. At num_workers 0 "
-    "pinfeed's server swaps the loader's RNG states in and out per batch.",
+    "tuned DataLoader pads a batch straight into one array.",
     "W5": "W3 plus a random crop and flip drawn from torch's RNG: decode-bound as W3, the "
     "same object in both systems, no batched read (tuned = DataLoader at its best).",
     "W6": "Windows of 1,024 uint16 tokens widened to int64: pinfeed reads a batch's "

@@ -8,6 +8,7 @@ import multiprocessing as mp
 import os
 import pickle
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -95,18 +96,13 @@ def test_the_images_index_is_one_memfd_mapped_by_the_workers(admin: Client, serv
         with Loader(loader, socket=server.socket) as trainer:
             next(iter(trainer))
         assert server.proc is not None
-        tree = [psutil.Process(server.proc.pid), *psutil.Process(server.proc.pid).children(True)]
-        holders = [p.pid for p in tree if _maps(p.pid, f"pinfeed-images-{rel}")]
+        tree = [server.proc.pid, *(p.pid for p in psutil.Process(server.proc.pid).children(True))]
+        holders = _holders(tree, lambda line: f"memfd:pinfeed-images-{rel}" in line)
         # the server, the zygote and its two workers map the same pages
         assert len(holders) >= 4, holders
     finally:
         admin.delete_loader(loader)
         admin.delete_dataset(name)
-
-
-def _maps(pid: int, memfd: str) -> bool:
-    with open(f"/proc/{pid}/maps") as f:
-        return any(f"memfd:{memfd}" in line for line in f)
 
 
 def test_a_python_datasets_memory_mapped_file_is_mapped_by_its_zygote_not_copied(
@@ -127,7 +123,7 @@ def test_a_python_datasets_memory_mapped_file_is_mapped_by_its_zygote_not_copied
         _assert_epoch(loader, server, want)
         assert server.proc is not None
         tree = psutil.Process(server.proc.pid).children(recursive=True)
-        holders = [p.pid for p in tree if _file_mapped(p.pid, path)]
+        holders = _holders([p.pid for p in tree], lambda line: line.rstrip().endswith(str(path)))
         # the zygote and its two workers map the file (a copy would map nothing)
         assert len(holders) >= 3, holders
     finally:
@@ -135,9 +131,14 @@ def test_a_python_datasets_memory_mapped_file_is_mapped_by_its_zygote_not_copied
         admin.delete_dataset(name)
 
 
-def _file_mapped(pid: int, path: Path) -> bool:
-    with open(f"/proc/{pid}/maps") as f:
-        return any(line.rstrip().endswith(str(path)) for line in f)
+def _holders(pids: list[int], mapping: Callable[[str], bool]) -> list[int]:
+    """The ``pids`` with a line of ``/proc/PID/maps`` that ``mapping`` accepts."""
+    held = []
+    for pid in pids:
+        with open(f"/proc/{pid}/maps") as f:
+            if any(mapping(line) for line in f):
+                held.append(pid)
+    return held
 
 
 def test_a_large_folder_is_described_in_a_few_bytes(admin: Client, server: Server) -> None:
@@ -180,7 +181,7 @@ def test_shared_arrays_pickle_only_to_a_starting_process() -> None:
 
 def _echo(shared: SharedArrays, conn: Any) -> None:
     table = StringTable(shared["blob"], shared["offsets"])
-    mapped = _maps(os.getpid(), "pinfeed-t")
+    mapped = bool(_holders([os.getpid()], lambda line: "memfd:pinfeed-t" in line))
     conn.send((shared["n"].tolist(), [table[i] for i in range(len(table))], mapped))
 
 
