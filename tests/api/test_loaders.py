@@ -42,6 +42,21 @@ def test_defaults_are_dataloaders(server: Server, dataset: str) -> None:
     assert httpx.get(f"{server.url}/v1/loaders/{name}").json()["seed"] == body["seed"]
 
 
+def test_prefetch_factor_null_is_dataloaders_default(server: Server, dataset: str) -> None:
+    """``DataLoader(prefetch_factor=None)`` is its default, 2 (with workers); JSON null
+    over HTTP is the same, not a 422."""
+    name = unique("pf-null")
+    body = {"name": name, "dataset": dataset, "num_workers": 1, "prefetch_factor": None}
+    r = httpx.post(f"{server.url}/v1/loaders", json=body)
+    assert r.status_code == 201, r.text
+    assert r.json()["prefetch_factor"] == 2
+    assert r.json()["slots"]["total"] == 1 * 2 + 2  # the workers' ahead, the trainer's two
+    r = httpx.post(
+        f"{server.url}/v1/loaders", json=body | {"name": unique("pf"), "prefetch_factor": 0}
+    )
+    assert r.status_code == 422, r.text
+
+
 def test_live_status_follows_the_consumer(admin: Client, server: Server, dataset: str) -> None:
     name = unique("live")
     admin.create_loader(

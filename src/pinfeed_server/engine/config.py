@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pinfeed_server.engine.autotune import AutotuneSpec
 from pinfeed_server.engine.custom_sampler import BatchSamplerSpec, SamplerSpec, custom_plan
@@ -30,6 +30,8 @@ Name = Field(
 )
 MAX_WORKERS = 256  # per loader
 MAX_PREFETCH = 1024
+DEFAULT_PREFETCH = 2  # DataLoader's, for prefetch_factor=None with workers
+Prefetch = Annotated[int, Field(ge=1, le=MAX_PREFETCH)]
 
 
 class LoaderFields(BaseModel):
@@ -49,11 +51,10 @@ class LoaderFields(BaseModel):
         0, ge=0, le=MAX_WORKERS, description="0: batches are built in the server"
     )
     pin_memory: bool = False
-    prefetch_factor: int = Field(
-        2,
-        ge=1,
-        le=MAX_PREFETCH,
-        description="batches made ahead: num_workers * prefetch_factor (1 with no workers)",
+    prefetch_factor: Prefetch = Field(
+        DEFAULT_PREFETCH,
+        description="batches made ahead: num_workers * prefetch_factor (1 with no workers); "
+        "null: DataLoader's default, 2",
     )
     rank: int = Field(0, ge=0, description="this loader's rank (DistributedSampler semantics)")
     world_size: int | None = Field(
@@ -161,6 +162,13 @@ class LoaderFields(BaseModel):
     ray_num_cpus: float = Field(
         1.0, gt=0, le=256, description="CPUs each Ray actor reserves (executor 'ray')"
     )
+
+    @field_validator("prefetch_factor", mode="before", json_schema_input_type=Prefetch | None)
+    @classmethod
+    def _prefetch_default(cls, value: Any) -> Any:
+        # DataLoader(prefetch_factor=None): its default where there are workers; a loader
+        # without workers makes one batch ahead whatever it says (prefetch_depth).
+        return DEFAULT_PREFETCH if value is None else value
 
     @model_validator(mode="after")
     def _persistent_needs_workers(self) -> LoaderFields:
