@@ -11,11 +11,11 @@ from pinfeed_server.datasets import KINDS, Kind
 from pinfeed_server.datasets.base import Params
 from pinfeed_server.engine.autotune import AutotuneSpec
 from pinfeed_server.engine.config import (
-    MAX_PREFETCH,
     MAX_WORKERS,
     LoaderConfig,
     LoaderFields,
     Name,
+    Prefetch,
 )
 from pinfeed_server.engine.stats import StatsSnapshot
 from pinfeed_server.engine.status import LoaderStatus
@@ -167,7 +167,7 @@ class LoaderPatch(BaseModel):
     )
     # strict: JSON false is not 0 workers
     num_workers: int | None = Field(None, ge=0, le=MAX_WORKERS, strict=True)
-    prefetch_factor: int | None = Field(None, ge=1, le=MAX_PREFETCH, strict=True)
+    prefetch_factor: Prefetch | None = Field(None, strict=True)
     autotune: AutotuneSpec | None = Field(
         None, description="turn autotune on (null: off); explicit values alone turn it off"
     )
