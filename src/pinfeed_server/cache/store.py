@@ -58,7 +58,7 @@ class SampleCache:
         self.rebuilt = int(rebuilt_reason is not None)
         self.rebuilt_reason = rebuilt_reason
         self.locks = RangeLocks(region.fd)
-        self.counters = Counters(self.locks, region.counters)
+        self.counters = Counters(self.locks, region)
         # The owner (the server) copies what it reads: user code run in the server (a
         # transform, a collate_fn at num_workers=0) must not write into the cache.
         self._copy = region.owner
