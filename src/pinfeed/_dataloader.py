@@ -110,6 +110,14 @@ class DataLoader(TorchDataLoader):  # type: ignore[type-arg]
     was. ``socket``: the server's data-plane socket (default ``PINFEED_SOCKET``, then
     the default path). ``max_batch_size``: the largest batch a ``batch_sampler``
     without a ``batch_size`` makes (the ring's slots hold that many samples).
+    ``cache``: keep the dataset's samples in the node's cache after their first read, so
+    later epochs (and other jobs) do not read and decode them again: ``"a-name"``, one
+    cache shared by every ``pinfeed.DataLoader`` on the node that names it, in any job;
+    ``True``, this loader's own. The dataset must return the same sample on every read:
+    put the random augmentation in ``pinfeed.Transformed(dataset, transform)``, whose
+    ``dataset`` part is cached and whose ``transform`` runs per sample after the cache,
+    giving DataLoader's batches. ``cache_max_bytes``: its memory (default: the whole
+    dataset; smaller, a fixed subset is kept).
     """
 
     # Accelerate hands a prepared loader back as it is (it shards nothing: the sampler
@@ -144,6 +152,8 @@ class DataLoader(TorchDataLoader):  # type: ignore[type-arg]
         reconnect: bool = False,
         socket: str | os.PathLike[str] | None = None,
         max_batch_size: int | None = None,
+        cache: bool | str | None = None,
+        cache_max_bytes: int | None = None,
     ) -> None:
         # By keyword: tools that record and replay a DataLoader's init arguments
         # (Lightning) see one call's arguments, each once.
@@ -170,6 +180,8 @@ class DataLoader(TorchDataLoader):  # type: ignore[type-arg]
         # DataLoader anew from its attributes read (Lightning, to put a sampler in).
         self.name, self.device, self.copy, self.reconnect = name, device, copy, reconnect
         self.socket, self.max_batch_size = socket, max_batch_size
+        self.cache, self.cache_max_bytes = cache, cache_max_bytes
+        _check_cache(dataset, cache, cache_max_bytes)
         target = torch.device(device) if device is not None else None
         if target is not None and target.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"device={device!r} was asked for, but CUDA is not available")
@@ -192,6 +204,8 @@ class DataLoader(TorchDataLoader):  # type: ignore[type-arg]
             reconnect=reconnect,
             socket=Path(socket) if socket is not None else p.default_socket_path(),
             max_rows=int(rows),
+            cache=cache,
+            cache_max_bytes=cache_max_bytes,
         )
 
     def _get_iterator(self) -> _BaseDataLoaderIter:
@@ -274,6 +288,8 @@ class _Owned:
         reconnect: bool,
         socket: Path,
         max_rows: int,
+        cache: bool | str | None = None,
+        cache_max_bytes: int | None = None,
     ) -> None:
         dataset = loader.dataset
         iterable = isinstance(dataset, IterableDataset)
@@ -341,6 +357,9 @@ class _Owned:
             batches_per_epoch=_length(loader),
             samples=None if iterable else _length(loader.sampler),
             drop_last=loader.drop_last,
+            cache=cache is not None and cache is not False,
+            cache_name=cache if isinstance(cache, str) else None,
+            cache_max_bytes=cache_max_bytes,
         )
         # A named loader's "equal configuration and objects": unnamed, nothing to compare.
         digest = "" if name is None else _digest(self.payload, request.encode())
@@ -565,6 +584,29 @@ def _whole_epoch_quiet(loader: DataLoader) -> bool:
         and sampler.generator is not None
         and sampler.num_samples > len(sampler.data_source)
     )
+
+
+def _check_cache(dataset: Any, cache: Any, max_bytes: Any) -> None:
+    """ValueError (TypeError) naming what to change in ``cache=`` and ``cache_max_bytes=``."""
+    if cache is None or cache is False:
+        if max_bytes is not None:
+            raise ValueError("pinfeed.DataLoader: cache_max_bytes= without cache=; give cache=")
+        return
+    if not isinstance(cache, bool | str):
+        raise TypeError(
+            f"pinfeed.DataLoader: cache= is True or a cache's name, not {type(cache).__name__}"
+        )
+    if cache == "":
+        raise ValueError("pinfeed.DataLoader: cache= needs a name (or True: a cache of its own)")
+    if max_bytes is not None and (type(max_bytes) is not int or max_bytes < 0):
+        raise ValueError(
+            f"pinfeed.DataLoader: cache_max_bytes must be an int >= 0, not {max_bytes!r}"
+        )
+    if isinstance(dataset, IterableDataset):
+        raise ValueError(
+            "pinfeed.DataLoader: cache= keeps a map-style dataset's samples by index; an "
+            "IterableDataset has none: leave cache= out"
+        )
 
 
 def _one_index_a_batch(loader: TorchDataLoader) -> bool:  # type: ignore[type-arg]

@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 # HTTP, not the socket: the header a client names itself with; the control plane paces
 # each (address, this header) apart (pinfeed_server/api/throttle.py).
 HTTP_CLIENT_HEADER = "x-pinfeed-client"
@@ -268,6 +268,11 @@ class Create:
     samples: int | None  # len(sampler), where it has one
     drop_last: bool = False  # an IterableDataset's batches (its workers batch it)
     executor: str = "local"
+    # The node's cache of the dataset's deterministic part (pinfeed.DataLoader's cache=):
+    # shared by every loader naming ``cache_name``, or (None) the loader's own.
+    cache: bool = False
+    cache_name: str | None = None
+    cache_max_bytes: int | None = None
     version: int = PROTOCOL_VERSION
 
     def encode(self) -> bytes:
@@ -291,6 +296,11 @@ class Create:
             value = getattr(out, name)
             if type(value) is not int or value < (1 if name != "num_workers" else 0):
                 raise ValueError(f"CREATE {name} must be a positive int, not {value!r}")
+        if type(out.cache) is not bool or not isinstance(out.cache_name, str | None):
+            raise ValueError("CREATE cache must be a bool, cache_name a string or null")
+        size = out.cache_max_bytes
+        if size is not None and (type(size) is not int or size < 0):
+            raise ValueError(f"CREATE cache_max_bytes must be an int >= 0, not {size!r}")
         return out
 
 

@@ -13,6 +13,7 @@ import hashlib
 import itertools
 import logging
 import os
+import re
 import secrets
 import signal
 import sys
@@ -30,13 +31,22 @@ from pydantic import ValidationError
 from pinfeed import errors, protocol
 from pinfeed_server import cache
 from pinfeed_server.cache import CachedDataset, CacheSpec, NotCacheable
+from pinfeed_server.cache.region import Region
+from pinfeed_server.cache.shipped import ShippedCaches
 from pinfeed_server.datasets import KINDS, DatasetContext, DatasetError, build_dataset, shipped
 from pinfeed_server.engine.collate import (
     LayoutError,
     describe,
     probe,
 )
-from pinfeed_server.engine.config import KEEP, LiveChange, LoaderCode, LoaderConfig, ring_slots
+from pinfeed_server.engine.config import (
+    KEEP,
+    NAME_PATTERN,
+    LiveChange,
+    LoaderCode,
+    LoaderConfig,
+    ring_slots,
+)
 from pinfeed_server.engine.dataplane import DataPlaneServer, Peer
 from pinfeed_server.engine.fed_plan import FedPlan
 from pinfeed_server.engine.iterable import (
@@ -142,6 +152,8 @@ class Service:
             self._cache_reservations,
             settings.cache_budget,
         )
+        # the caches of trainers' shipped datasets (pinfeed.DataLoader's cache=)
+        self.shipped_caches = ShippedCaches(self.context, self.budget.admit_cache)
         self.arbiter = NodeArbiter(
             lambda: list(self.loaders.items()),
             self.budget,
@@ -239,6 +251,7 @@ class Service:
                 if isinstance(ds, CachedDataset):
                     ds.cache.close()
             self._datasets.clear()
+        self.shipped_caches.close()
         self.registry.close()
 
     def _ensure_demo(self) -> None:
@@ -280,7 +293,7 @@ class Service:
         node's budget (507), mapped (a persisted file reopened or rebuilt)."""
         try:
             with GLOBAL_RNG:  # the check watches the process's RNGs
-                probe = cache.check(name, ds)
+                probe = cache.check(f"dataset {name!r}", ds)
         except NotCacheable as exc:
             raise errors.InvalidRequest(str(exc)) from None
         nbytes = cache.reservation(spec, probe, len(ds))
@@ -296,12 +309,13 @@ class Service:
         )
 
     def _cache_reservations(self) -> dict[str, int]:
-        """Each cached dataset's reserved bytes (the node budget's view of the caches)."""
+        """Each cache's reserved bytes (the node budget's view of the caches): the
+        registered datasets', and the trainers' (``ShippedCaches``, keys ``~name``)."""
         return {
             name: ds.cache.region.layout.total
             for name, ds in list(self._datasets.items())
             if isinstance(ds, CachedDataset)
-        }
+        } | self.shipped_caches.reservations()
 
     def _dataset_row(self, name: str) -> dict[str, Any]:
         for row in self.registry.datasets():
@@ -342,10 +356,12 @@ class Service:
         return row
 
     def cache_stats(self) -> dict[str, cache.CacheStats]:
-        """The stats of every open dataset's cache, by dataset name (``GET /metrics``)."""
+        """The stats of every open dataset's cache, by dataset name (``GET /metrics``),
+        and of every trainer's cache (``pinfeed.DataLoader``'s ``cache=``), as ``~name``."""
         with self._lock:
             cached = [(n, d) for n, d in self._datasets.items() if isinstance(d, CachedDataset)]
-        return {name: ds.cache.stats() for name, ds in sorted(cached)}
+        out = {name: ds.cache.stats() for name, ds in sorted(cached)}
+        return out | self.shipped_caches.stats()
 
     def drop_cache(self, name: str) -> dict[str, Any]:
         """Empty dataset ``name``'s cache and give its memory back; 409 while a loader
@@ -529,6 +545,37 @@ class Service:
                 objects = shipped.load(fd)
         except DatasetError as exc:
             raise errors.InvalidRequest(str(exc)) from None
+        if not request.cache:
+            return self._start_shipped(name, request, fd, objects, None)
+        name_ok = request.cache_name is None or re.fullmatch(NAME_PATTERN, request.cache_name)
+        if not name_ok:
+            raise errors.InvalidRequest(
+                f"pinfeed.DataLoader: cache={request.cache_name!r}: a cache's name is "
+                "letters, digits, '.', '_' and '-', 1-63 characters"
+            )
+        try:
+            with GLOBAL_RNG:  # the check reads the trainer's dataset
+                objects.dataset, region = self.shipped_caches.attach(
+                    request.cache_name, name, objects.dataset, request.cache_max_bytes
+                )
+        except NotCacheable as exc:
+            raise errors.InvalidRequest(str(exc)) from None
+        try:
+            return self._start_shipped(name, request, fd, objects, region)
+        except BaseException:
+            self.shipped_caches.release(name)
+            raise
+
+    def _start_shipped(
+        self,
+        name: str,
+        request: protocol.Create,
+        fd: int,
+        objects: shipped.Shipped,
+        cache_region: Region | None,
+    ) -> LoaderEngine:
+        """Loader ``name`` over a trainer's ``objects`` (its dataset behind the node's
+        cache, whose region is ``cache_region``, where it asked for one)."""
         try:
             cfg = LoaderConfig(
                 name=name,
@@ -574,7 +621,13 @@ class Service:
         workers = cfg.num_workers if ready.executor.counts_workers else 0
         self._admit(cfg, ring_slots(cfg) * ready.layout.slot_bytes, workers)
         zygote = functools.partial(
-            self.zygotes.get, OWNED_ZYGOTE + name, objects, shipped.KIND.name, params, fd
+            self.zygotes.get,
+            OWNED_ZYGOTE + name,
+            objects,
+            shipped.KIND.name,
+            params,
+            fd,
+            cache_region,
         )
         engine = LoaderEngine(
             cfg,
@@ -783,6 +836,7 @@ class Service:
         if owned is not None:  # its objects: the zygote that holds them, their memfd
             self.zygotes.discard(OWNED_ZYGOTE + name)
             os.close(owned.payload_fd)
+            self.shipped_caches.release(name)  # a cache no other loader reads goes
             gone = _weak([engine, engine.dataset])
             del engine
             _collect_until_gone(name, gone)

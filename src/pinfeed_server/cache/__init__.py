@@ -5,6 +5,7 @@ epoch, loader and job of the dataset.
     build.py        check, size and make a dataset's cache when it is opened
     determinism.py  the check: the same sample on every read, no RNG drawn
     dataset.py      CachedDataset: dataset[i] through the cache; pickles to the zygote
+    shipped.py      ShippedCaches: pinfeed.DataLoader's cache=, by name, shared, refcounted
     store.py        SampleCache: lookups, inserts made once, the fixed subset, counts
     region.py       the mapped region: header, counters, index, records (memfd or file)
     record.py       one sample as bytes, and back as views (no unpickling)

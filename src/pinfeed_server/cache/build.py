@@ -18,7 +18,7 @@ from typing import Any
 from torch.utils.data import IterableDataset
 
 from pinfeed_server.cache.dataset import CachedDataset
-from pinfeed_server.cache.determinism import NotCacheable, Probe
+from pinfeed_server.cache.determinism import FIX, NotCacheable, Probe
 from pinfeed_server.cache.determinism import check as check_samples
 from pinfeed_server.cache.fingerprint import fingerprint
 from pinfeed_server.cache.persist import CacheBusy, open_file
@@ -32,17 +32,19 @@ log = logging.getLogger("pinfeed.cache")
 MARGIN = 1.10  # an estimated whole-dataset cache: samples up to 10% larger than the probes'
 
 
-def check(name: str, dataset: Any) -> Probe:
-    """NotCacheable where ``dataset`` cannot be cached (the message says why)."""
+def check(what: str, dataset: Any, fix: str = FIX) -> Probe:
+    """NotCacheable where ``dataset`` (``what``, as messages name it: "dataset 'x'")
+    cannot be cached: the message says why, and ``fix`` what to do where it draws or
+    changes."""
     iterable = isinstance(dataset, IterableDataset)  # DataLoader's test
     if iterable or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
         raise NotCacheable(
-            f"dataset {name!r}: cache is for map-style datasets (__len__, __getitem__); "
+            f"{what}: cache is for map-style datasets (__len__, __getitem__); "
             "an IterableDataset's samples have no index to keep them by"
         )
     if len(dataset) == 0:
-        raise NotCacheable(f"dataset {name!r} has no sample to cache")
-    return check_samples(name, dataset)
+        raise NotCacheable(f"{what} has no sample to cache")
+    return check_samples(what, dataset, fix)
 
 
 def reservation(spec: CacheSpec, probe: Probe, length: int) -> int:

@@ -11,6 +11,7 @@ named, with what to do. The RNG states are put back afterwards.
 
 from __future__ import annotations
 
+import hashlib
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,7 @@ class NotCacheable(ValueError):
 class Probe:
     indices: list[int]
     sizes: list[int]  # record bytes of each probed sample
+    digest: str  # sha256 of the length and the probed samples' bytes: "the same data"
 
     @property
     def mean_size(self) -> float:
@@ -78,12 +80,14 @@ def probe_indices(length: int) -> list[int]:
     return sorted({round(k * (length - 1) / (PROBES - 1)) for k in range(PROBES)})
 
 
-def check(name: str, dataset: Any) -> Probe:
-    """Read the probe samples of ``dataset`` twice; NotCacheable naming what moved.
-    Call it with the process's RNGs to itself (the service holds ``GLOBAL_RNG``)."""
+def check(what: str, dataset: Any, fix: str = FIX) -> Probe:
+    """Read the probe samples of ``dataset`` (``what``, as messages name it: "dataset
+    'x'") twice; NotCacheable naming what moved and ``fix``, what to do. Call it with
+    the process's RNGs to itself (the service holds ``GLOBAL_RNG``)."""
     saved = capture_rngs()
     sizes: list[int] = []
     indices = probe_indices(len(dataset))
+    digest = hashlib.sha256(len(dataset).to_bytes(8, "little"))
     try:
         for i in indices:
             reads: list[list[bytes]] = []
@@ -94,28 +98,29 @@ def check(name: str, dataset: Any) -> Probe:
                     sample = dataset[i]
                 except Exception as exc:
                     raise NotCacheable(
-                        f"dataset {name!r}: reading sample {i} to check it raised "
-                        f"{type(exc).__name__}: {exc}"
+                        f"{what}: reading sample {i} to check it raised {type(exc).__name__}: {exc}"
                     ) from None
                 moved = _moved(before, capture_rngs())
                 if moved:
                     raise NotCacheable(
-                        f"dataset {name!r} cannot be cached: the {attempt} read of sample "
-                        f"{i} moved {' and '.join(moved)} global RNG: {FIX}"
+                        f"{what} cannot be cached: the {attempt} read of sample "
+                        f"{i} moved {' and '.join(moved)} global RNG: {fix}"
                     )
                 p = record.plan(sample)
                 if p is None:
                     raise NotCacheable(
-                        f"dataset {name!r} cannot be cached: sample {i} holds a type the "
+                        f"{what} cannot be cached: sample {i} holds a type the "
                         f"cache does not store ({type(sample).__name__} or inside it); {KEEPS}"
                     )
                 reads.append(record.payload_bytes(p))
                 size = p.size
             if reads[0] != reads[1]:
                 raise NotCacheable(
-                    f"dataset {name!r} cannot be cached: two reads of sample {i} differ: {FIX}"
+                    f"{what} cannot be cached: two reads of sample {i} differ: {fix}"
                 )
             sizes.append(size)
+            for part in reads[0]:
+                digest.update(len(part).to_bytes(8, "little") + part)
     finally:
         restore_rngs(saved)
-    return Probe(indices, sizes)
+    return Probe(indices, sizes, digest.hexdigest())

@@ -51,8 +51,11 @@ class NodeBudget:
         """The budget in use: every ring (but loader ``but``'s) and every cache."""
         return self.rings_used(but) + self.cache_used()
 
-    def admit_cache(self, dataset: str, nbytes: int) -> None:
-        """Refuse a cache of ``nbytes`` for ``dataset`` where the node cannot take it."""
+    def admit_cache(
+        self, dataset: str, nbytes: int, smaller: str = "(or lower) cache.max_bytes"
+    ) -> None:
+        """Refuse a cache of ``nbytes`` for ``dataset`` where the node cannot take it;
+        ``smaller``: the setting that makes it smaller, as the refusal names it."""
         free_cache = max(0, self.max_cache_bytes - self.cache_used(dataset))
         free = max(0, self.max_shm_bytes - self.rings_used() - self.cache_used(dataset))
         if nbytes <= min(free, free_cache):
@@ -64,8 +67,8 @@ class NodeBudget:
         )
         raise InsufficientMemory(
             f"dataset {dataset!r} needs a cache of {nbytes} bytes; {which} are free. Give "
-            "(or lower) cache.max_bytes to keep a fixed subset of it, drop another "
-            "dataset's cache, or raise the budget",
+            f"{smaller} to keep a fixed subset of it, drop another dataset's cache, or "
+            "raise the budget",
             need_bytes=nbytes,
             free_bytes=min(free, free_cache),
         )

@@ -44,6 +44,8 @@ from typing import Any
 import numpy as np
 
 from pinfeed import payload as payload_format
+from pinfeed_server.cache import shipped as shipped_cache
+from pinfeed_server.cache.region import Region
 from pinfeed_server.datasets import KINDS, DatasetContext, build_dataset, shipped
 from pinfeed_server.engine.producers.seeding import seed_rngs
 
@@ -101,6 +103,8 @@ def _main(listener: int, alive: int, payload: tuple[Any, ...], ready: Any) -> No
         elif payload[0] == "payload":  # a trainer's objects: load them from their memfd
             HELD = shipped.load(payload[1])
             os.close(payload[1])
+            if payload[2] is not None:  # and the node's cache of their dataset, mapped
+                HELD.dataset = shipped_cache.attached(HELD.dataset, payload[2], payload[3])
         else:
             HELD = payload[1]
         _HOLDING = True
@@ -179,9 +183,11 @@ class Zygote:
         params: dict[str, Any],
         context: DatasetContext,
         payload_fd: int | None = None,
+        cache: Region | None = None,
     ) -> None:
         """``payload_fd``: a trainer's objects (``datasets/shipped.py``), which the
-        zygote loads from their memfd itself, sharing its pages."""
+        zygote loads from their memfd itself, sharing its pages; ``cache``: the region of
+        their dataset's cache (``cache/shipped.py``), mapped there too."""
         self.name = name
         self.key = f"{name}-{os.getpid()}-{id(self)}"
         build: tuple[Any, ...] = ("build", kind, params, context)
@@ -193,7 +199,7 @@ class Zygote:
         ship = spec is not None and spec.ship_build
         self.shipped = False
         if payload_fd is not None:
-            self._start(("payload", _Fd(payload_fd)))
+            self._start(("payload", _Fd(payload_fd), cache, context))
             self.shipped = True
         elif ship:
             try:
@@ -301,9 +307,10 @@ class Zygotes:
         kind: str,
         params: dict[str, Any],
         payload_fd: int | None = None,
+        cache: Region | None = None,
     ) -> Zygote:
         """``name``'s zygote, started now if it has none (or it died); RuntimeError if
-        it cannot start."""
+        it cannot start. ``payload_fd``, ``cache``: as ``Zygote``'s."""
         with self._lock:
             start = self._starting.setdefault(name, threading.Lock())
         with start:
@@ -314,7 +321,7 @@ class Zygotes:
             if zygote is not None:
                 zygote.close()
             try:
-                zygote = Zygote(name, dataset, kind, params, self._context, payload_fd)
+                zygote = Zygote(name, dataset, kind, params, self._context, payload_fd, cache)
             except Exception as exc:
                 raise RuntimeError(
                     f"dataset {name!r}: the process its workers fork from cannot start: {exc}"
