@@ -117,9 +117,10 @@ def memmap_batched(root: Path, params: dict[str, Any]) -> BatchedMemmapArrays:
 
 class PilImageFolder(Dataset[tuple[torch.Tensor, int]]):
     """The reference: torchvision's ImageFolder + Resize(size) + CenterCrop(size) +
-    PILToTensor, written out with Pillow (torchvision is not a dependency)."""
+    PILToTensor, written out with Pillow (torchvision is not a dependency); without
+    ``crop``, Resize(size) + PILToTensor (W9's deterministic stage)."""
 
-    def __init__(self, root: Path, size: int) -> None:
+    def __init__(self, root: Path, size: int, crop: bool = True) -> None:
         classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
         self.samples = []
         for label, name in enumerate(classes):
@@ -129,6 +130,7 @@ class PilImageFolder(Dataset[tuple[torch.Tensor, int]]):
                         self.samples.append((os.path.join(dirpath, fname), label))
         self.classes = classes
         self.size = size
+        self.crop = crop
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -145,6 +147,8 @@ class PilImageFolder(Dataset[tuple[torch.Tensor, int]]):
         new_w, new_h = (new_short, new_long) if w <= h else (new_long, new_short)
         if (new_w, new_h) != (w, h):
             img = img.resize((new_w, new_h), Image.Resampling.BILINEAR)
+        if not self.crop:
+            return torch.from_numpy(np.array(img)).permute(2, 0, 1), label
         top = round((new_h - self.size) / 2.0)
         left = round((new_w - self.size) / 2.0)
         img = img.crop((left, top, left + self.size, top + self.size))
@@ -152,7 +156,7 @@ class PilImageFolder(Dataset[tuple[torch.Tensor, int]]):
 
 
 def imagefolder(root: Path, params: dict[str, Any]) -> PilImageFolder:
-    return PilImageFolder(root / params["path"], params["size"])
+    return PilImageFolder(root / params["path"], params["size"], params.get("crop", True))
 
 
 class MemmapTokens(Dataset[tuple[torch.Tensor, torch.Tensor]]):

@@ -1054,9 +1054,15 @@ def w9_table(res: dict[str, Any]) -> str:
         "peak PSS MiB",
     ]
     rows = []
-    for nw, by in (res.get("single") or {}).get("cells", {}).items():
+    single = (res.get("single") or {}).get("cells", {})
+    for nw, by in single.items():
         p, d = by["pinfeed"], by["dataloader"]
         rows.append([f"num_workers={nw}", *_epoch_cells(p, d), *_costs(p, d)])
+    for nw, by in single.items():  # the one-line switch, where the result has it
+        if "pinfeed-dataloader" in by:
+            p, d = by["pinfeed-dataloader"], by["dataloader"]
+            title = f"`pinfeed.DataLoader(..., cache=)`, num_workers={nw}"
+            rows.append([title, *_epoch_cells(p, d), *_costs(p, d)])
     jobs = (res.get("jobs") or {}).get("cells")
     if jobs:
         p, d = jobs["pinfeed"], jobs["dataloader"]

@@ -5,14 +5,17 @@ Pillow) in class folders; the deterministic stage (decode, RGB, shorter side res
 to 256, aspect kept: the ``images`` kind with ``"crop": false``) is cached by the
 server; RandomResizedCrop(224) + horizontal flip (``bench.transforms:w9``, torch: the
 stand-in for torchvision) is each loader's ``transform``; batch 32, three epochs.
-DataLoader runs ``Transformed(the same images dataset, the same transform)`` with
-``persistent_workers`` and the same seed: the same batches.
+DataLoader runs ``Transformed(ImageFolder, the same transform)`` with
+``persistent_workers`` and the same seed: the same batches (``bench.references``'
+ImageFolder uncropped: Pillow's decode and resize, the ``images`` kind's pixels).
 
 Sections, each on a fresh server, runs in fresh trainer processes (``bench.w9_trainer``),
-the two systems alternating ABBA, medians over ``--runs`` (spread = min..max):
+the systems alternating ABBA, medians over ``--runs`` (spread = min..max):
 
 - ``single``: one trainer, ``num_workers`` 0/1/2. Each pinfeed run registers the dataset
   afresh, so its first epoch fills an empty cache; the server deletes it afterwards.
+  Also the one-line switch: DataLoader's very call with ``pinfeed.DataLoader`` and
+  ``cache=`` (a new cache name each run), on the same ImageFolder object.
 - ``jobs``: four trainers at once, four loaders (seeds 0-3, one worker each) over one
   cached dataset, against four DataLoaders (one worker each): aggregate samples/s per
   epoch, CPU seconds of everything either system ran (trainers, DataLoader's workers;
@@ -60,6 +63,8 @@ from tests.launcher import Server
 
 RESIZE = W9_RESIZE
 SYSTEMS = ("pinfeed", "dataloader")
+# the single section also runs the one-line switch (pinfeed.DataLoader with cache=)
+SINGLE = ("pinfeed", "pinfeed-dataloader", "dataloader")
 
 
 # -- processes -------------------------------------------------------------------------------
@@ -229,8 +234,8 @@ def _warm(srv: Server, params: dict[str, Any], args: argparse.Namespace) -> None
     _cleanup(srv, ds)
 
 
-def _order(run: int) -> tuple[str, ...]:
-    return SYSTEMS if run % 2 == 0 else SYSTEMS[::-1]
+def _order(run: int, systems: tuple[str, ...] = SYSTEMS) -> tuple[str, ...]:
+    return systems if run % 2 == 0 else systems[::-1]
 
 
 def single(args: argparse.Namespace, params: dict[str, Any], progress: Any) -> list[dict[str, Any]]:
@@ -239,11 +244,14 @@ def single(args: argparse.Namespace, params: dict[str, Any], progress: Any) -> l
         _warm(srv, params, args)
         for nw in args.worker_counts:
             for r in range(args.runs):
-                for system in _order(r):
+                for system in _order(r, SINGLE):
                     ds = _register(srv, params, {}) if system == "pinfeed" else None
                     kw = _pinfeed_kw(srv, ds) if ds else {}
+                    if system == "pinfeed-dataloader":  # a cache of its own, filled afresh
+                        kw = {"socket": str(srv.socket), "cache": f"w9-{next(_ids)}"}
                     out = run_trainers(
-                        [_spec(system, nw, args, params, **kw)], srv.pid if ds else None
+                        [_spec(system, nw, args, params, **kw)],
+                        srv.pid if system != "dataloader" else None,
                     )
                     out["cache"] = _cleanup(srv, ds) if ds else None
                     runs.append({"num_workers": nw, "system": system, "run": r, **out})
@@ -492,8 +500,10 @@ def summarize(result: dict[str, Any]) -> None:
         runs = result["single"]["runs"]
         by: dict[str, dict[str, Any]] = {}
         for nw in sorted({r["num_workers"] for r in runs}):
-            for system in SYSTEMS:
+            for system in SINGLE:
                 rs = [r for r in runs if r["num_workers"] == nw and r["system"] == system]
+                if not rs:
+                    continue
                 epochs = [[_rate(e) for e in r["jobs"][0]["epochs"]] for r in rs]
                 by.setdefault(str(nw), {})[system] = _cell(rs, epochs)
         result["single"]["cells"] = by

@@ -14,8 +14,11 @@ start-up is in it): ``{"samples", "seconds", "end"}`` with ``end`` on the monoto
 clock, which every process of the node shares (the 4-job section adds them up).
 
 Systems: ``pinfeed`` (a loader with ``"transform"`` over a cached ``images`` dataset
-the parent registered) and ``dataloader`` (``DataLoader(Transformed(images dataset,
-transform))`` with ``persistent_workers``, the same seed).
+the parent registered), ``dataloader`` (``DataLoader(Transformed(ImageFolder,
+transform))`` with ``persistent_workers``, the same seed: ``bench.references``'
+ImageFolder, uncropped, the same pixels as the ``images`` kind's) and
+``pinfeed-dataloader`` (that very call with ``pinfeed.DataLoader`` and ``cache=``: the
+one-line switch, its dataset part cached by the node).
 """
 
 from __future__ import annotations
@@ -82,17 +85,20 @@ def _pinfeed(spec: dict[str, Any]) -> Callable[[], list[dict[str, Any]]]:
 
 
 def _dataloader(spec: dict[str, Any]) -> Callable[[], list[dict[str, Any]]]:
-    from torch.utils.data import DataLoader
-
-    from pinfeed import Transformed
-    from pinfeed_server.datasets import DatasetContext, build_dataset
+    """DataLoader, or with ``one_line`` the same call with ``pinfeed.DataLoader`` and
+    ``cache=``, on ``Transformed(the script's ImageFolder, the transform)``."""
+    import pinfeed
+    from bench.references import imagefolder
     from pinfeed_server.plugins import resolve
 
-    base = build_dataset("images", spec["params"], DatasetContext(Path(spec["data_root"])))
+    base = imagefolder(Path(spec["data_root"]), spec["params"])
     transform = resolve(spec["transform"], ("bench",))
     nw = spec["num_workers"]
-    dl = DataLoader(
-        Transformed(base, transform),
+    one_line = spec["system"] == "pinfeed-dataloader"
+    cls: Any = pinfeed.DataLoader if one_line else torch.utils.data.DataLoader
+    extra = {"cache": spec["cache"], "socket": spec["socket"]} if one_line else {}
+    dl = cls(
+        pinfeed.Transformed(base, transform),
         batch_size=spec["batch_size"],
         shuffle=True,
         num_workers=nw,
@@ -100,6 +106,7 @@ def _dataloader(spec: dict[str, Any]) -> Callable[[], list[dict[str, Any]]]:
         prefetch_factor=2 if nw > 0 else None,
         pin_memory=torch.cuda.is_available(),
         generator=torch.Generator().manual_seed(spec["seed"]),
+        **extra,
     )
     return lambda: _epochs(lambda: dl, spec["epochs"], lambda _: None)
 

@@ -86,6 +86,19 @@ def test_imagefolder_semantics(tmp_path: Path) -> None:
         assert_same((image, label), ref[i], f"sample {i}")
 
 
+def test_uncropped_equals_the_reference_uncropped(tmp_path: Path) -> None:
+    """W9's deterministic stage: the images kind with "crop": false and the bench's
+    ImageFolder uncropped (DataLoader's side of W9) give the same pixels."""
+    make_tree(tmp_path / "data")
+    ds = build_dataset("images", {"path": "data", "size": SIZE, "crop": False}, _ctx(tmp_path))
+    ref = PilImageFolder(tmp_path / "data", SIZE, crop=False)
+    shapes = set()
+    for i in range(len(ref)):
+        assert_same(ds[i], ref[i], f"sample {i}")
+        shapes.add(tuple(ds[i][0].shape))
+    assert len(shapes) > 1  # not all square: the aspect kept
+
+
 def test_fetch_into_equals_collate(tmp_path: Path) -> None:
     make_tree(tmp_path / "data")
     ds = build_dataset("images", {"path": "data", "size": SIZE}, _ctx(tmp_path))
