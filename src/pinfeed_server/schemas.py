@@ -190,6 +190,12 @@ class LoaderOwner(BaseModel):
     uid: int
     attached: bool = Field(description="its trainer is connected")
     keep: bool = Field(description="named: stays warm for the next trainer asking for it")
+    cache: str | None = Field(
+        None,
+        description="the node cache its dataset is read through (pinfeed.DataLoader's "
+        "cache=), as /metrics names it: ~name (shared by every loader naming it) or "
+        "~own-<loader>; null: none",
+    )
 
 
 class LoaderPublic(LoaderStatus, LoaderConfig):

@@ -127,6 +127,7 @@ class Owned:
     payload_fd: int  # the objects' memfd, kept for the loader's life (its zygote maps it)
     keep: bool
     created_at: float
+    cache: str | None  # the key of the node cache its dataset reads through (cache=)
     attached: bool = True
 
 
@@ -504,8 +505,9 @@ class Service:
             except BaseException:
                 os.close(fd)
                 raise
+            cache_key = ShippedCaches.key(request.cache_name, name) if request.cache else None
             self._owned[name] = Owned(
-                peer, request.digest, fd, request.name is not None, time.time()
+                peer, request.digest, fd, request.name is not None, time.time(), cache_key
             )
             log.info("loader %s made by the trainer pid %d (uid %d)", name, peer.pid, peer.uid)
             return engine
@@ -704,6 +706,7 @@ class Service:
                 "uid": owned.owner.uid,
                 "attached": owned.attached,
                 "keep": owned.keep,
+                "cache": owned.cache,
             }
         else:
             rows = self.registry.loaders()

@@ -130,6 +130,9 @@ def test_read_once_and_shared_by_the_loaders_that_name_it(server: Server, folder
         Transformed(Jpegs(folder), crop_flip), num_workers=2, cache=name, **kw
     )
     key = f"~{name}"
+    with server.client() as c:  # which cache a trainer's loader reads, for operators
+        (row,) = [r for r in c.loaders() if r["name"] == first.pinfeed_name]
+    assert row["owner"]["cache"] == key
     for _ in range(2):
         assert sum(len(b[1]) for b in first) == 40
     assert _metric(server, "misses_total", key) == 40
