@@ -8,7 +8,9 @@ here, the script's own modules (files beside it, outside the Python installation
 a server started elsewhere could not import. Installed packages go by reference: the
 server imports them from its environment (the same one, when the trainer started it).
 numpy arrays and CPU tensors go out of band: written once into the payload and mapped,
-not copied, by the server and every worker.
+not copied, by the server and every worker; a memory-mapped array or tensor whose pages
+are still its file's (``np.memmap``, ``torch.load(mmap=True)``) goes as its file, which
+the server maps again (the node's page cache: nothing is copied).
 
 What cannot be shipped (an open file or socket, a lock, a generator object, a CUDA
 tensor) is an ``Unshippable`` error raised here, in the trainer, naming the attribute
@@ -45,8 +47,8 @@ _HINTS = (
 
 class _Pickler(cloudpickle.CloudPickler):  # type: ignore[misc]
     """cloudpickle, with CPU tensors sent as out-of-band buffers, CUDA tensors refused,
-    and a memory-mapped numpy array sent as its file (the server is on this node and
-    maps the same pages) instead of its contents."""
+    and a memory-mapped numpy array or tensor sent as its file (the server is on this
+    node and maps the same pages) instead of its contents."""
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, np.memmap) and (as_file := payload.memmap_file(obj)) is not None:
@@ -55,6 +57,20 @@ class _Pickler(cloudpickle.CloudPickler):  # type: ignore[misc]
             if obj.device.type != "cpu":
                 raise Unshippable(f"a {obj.device.type} tensor")
             if obj.layout == torch.strided and not obj.requires_grad:
+                storage = obj.untyped_storage()
+                where = payload.file_backing(storage.data_ptr(), storage.nbytes())
+                if where is not None:  # a file's pages (torch.load(mmap=True)): the file
+                    path, offset, stamp = where
+                    return payload.tensor_from_file, (
+                        path,
+                        offset,
+                        storage.nbytes(),
+                        stamp,
+                        str(obj.dtype),
+                        tuple(obj.shape),
+                        obj.stride(),
+                        obj.storage_offset(),
+                    )
                 flat = obj.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
                 return payload.tensor_from_buffer, (flat, str(obj.dtype), tuple(obj.shape))
         return super().reducer_override(obj)

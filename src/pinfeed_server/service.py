@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
-from pinfeed import errors, protocol
+from pinfeed import errors, payload, protocol
 from pinfeed_server import cache
 from pinfeed_server.cache import CachedDataset, CacheSpec, NotCacheable
 from pinfeed_server.cache.region import Region
@@ -645,6 +645,12 @@ class Service:
         )
         self.loaders[name] = engine
         engine.start()
+        if cfg.num_workers == 0:
+            # This process reads the shipped objects' pages itself: map them in now,
+            # beside the trainer's start, not by faults in its first epoch.
+            threading.Thread(
+                target=payload.populate, args=(objects.mapping,), name=f"populate-{name}"
+            ).start()
         return engine
 
     def owner_gone(self, name: str) -> None:

@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+import torch
+from torch.utils.data import TensorDataset
 
+import pinfeed
+import pinfeed._dataloader
 from pinfeed import Client, Loader
 from tests.conftest import Server
+from tests.dataloader.test_parity import check
 from tests.helpers import smaps_rollup, unique
 
 GIB = 1 << 30
@@ -86,3 +92,53 @@ def test_four_workers_over_a_1gib_npy_share_it(admin: Client, server: Server) ->
     admin.delete_loader(name)
     admin.delete_dataset(ds)
     path.unlink()
+
+
+def _maps(pid: int, path: Path) -> bool:
+    """Whether ``pid`` or a process under it maps ``path``."""
+    for p in _tree(pid):
+        try:
+            with open(f"/proc/{p}/maps") as f:
+                if any(line.rstrip().endswith(str(path)) for line in f):
+                    return True
+        except FileNotFoundError:
+            continue
+    return False
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_memory_mapped_tensor_is_shipped_as_its_file(
+    server: Server, tmp_path: Path, workers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``torch.load(mmap=True)``'s tensors go to the server as their file, which the
+    server (or its zygote) maps again: no copy into the payload; the batches are
+    DataLoader's. A tensor written in the trainer goes as its bytes (the file does not
+    hold what the trainer reads): the server's batches have the write."""
+    path = tmp_path / "x.pt"
+    torch.save((torch.arange(4096 * 1024, dtype=torch.int32).reshape(4096, 1024),), path)
+    (x,) = torch.load(path, mmap=True, weights_only=True)
+    labels = torch.arange(4096) % 7  # 32 KiB: copied
+    sizes: list[int] = []
+
+    def ship(objects: Any, real: Any = pinfeed._dataloader.ship) -> int:
+        fd = real(objects)
+        sizes.append(os.fstat(fd).st_size)
+        return int(fd)
+
+    monkeypatch.setattr(pinfeed._dataloader, "ship", ship)
+
+    def make(cls: type[Any], extra: dict[str, Any]) -> Any:
+        ds = TensorDataset(x, labels)
+        return cls(ds, batch_size=64, shuffle=True, num_workers=workers, **extra)
+
+    check(server, make, epochs=2)
+    assert sizes and max(sizes) < 1 << 20, sizes  # the 16 MiB tensor is not in it
+    loader = pinfeed.DataLoader(
+        TensorDataset(x, labels), batch_size=64, num_workers=workers, socket=server.socket
+    )
+    next(iter(loader))
+    assert _maps(server.pid, path)
+    loader.close()
+    x[3] = -1  # a written page: this tensor is not the file's any more
+    check(server, make, epochs=1)
+    assert sizes[-1] > 16 << 20, sizes  # shipped as its bytes
