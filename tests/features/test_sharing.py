@@ -18,6 +18,7 @@ from pinfeed import Client, Loader
 from tests.conftest import Server
 from tests.dataloader.test_parity import check
 from tests.helpers import smaps_rollup, unique
+from tests.reliability.procs import wait_for
 
 GIB = 1 << 30
 
@@ -142,3 +143,27 @@ def test_a_memory_mapped_tensor_is_shipped_as_its_file(
     x[3] = -1  # a written page: this tensor is not the file's any more
     check(server, make, epochs=1)
     assert sizes[-1] > 16 << 20, sizes  # shipped as its bytes
+
+
+def _payload_rss(pid: int, size: int) -> int:
+    """The most RSS of a ``pinfeed-payload`` mapping of at least ``size`` bytes in ``pid``."""
+    best, current = 0, None
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            if "-" in line.split()[0] and not line.endswith("kB\n"):
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                current = "pinfeed-payload" in line and hi - lo >= size
+            elif current and line.startswith("Rss:"):
+                best = max(best, int(line.split()[1]) * 1024)
+    return best
+
+
+def test_a_loader_without_workers_maps_its_objects_before_its_first_epoch(
+    server: Server,
+) -> None:
+    """Its server reads the shipped tensors itself: their pages are mapped at its start
+    (in a thread), not faulted in one by one through its first epoch."""
+    size = 64 << 20
+    ds = TensorDataset(torch.ones(size // 1024, 1024, dtype=torch.uint8))
+    with pinfeed.DataLoader(ds, batch_size=1024, socket=server.socket):  # not iterated
+        wait_for(lambda: _payload_rss(server.pid, size) >= size, "the payload's pages mapped")
