@@ -463,7 +463,11 @@ WHY = {
     "in the tuned DataLoader (TensorDataset indexed with the batch's index list); "
     "against it what differs is the handoff: pinfeed announces a slot, DataLoader's "
     "workers move each batch's storages through shared memory (none at num_workers "
-    "0). Plain DataLoader pays 256 `__getitem__` calls and `default_collate`'s stack.",
+    "0). Plain DataLoader pays 256 `__getitem__` calls and `default_collate`'s stack. "
+    "Without workers the tuned DataLoader gathers with torch's intra-op threads (2 "
+    "here), pinfeed's server with one (`PINFEED_TORCH_THREADS`, default 1: the cores "
+    "are the trainers'); how fast that gather runs depends on how the file's pages sit "
+    "in the page cache (the same code: 297k at commit 02f0849, 848k at 6d21ce5).",
     "W2": "Rows of 588 KiB: the gather is memory bandwidth. pinfeed gathers a batch into "
     "the slot, its only host copy; the tuned DataLoader does one fancy index per "
     "field, then its workers copy the batch into shared memory; plain DataLoader "
