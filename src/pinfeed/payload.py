@@ -184,7 +184,10 @@ def file_backing(address: int, nbytes: int) -> tuple[str, int, tuple[int, int]] 
                 break
     if found is None or not _file_pages(address, nbytes):
         return None
-    st = os.stat(found[0])
+    try:
+        st = os.stat(found[0])
+    except OSError:  # gone since: its bytes are shipped
+        return None
     if not stat.S_ISREG(st.st_mode):
         return None
     return found[0], found[1], (st.st_size, st.st_mtime_ns)
