@@ -33,7 +33,7 @@ from tests.conftest import Server
 from tests.dataloader.test_parity import Augmented, check
 from tests.fixtures.transforms import crop_flip, in_place
 from tests.helpers import unique
-from tests.reliability.procs import descendants, fd_targets, wait_for
+from tests.reliability.procs import cache_holders, wait_for
 
 SIZE = 32
 BATCH = 5
@@ -85,21 +85,6 @@ def _metric(server: Server, series: str, key: str) -> int | None:
     return None if m is None else int(float(m.group(1)))
 
 
-def _holding(pid: int, key: str) -> list[str]:
-    """Which of the server's processes hold cache ``key``'s region (fd or mapping)."""
-    name = f"/memfd:pinfeed-cache-{key} (deleted)"
-    out = []
-    for p in [pid, *(c.pid for c in descendants(pid))]:
-        try:
-            with open(f"/proc/{p}/maps") as f:
-                mapped = any(line.rstrip().endswith(name) for line in f)
-            if mapped or name in fd_targets(p):
-                out.append(str(p))
-        except OSError:
-            continue
-    return out
-
-
 @pytest.mark.parametrize("workers", [0, 2])
 def test_batches_equal_dataloader_over_the_cache(
     server: Server, folder: Path, workers: int
@@ -120,7 +105,7 @@ def test_batches_equal_dataloader_over_the_cache(
         )
 
     check(server, make, epochs=3)
-    wait_for(lambda: not _holding(server.pid, f"~{name}"), "the cache gone with its loader")
+    wait_for(lambda: not cache_holders(server.pid, f"~{name}"), "the cache gone with its loader")
 
 
 def test_read_once_and_shared_by_the_loaders_that_name_it(server: Server, folder: Path) -> None:
@@ -145,10 +130,10 @@ def test_read_once_and_shared_by_the_loaders_that_name_it(server: Server, folder
     assert sum(len(b[1]) for b in second) == 40
     assert _metric(server, "misses_total", key) == 40
     first.close()
-    assert _holding(server.pid, key)  # the second still reads it
+    assert cache_holders(server.pid, key)  # the second still reads it
     assert sum(len(b[1]) for b in second) == 40
     second.close()
-    wait_for(lambda: not _holding(server.pid, key), "the cache gone with its last loader")
+    wait_for(lambda: not cache_holders(server.pid, key), "the cache gone with its last loader")
     assert _metric(server, "misses_total", key) is None
     # cache=True: a cache of the loader's own
     own = pinfeed.DataLoader(Transformed(Jpegs(folder), crop_flip), num_workers=1, cache=True, **kw)
@@ -157,7 +142,7 @@ def test_read_once_and_shared_by_the_loaders_that_name_it(server: Server, folder
     own_key = f"~own-{own.pinfeed_name}"
     assert _metric(server, "misses_total", own_key) == 40
     own.close()
-    wait_for(lambda: not _holding(server.pid, own_key), "its own cache gone with it")
+    wait_for(lambda: not cache_holders(server.pid, own_key), "its own cache gone with it")
 
 
 def test_two_trainer_processes_read_each_sample_once(server: Server, folder: Path) -> None:
@@ -184,10 +169,10 @@ def test_two_trainer_processes_read_each_sample_once(server: Server, folder: Pat
         procs[0].wait(10)
         with server.client() as c:
             wait_for(lambda: len(c.loaders()) == 1, "the killed trainer's loader gone")
-        assert _holding(server.pid, key)  # the other one's
+        assert cache_holders(server.pid, key)  # the other one's
         out, _ = procs[1].communicate("", timeout=60)  # it reads one more epoch
         assert procs[1].returncode == 0, out
-        wait_for(lambda: not _holding(server.pid, key), "the cache gone with its last trainer")
+        wait_for(lambda: not cache_holders(server.pid, key), "the cache gone with its last trainer")
     finally:
         for p in procs:
             if p.poll() is None:

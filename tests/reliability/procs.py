@@ -61,6 +61,23 @@ def maps_ring(pid: int, loader: str) -> bool:
         return False
 
 
+def cache_holders(server_pid: int, key: str) -> list[str]:
+    """Which of the server's processes (it and its descendants) hold the cache region
+    ``key`` (a dataset's name, or a trainer's cache's ``~name``): by an fd, or mapped."""
+    name = f"/memfd:pinfeed-cache-{key} (deleted)"
+    out = []
+    for pid in [server_pid, *(p.pid for p in descendants(server_pid))]:
+        try:
+            fds = [t for t in fd_targets(pid) if t == name]
+            with open(f"/proc/{pid}/maps") as f:
+                maps = [line for line in f if line.rstrip().endswith(name)]
+        except OSError:
+            continue  # gone while we looked
+        if fds or maps:
+            out.append(f"pid {pid}: {len(fds)} fds, {len(maps)} mappings")
+    return out
+
+
 def workers_of(server_pid: int, loader: str) -> list[psutil.Process]:
     """The server's worker processes that map ``loader``'s ring (children of its forkserver)."""
     return [p for p in descendants(server_pid) if maps_ring(p.pid, loader)]

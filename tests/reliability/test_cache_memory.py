@@ -12,7 +12,7 @@ import pytest
 from pinfeed import Client, Loader
 from tests.conftest import Server
 from tests.helpers import unique
-from tests.reliability.procs import descendants, fd_targets, wait_for
+from tests.reliability.procs import cache_holders, descendants, wait_for
 
 MiB = 1 << 20
 LENGTH, WIDTH = 400, 65536  # 400 samples of 256 KiB: a 100 MiB cache
@@ -70,23 +70,6 @@ def test_a_worker_more_costs_the_same_pss_with_a_cache(
     assert 0.8 * cache < one - base_one < 1.5 * cache, (one - base_one) / MiB
 
 
-def _holding(pid: int, ds: str) -> list[str]:
-    """Which of the server's processes (``pid`` and its descendants) hold dataset
-    ``ds``'s cache region: by an fd, or mapped."""
-    name = f"/memfd:pinfeed-cache-{ds} (deleted)"
-    out = []
-    for p in [psutil.Process(pid), *descendants(pid)]:
-        try:
-            fds = [t for t in fd_targets(p.pid) if t == name]
-            with open(f"/proc/{p.pid}/maps") as f:
-                maps = [line for line in f if line.rstrip().endswith(name)]
-        except (OSError, psutil.NoSuchProcess):
-            continue  # gone while we looked
-        if fds or maps:
-            out.append(f"pid {p.pid}: {len(fds)} fds, {len(maps)} mappings")
-    return out
-
-
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_deleting_a_cached_dataset_gives_its_memory_back(
     admin: Client, server: Server, num_workers: int
@@ -98,7 +81,7 @@ def test_deleting_a_cached_dataset_gives_its_memory_back(
     admin.create_loader(name, dataset=ds, batch_size=16, num_workers=num_workers)
     _epoch(server, name)
     _epoch(server, name)  # hits, read through the region
-    assert _holding(server.pid, ds)
+    assert cache_holders(server.pid, ds)
     admin.delete_loader(name)
     admin.delete_dataset(ds)
-    wait_for(lambda: not _holding(server.pid, ds), f"no process holding {ds}'s cache", 10)
+    wait_for(lambda: not cache_holders(server.pid, ds), f"no process holding {ds}'s cache", 10)

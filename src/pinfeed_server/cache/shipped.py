@@ -113,13 +113,9 @@ class ShippedCaches:
                     "one's): name another cache, or give it the same dataset"
                 )
             entry.users.add(loader)
-        out = behind(dataset, entry.cache, _source(self._context))
-        if isinstance(out, Transformed):  # the workers' samples are read-only views
-            problem = out.dataset.check_transform(out.transform, probe.indices[0])
-            if problem is not None:
-                self.release(loader)
-                raise NotCacheable(f"pinfeed.DataLoader({what}): the dataset's {problem}")
-        return out, entry.cache.region
+        # (a transform that writes into its input is refused by the loader's prepare,
+        # as a named loader's is)
+        return behind(dataset, entry.cache, _source(self._context)), entry.cache.region
 
     def release(self, loader: str) -> None:
         """``loader`` is gone: a cache no other loader uses goes, and its memory."""
@@ -141,11 +137,6 @@ class ShippedCaches:
     def stats(self) -> dict[str, CacheStats]:
         with self._lock:
             return {k: e.cache.stats() for k, e in sorted(self._entries.items())}
-
-    def users(self, key: str) -> set[str]:
-        with self._lock:
-            entry = self._entries.get(key)
-            return set(entry.users) if entry is not None else set()
 
     def close(self) -> None:
         with self._lock:

@@ -77,7 +77,7 @@ def prepare(
                 "(Transformed(d, t)[i] = t(d[i])); an IterableDataset transforms its samples "
                 "in its own __iter__"
             )
-        shared, dataset = dataset, Transformed(dataset, transform)
+        dataset = Transformed(dataset, transform)
     fed = plan is not None
     if plan is None:
         conflict = iterable_conflict(cfg) if iterable else None
@@ -110,8 +110,9 @@ def prepare(
                 batch, where = first_samples(dataset, cfg, n), "the first batch of its iterator"
             else:
                 batch, where = fetch_samples(dataset, indices[:n], collate), f"sample {first}"
-                if transform is not None and isinstance(shared, CachedDataset):
-                    _check_transform(cfg, shared, transform, indices[0])
+                # a transform over the node's cache: its own, or a trainer's Transformed
+                if isinstance(dataset, Transformed) and isinstance(dataset.dataset, CachedDataset):
+                    _check_transform(cfg, dataset.dataset, dataset.transform, indices[0])
             layout = loader_layout(batch, plan.max_rows, collate, cfg.max_batch_bytes, cap, where)
     except (LayoutError, ConfigError) as exc:
         raise ConfigError(str(exc)) from None
