@@ -10,8 +10,11 @@ import collections
 import itertools
 import math
 import random
+import sys
+import textwrap
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -570,6 +573,35 @@ def test_a_lambda_collate_fn_and_a_plain_function(server: Server, workers: int) 
         ),
         epochs=1,
     )
+
+
+def test_a_module_of_the_scripts_own_goes_by_value(
+    server: Server, workers: int, tmp_path: Path
+) -> None:
+    """A module beside the script (outside the Python installation, where the server
+    cannot import it) is shipped by value, as ``__main__`` is."""
+    (tmp_path / "labmod_pf.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            class Cubes:
+                def __len__(self): return 21
+                def __getitem__(self, i): return torch.tensor([i ** 3]), i % 2
+            """
+        )
+    )
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import labmod_pf  # type: ignore[import-not-found]
+
+        check(
+            server,
+            lambda cls, x: cls(labmod_pf.Cubes(), batch_size=4, num_workers=workers, **x),
+            epochs=2,
+        )
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("labmod_pf", None)
 
 
 def test_worker_init_fn_and_get_worker_info(server: Server, workers: int) -> None:
