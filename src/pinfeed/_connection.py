@@ -71,6 +71,7 @@ class Connection:
         self.copy = copy
         self.buf = transport.buf  # every reply lands here
         self.wait_us = 0  # the trainer's last wait for a batch, not yet reported
+        self.rng_after = b""  # the RNG states the server sent last (a RNG message)
         self._t = transport
         self.ring = None
         try:
@@ -147,7 +148,8 @@ class Connection:
         # the server (a pinfeed.DataLoader without workers: DataLoader makes its batches
         # in the trainer, on its RNGs).
         (_, size) = p.RNG_HEAD.unpack_from(self.buf)
-        rng.load_state(bytes(self.buf[p.RNG_HEAD.size : p.RNG_HEAD.size + size]))
+        self.rng_after = bytes(self.buf[p.RNG_HEAD.size : p.RNG_HEAD.size + size])
+        rng.load_state(self.rng_after)
 
     def _segment(self) -> None:
         """The ring grew or shrank: map the new segment, or let a closed one go."""

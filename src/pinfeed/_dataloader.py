@@ -32,7 +32,14 @@ Without workers DataLoader makes batches in the trainer on its global RNGs: then
 trainer's RNG states travel with each index batch and come back with the batch. Where
 nothing can draw (torch's ``TensorDataset`` and ``default_collate`` under one of torch's
 samplers) the next index batches are sent ahead instead, without RNG states, and made
-while the trainer steps.
+while the trainer steps. Where something may draw, under one of torch's samplers: once
+the trainer drew nothing between two batches in a row, each next batch is sent ahead of
+its RNG states and made at once on the states the last batch left; when the trainer
+asks for it, its states go as always, and the batch stands only if they are those (else
+it is made again on them, and no batch is made ahead for this loader again). So the
+batches are DataLoader's either way; what a batch made ahead can change is only how
+often the dataset was called, once, in the batch made again: a ``__getitem__`` whose
+result depends on how often it ran before sees one more call of each of its indices.
 
 The batches arrive as zero-copy views into the server's ring (page-locked and
 registered with CUDA once when ``pin_memory=True`` and a GPU is present), as a
@@ -85,6 +92,9 @@ NO_DRAW_AHEAD = 2  # index batches fed ahead without workers, where nothing draw
 # Where when the sampler is iterated cannot be seen, its batches go this many indices at
 # a time (one FEEDS message, 64 KiB of them), not one FEED a batch.
 FEEDS_INDICES = 8192
+# Without workers, where something may draw: the batches in a row the trainer must draw
+# nothing between before the next one is fed ahead of its RNG states.
+QUIET_BEFORE_AHEAD = 2
 # torch's samplers, which draw from the global RNG at most at their first index
 _QUIET_SAMPLERS = (
     SequentialSampler,
@@ -336,6 +346,13 @@ class _Owned:
         # The index batches kept fed beyond those handed out, topped up after each batch
         # (0: none; with workers and one FEED a batch, that FEED carries the NEXT).
         self.depth = self.ahead + 1 if self.ahead else self.prefetch if self.chunk else 0
+        # Without workers, where something may draw and the sampler's moments cannot be
+        # seen: once the trainer drew nothing between ``QUIET_BEFORE_AHEAD`` batches in a
+        # row, each next batch is fed ahead of its RNG states, made at once on the states
+        # the last one left, and stands if the trainer sends those (else it is made again
+        # on its states). The first time it does not, this stops for the loader's life.
+        self.speculate = loader.num_workers == 0 and not self.ahead and quiet
+        self.quiet = 0  # batches in a row the trainer drew nothing between
         self.next_sent = False  # a NEXT is in flight
         self.reconnect = reconnect
         self.epoch = -1  # the last epoch begun
@@ -427,16 +444,35 @@ class _Owned:
         self, index: int, indices: list[int] | None, rng_state: bytes = b"", ask: bool = False
     ) -> None:
         """Send batch ``index``'s indices (``struct.error``, nothing sent, if one is no
-        integer); ``ask``: with the NEXT kept in flight in the same message (it hands
-        back the slots). Else a NEXT, SKIP or SEEK follows and hands them back."""
+        integer); ``ask``: with the NEXT in the same message (it hands back the slots),
+        then in flight. Else a NEXT, SKIP or SEEK follows and hands them back."""
         message = p.encode_feed(self.epoch, index, indices, rng_state)
-        if ask and self.next_ahead:
+        if ask:
             message = p.feed_then_next(message, self.conn.release_message(_NEXT))
             self.next_sent = True
         try:
             self.conn.send_plain(message)
         except ServerUnavailable:
             self._lost()
+
+    def feed_ahead(self, index: int, indices: list[int]) -> None:
+        """Send batch ``index`` ahead of the RNG states it is to be made on (a FEED of it
+        with them follows; ``struct.error``, nothing sent, if an index is no integer)."""
+        try:
+            self.conn.send_plain(p.encode_feed_ahead(self.epoch, index, indices))
+        except ServerUnavailable:
+            self._lost()
+
+    def drew(self, state: bytes, fed_ahead: bool) -> None:
+        """Note the trainer's RNG ``state`` as a batch is asked for, against the states
+        the last batch left: whether it drew meanwhile (``fed_ahead``: and so the batch
+        fed ahead is made again; no more are)."""
+        if state == self.conn.rng_after:
+            self.quiet += 1
+            return
+        self.quiet = 0
+        if fed_ahead:
+            self.speculate = False
 
     def feed_many(self, index: int, batches: list[list[int]], ended: bool) -> None:
         """Send batches ``index``, ``index + 1``, .. (``ended``: and then the sampler's
@@ -700,6 +736,7 @@ class _Iter(_BaseDataLoaderIter):
         self._fed = 0
         self._indices: Iterator[Any] | None = None  # the sampler's, for _feed_chunk
         self._exhausted = False
+        self._spec: list[int] | None = None  # the batch fed ahead of its RNG states
         # What was fed this epoch: sent again to a restarted server (reconnect).
         self._history: list[tuple[list[int], bytes]] = []
         if index:
@@ -749,31 +786,60 @@ class _Iter(_BaseDataLoaderIter):
         states, taken after the sampler drew: the batch is made on them; ``ask``: and
         the NEXT kept in flight); False (after telling the server) once the sampler ran
         out."""
+        owned = self._owned
         if self._exhausted:
             if ask:
-                self._owned.ask_ahead()
+                owned.ask_ahead()
             return False
-        try:
-            indices = self._next_index()  # type: ignore[no-untyped-call]
-        except StopIteration:
-            self._exhausted = True
-            self._owned.feed(self._fed, None, ask=ask)
-            return False
+        spec, self._spec = self._spec, None
+        if spec is None:
+            try:
+                indices = self._next_index()  # type: ignore[no-untyped-call]
+            except StopIteration:
+                self._exhausted = True
+                owned.feed(self._fed, None, ask=ask)
+                return False
         state = rng.dump_state() if with_rng else b""
-        # torch's batch samplers yield lists of ints: sent as they are (anything else
-        # DataLoader indexes with, numpy or tensor integers, as ints); without automatic
-        # batching the sampler's one index is a batch of one.
+        if with_rng and self._fed:  # (the first batch: the iterator drew its base seed)
+            owned.drew(state, spec is not None)
+        if spec is not None:  # its states now, and the same indices again
+            owned.feed(self._fed, spec, state, ask=ask)
+            batch = spec
+        else:
+            batch = self._send(indices, lambda b: owned.feed(self._fed, b, state, ask=ask))
+        self._history.append((batch, state))
+        self._fed += 1
+        return True
+
+    def _send(self, indices: Any, send: Callable[[list[int]], None]) -> list[int]:
+        """``send`` the sampler's ``indices`` as the index batch the server reads: torch's
+        batch samplers yield lists of ints, sent as they are (anything else DataLoader
+        indexes with, numpy or tensor integers, as ints); without automatic batching the
+        sampler's one index is a batch of one. Returns the batch sent."""
         if self._owned.one_index:
             indices = [indices]
         batch = indices if type(indices) is list else list(indices)
         try:
-            self._owned.feed(self._fed, batch, state, ask=ask)
+            send(batch)
         except struct.error:
             batch = [_index(i) for i in indices]
-            self._owned.feed(self._fed, batch, state, ask=ask)
-        self._history.append((batch, state))
-        self._fed += 1
-        return True
+            send(batch)
+        return batch
+
+    def _feed_spec(self) -> None:
+        """After a batch made on the trainer's RNG states (no workers): the next one fed
+        ahead of its states (``_Owned.speculate``), made while the trainer steps; or, if
+        the sampler ran out, its end."""
+        owned = self._owned
+        if not owned.speculate or owned.quiet < QUIET_BEFORE_AHEAD or self._exhausted:
+            return
+        try:
+            indices = self._next_index()  # type: ignore[no-untyped-call]
+        except StopIteration:
+            self._exhausted = True
+            owned.feed(self._fed, None)
+            return
+        self._spec = self._send(indices, lambda b: owned.feed_ahead(self._fed, b))
 
     def _next_data(self) -> Any:
         owned = self._owned
@@ -782,13 +848,14 @@ class _Iter(_BaseDataLoaderIter):
         if owned.num_workers == 0:
             # As DataLoader: the next index (an iterable: the next turn of its one
             # iterator), then the batch, made on this process's RNGs.
+            # Where it waits for this batch, its FEED carries the NEXT: one message.
             if owned.iterable:
-                owned.feed(self._fed, [], rng.dump_state())
+                owned.feed(self._fed, [], rng.dump_state(), ask=True)
                 self._fed += 1
             elif owned.ahead:
                 self._feed_to(owned.yielded + owned.depth)
             else:
-                self._feed(with_rng=True)
+                self._feed(with_rng=True, ask=True)
         ahead = owned.num_workers > 0 and not owned.iterable
         try:
             got = self._next_batch()
@@ -811,6 +878,8 @@ class _Iter(_BaseDataLoaderIter):
         else:
             self._feed_ahead()
             owned.ask_ahead()
+            if owned.speculate:
+                self._feed_spec()
         return owned.deliver()
 
     def _feed_ahead(self) -> None:

@@ -17,8 +17,8 @@ so the hot path neither pickles nor parses JSON::
     CREATE  O  JSON Create + payload memfd   RNG      Y  RNG_HEAD + the trainer's RNG
     EPOCH   H  EPOCH_BODY (base seed)                    states, ahead of its BATCH
     FEED    F  FEED_HEAD, int64 indices, RNG
+               (FEED_NEXT: then a NEXT; FEED_AHEAD: no RNG yet, its FEED follows)
     FEEDS   M  FEEDS_HEAD, uint32 batch sizes, int64 indices (many FEEDs in one)
-               (FEED_NEXT: then a NEXT)
     RESUME  U  JSON {"state": state_dict}    RESUMED  u  JSON Resumed (after RESUME)
     REPLAY  V  JSON Replay (a connection's   REPLAYED v  JSON Replayed + a one-slot ring
                first message)                            memfd, then its BATCH or ERROR
@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 # HTTP, not the socket: the header a client names itself with; the control plane paces
 # each (address, this header) apart (pinfeed_server/api/throttle.py).
 HTTP_CLIENT_HEADER = "x-pinfeed-client"
@@ -83,6 +83,9 @@ EPOCH_BODY = struct.Struct("<B3xIq")  # kind, epoch, base seed
 FEED_HEAD = struct.Struct("<BB2xIIII")
 FEED_END = 0xFFFFFFFF
 FEED_NEXT = 1  # flag: a NEXT follows the RNG states in the same message
+# flag: a batch fed ahead of the trainer's RNG states, to be made on the states the batch
+# before left; a FEED of the same batch with the states follows (``encode_feed_ahead``)
+FEED_AHEAD = 2
 # kind, flags, epoch, index of the first batch, batches; then each batch's size (<I) and
 # all their indices (<q), in order
 FEEDS_HEAD = struct.Struct("<BB2xIII")
@@ -325,10 +328,20 @@ def encode_feed(epoch: int, index: int, indices: list[int] | None, rng: bytes = 
     return head + struct.pack(f"<{len(indices)}q", *indices) + rng
 
 
+def encode_feed_ahead(epoch: int, index: int, indices: list[int]) -> bytes:
+    """Batch ``index`` of ``epoch`` ahead of the trainer's RNG states (a loader without
+    workers, whose trainer drew nothing between its batches so far): the server may make
+    it now on the states the batch before left, and keeps it for the FEED of the same
+    batch with the trainer's states (``encode_feed``), which says whether they were those.
+    ``struct.error`` if an index is no integer."""
+    head = FEED_HEAD.pack(FEED, FEED_AHEAD, epoch, index, len(indices), 0)
+    return head + struct.pack(f"<{len(indices)}q", *indices)
+
+
 def feed_then_next(feed: bytes, next_message: bytes) -> bytes:
     """A FEED (``encode_feed``'s) and the NEXT after it as one message: the per-batch
-    message of a ``pinfeed.DataLoader`` with workers."""
-    return bytes((FEED, FEED_NEXT)) + feed[2:] + next_message
+    message of a ``pinfeed.DataLoader`` (without workers: the batch it waits for)."""
+    return bytes((FEED, feed[1] | FEED_NEXT)) + feed[2:] + next_message
 
 
 def encode_feeds(epoch: int, index: int, batches: list[list[int]], ended: bool) -> bytes:
@@ -360,14 +373,17 @@ def decode_feeds(data: Buffer) -> tuple[int, int, list[list[int]], bool]:
     return epoch, index, batches, bool(flags & FEEDS_END)
 
 
-def decode_feed(data: Buffer) -> tuple[int, int, list[int] | None, bytes, memoryview | None]:
-    """(epoch, index, indices or None at the end, RNG states or b"", the NEXT that came
-    with it or None); ValueError if malformed."""
+def decode_feed(
+    data: Buffer,
+) -> tuple[int, int, list[int] | None, bytes, bool, memoryview | None]:
+    """(epoch, index, indices or None at the end, RNG states or b"", whether it came
+    ahead of its states (FEED_AHEAD), the NEXT that came with it or None); ValueError if
+    malformed."""
     data = memoryview(data)
     if len(data) < FEED_HEAD.size:
         raise ValueError("short FEED")
     _, flags, epoch, index, count, nrng = FEED_HEAD.unpack_from(data)
-    if flags & ~FEED_NEXT:
+    if flags & ~(FEED_NEXT | FEED_AHEAD):
         raise ValueError(f"a FEED with unknown flags {flags:#x}")
     end = FEED_HEAD.size if count == FEED_END else FEED_HEAD.size + 8 * count + nrng
     then = data[end:] if flags & FEED_NEXT else None
@@ -377,11 +393,14 @@ def decode_feed(data: Buffer) -> tuple[int, int, list[int] | None, bytes, memory
         or (then is not None and (not then or then[0] != NEXT))
     ):
         raise ValueError("a FEED's length does not match its counts")
+    ahead = bool(flags & FEED_AHEAD)
+    if ahead and (count == FEED_END or nrng):
+        raise ValueError("a FEED ahead of its RNG states carries indices and no states")
     if count == FEED_END:
-        return epoch, index, None, b"", then
+        return epoch, index, None, b"", False, then
     indices = list(struct.unpack_from(f"<{count}q", data, FEED_HEAD.size))
     rng = bytes(data[end - nrng : end])
-    return epoch, index, indices, rng, then
+    return epoch, index, indices, rng, ahead, then
 
 
 @dataclass(frozen=True)

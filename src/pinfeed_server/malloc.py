@@ -14,7 +14,14 @@ its forkserver has been forked from it (``Service.start``), so the forkserver an
 dataset's zygote keep glibc's defaults. The cost the server keeps: a loader without
 workers makes its batches in the server, so a dataset that allocates a buffer of 1 MiB
 or more per batch (a batched read's ``index_select``) has it mapped and faulted in each
-batch.
+batch. And a fixed mmap threshold turns the adaptive *trim* threshold off too, leaving
+it at glibc's 128 KiB: a loader without workers whose samples are buffers below 1 MiB
+(W2's 588 KiB rows through a per-sample Dataset, 37 MiB a batch) had its heap trimmed
+after each batch and faulted in again, in some threads' arenas (the third loader on a
+fresh server): 9,000 page faults and 30 ms a batch where 750 and 8 ms were its due.
+So while such a loader lives, the server keeps a batch of freed heap for its next
+batch, as a worker does (``keep_inline_batches``), and gives it back when the last one
+goes (``release_inline_batches``: the threshold back to glibc's, and ``malloc_trim``).
 
 A worker (``keep_batch_buffers``). A worker allocates much the same buffers for every
 batch, and frees them once the batch is in its slot. glibc's adaptive thresholds fit
@@ -36,6 +43,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import threading
 from typing import Any
 
 log = logging.getLogger("pinfeed")
@@ -44,14 +52,22 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 MMAP_THRESHOLD = 1 << 20  # the server's
 WORKER_MMAP_THRESHOLD = 32 << 20  # glibc's ceiling for its own adaptive threshold (64-bit)
 WORKER_TRIM_SLACK = 32 << 20
+DEFAULT_TRIM_THRESHOLD = 128 << 10  # glibc's
+
+_inline: dict[int, int] = {}  # the server's loaders without workers: id -> slot bytes
+_inline_lock = threading.Lock()
+
+
+def _glibc(name: str) -> Any:
+    """glibc's function ``name``, or None where the C library is not glibc (musl, macOS)."""
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c")), name)
+    except (OSError, AttributeError, TypeError):
+        return None
 
 
 def _mallopt() -> Any:
-    """glibc's ``mallopt``, or None where the C library is not glibc (musl, macOS)."""
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c")).mallopt
-    except (OSError, AttributeError, TypeError):
-        return None
+    return _glibc("mallopt")
 
 
 def return_big_buffers() -> bool:
@@ -76,4 +92,40 @@ def keep_batch_buffers(slot_bytes: int) -> bool:
     ok = bool(mallopt(M_TRIM_THRESHOLD, 2 * slot_bytes + WORKER_TRIM_SLACK)) and ok
     if not ok:
         log.warning("mallopt refused: a worker may fault its batch buffers in anew each batch")
+    return ok
+
+
+def keep_inline_batches(owner: object, slot_bytes: int) -> bool:
+    """A loader without workers (``owner``) makes batches of up to ``slot_bytes`` in this
+    process: keep a batch of freed heap for the next one while it lives (see the module
+    docstring); False where it is not glibc or glibc refused."""
+    with _inline_lock:
+        _inline[id(owner)] = slot_bytes
+        return _set_trim()
+
+
+def release_inline_batches(owner: object) -> None:
+    """``owner`` is gone: the trim threshold for those left, and the heap's free memory
+    back to the system (``malloc_trim``)."""
+    with _inline_lock:
+        if _inline.pop(id(owner), None) is None:
+            return
+        _set_trim()
+        trim = _glibc("malloc_trim")
+        if trim is not None:
+            trim(0)
+
+
+def _set_trim() -> bool:
+    mallopt = _mallopt()
+    if mallopt is None:
+        return False
+    most = max(_inline.values(), default=None)
+    threshold = DEFAULT_TRIM_THRESHOLD if most is None else 2 * most + WORKER_TRIM_SLACK
+    ok = bool(mallopt(M_TRIM_THRESHOLD, threshold))
+    if not ok:
+        log.warning(
+            "mallopt(M_TRIM_THRESHOLD) refused: a loader without workers may fault "
+            "its sample buffers in anew each batch"
+        )
     return ok

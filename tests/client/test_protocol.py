@@ -119,7 +119,7 @@ ROUND_TRIPS: dict[int, tuple[bytes, Callable[[bytes], object]]] = {
     p.EPOCH: (p.encode_epoch(3, -7), lambda m: p.decode_epoch(m) == (3, -7)),
     p.FEED: (
         p.encode_feed(1, 5, [9, 2, 4], b"rng"),
-        lambda m: p.decode_feed(m) == (1, 5, [9, 2, 4], b"rng", None),
+        lambda m: p.decode_feed(m) == (1, 5, [9, 2, 4], b"rng", False, None),
     ),
     p.FEEDS: (
         p.encode_feeds(2, 6, [[9, 2, 4], [1], [2**40, 0]], True),
@@ -152,7 +152,13 @@ ROUND_TRIPS: dict[int, tuple[bytes, Callable[[bytes], object]]] = {
 
 
 def test_a_feed_end_and_bad_feeds() -> None:
-    assert p.decode_feed(p.encode_feed(2, 7, None)) == (2, 7, None, b"", None)
+    assert p.decode_feed(p.encode_feed(2, 7, None)) == (2, 7, None, b"", False, None)
+    # a batch fed ahead of its RNG states: its indices, no states
+    assert p.decode_feed(p.encode_feed_ahead(2, 8, [3, 1])) == (2, 8, [3, 1], b"", True, None)
+    with pytest.raises(ValueError, match="ahead of its RNG states"):  # with states
+        p.decode_feed(bytes((p.FEED, p.FEED_AHEAD)) + p.encode_feed(1, 0, [1], b"s")[2:])
+    with pytest.raises(ValueError, match="ahead of its RNG states"):  # an end
+        p.decode_feed(bytes((p.FEED, p.FEED_AHEAD)) + p.encode_feed(1, 0, None)[2:])
     with pytest.raises(ValueError):
         p.decode_feed(p.encode_feed(1, 0, [1, 2])[:-3])
     with pytest.raises(ValueError, match="unknown flags"):
@@ -188,8 +194,8 @@ def test_a_feed_carries_the_next_after_it() -> None:
         message = p.feed_then_next(
             p.encode_feed(3, 9, indices, rng), p.encode_release(p.NEXT, [5], 12)
         )
-        epoch, index, got, got_rng, then = p.decode_feed(message)
-        assert (epoch, index, got, got_rng) == (3, 9, indices, rng)
+        epoch, index, got, got_rng, ahead, then = p.decode_feed(message)
+        assert (epoch, index, got, got_rng, ahead) == (3, 9, indices, rng, False)
         assert then is not None and then[0] == p.NEXT
         assert p.decode_release(then) == ([5], 12)
     with pytest.raises(ValueError, match="unknown fields"):

@@ -104,3 +104,23 @@ def test_workers_keep_a_batch_of_sample_buffers_for_the_next_batch(server: Serve
         faults = [int(faults[0]) for _, faults in loader]
     per_batch = [b - a for a, b in itertools.pairwise(faults[2:])]
     assert statistics.median(per_batch) < 512, f"page faults a batch: {per_batch}"
+
+
+def test_a_loader_without_workers_keeps_a_batch_of_sample_buffers(
+    make_server: Callable[..., Server],
+) -> None:
+    """The same batch of sample buffers made by the server itself (no workers), for
+    loader after loader on a fresh server: each producer thread is a new one, whose
+    arena may be trimmed under the 128 KiB trim threshold that the server's fixed mmap
+    threshold left in place (without ``keep_inline_batches``: 770 page faults a batch
+    for the first loader here; W2's third loader on a fresh server took 9,000)."""
+    server = make_server()
+    server.start()
+    for k in range(4):
+        with pinfeed.DataLoader(
+            Rows(), batch_size=32, num_workers=0, socket=server.socket
+        ) as loader:
+            faults = [int(faults[0]) for _, faults in loader]
+        per_batch = [b - a for a, b in itertools.pairwise(faults[2:])]
+        assert statistics.median(per_batch) < 512, f"loader {k}: page faults a batch: {per_batch}"
+    server.stop()

@@ -8,6 +8,10 @@ seed and iterates the batch sampler in the trainer, at the moments DataLoader's 
 iterator would (``num_workers * prefetch_factor`` index batches ahead of the batch it
 yields; one at a time with no workers), and sends them here: ``begin(epoch, seed)``,
 ``feed(epoch, index, indices)`` in order, ``end(epoch)`` once the sampler ran out.
+Without workers each batch comes with the trainer's RNG states, which it is made on; a
+batch fed *ahead* of them (``ahead=True``: the trainer drew nothing between its batches
+so far) is made at once on the states the batch before left, and its states, fed after
+it, say whether that batch stands or is made again on them (``producers/inline.py``).
 
 The engine's producer thread iterates ``batches(epoch)``, which yields each index list as
 it arrives (``None`` turns for an IterableDataset, from ``begin`` on, until its streams
@@ -32,6 +36,7 @@ class _Epoch:
     seed: int
     batches: list[list[int]] = field(default_factory=list)
     rng: dict[int, bytes] = field(default_factory=dict)  # index -> the trainer's RNG state
+    ahead: set[int] = field(default_factory=set)  # fed ahead of their states, which follow
     ended: bool = False
 
 
@@ -73,17 +78,39 @@ class FedPlan:
                 del self._epochs[old]
             self._cond.notify_all()
 
-    def feed(self, epoch: int, index: int, indices: list[int], rng: bytes | None = None) -> None:
-        """Batch ``index`` of ``epoch``; ValueError if it is not the next one."""
+    def feed(
+        self,
+        epoch: int,
+        index: int,
+        indices: list[int],
+        rng: bytes | None = None,
+        *,
+        ahead: bool = False,
+    ) -> None:
+        """Batch ``index`` of ``epoch`` (``ahead``: before the trainer's RNG states), or
+        the states of the batch fed ahead last, with its indices again; ValueError if it
+        is neither."""
         with self._cond:
             e = self._epochs.get(epoch)
+            if e is not None and index in e.ahead:
+                if ahead or rng is None or e.batches[index] != indices:
+                    raise ValueError(
+                        f"batch {index} of epoch {epoch} was fed ahead: what follows is its "
+                        "RNG states, with the same indices"
+                    )
+                e.ahead.discard(index)
+                e.rng[index] = rng
+                self._cond.notify_all()
+                return
             if e is None or e.ended or index != len(e.batches):
                 raise ValueError(
                     f"fed batch {index} of epoch {epoch} out of order (the plan has "
                     f"{'no such epoch' if e is None else f'{len(e.batches)} batches'})"
                 )
             e.batches.append(indices)
-            if rng is not None:
+            if ahead:
+                e.ahead.add(index)
+            elif rng is not None:
                 e.rng[index] = rng
             self._cond.notify_all()
 
@@ -151,3 +178,24 @@ class FedPlan:
         with self._cond:
             e = self._epochs.get(epoch)
             return None if e is None else e.rng.pop(index, None)
+
+    def fed_ahead(self, epoch: int, index: int) -> bool:
+        """Whether batch ``index`` came ahead of the trainer's RNG states, still to come."""
+        with self._cond:
+            e = self._epochs.get(epoch)
+            return e is not None and index in e.ahead
+
+    def wait_rng(self, epoch: int, index: int) -> bytes | None:
+        """The trainer's RNG states for batch ``index``, fed ahead of them, once they
+        come; None if they never will (its epoch ended or went, a seek, a stop)."""
+        with self._cond:
+            interrupts = self._interrupts
+            while True:
+                e = self._epochs.get(epoch)
+                if e is None or self._interrupts != interrupts:
+                    return None
+                if index in e.rng:
+                    return e.rng.pop(index)
+                if index not in e.ahead or e.ended:
+                    return None
+                self._cond.wait(0.5)

@@ -505,13 +505,21 @@ class LoaderEngine:
     def begin_fed_epoch(self, epoch: int, seed: int) -> None:
         self._fed().begin(epoch, seed)
 
-    def feed(self, epoch: int, index: int, indices: list[int] | None, rng: bytes | None) -> None:
-        """Batch ``index`` of ``epoch`` from the trainer's sampler (None: it ran out)."""
+    def feed(
+        self,
+        epoch: int,
+        index: int,
+        indices: list[int] | None,
+        rng: bytes | None,
+        ahead: bool = False,
+    ) -> None:
+        """Batch ``index`` of ``epoch`` from the trainer's sampler (None: it ran out);
+        ``ahead``: before the trainer's RNG states (``FedPlan.feed``)."""
         plan = self._fed()
         if indices is None:
             plan.end(epoch)
         else:
-            plan.feed(epoch, index, indices, rng)
+            plan.feed(epoch, index, indices, rng, ahead=ahead)
 
     def restart_fed(self) -> None:
         """A new trainer takes over a named trainer-fed loader: its epochs start afresh,

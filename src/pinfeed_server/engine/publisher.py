@@ -92,7 +92,8 @@ class Publisher:
             return task.epoch
         self.head = (task.epoch, task.index + 1)
         if result.rows == 0 and result.error is None:
-            # An iterable's turn whose worker has run out: nothing to publish.
+            # An iterable's turn whose worker has run out, or a batch fed ahead that its
+            # trainer never asked for (producers/inline.py): nothing to publish.
             self.slots.move(task.slot, SlotState.FILLING, SlotState.FREE)
             return None
         rows = task.rows if result.rows is None else result.rows

@@ -158,8 +158,8 @@ class Session:
                 if ended:
                     self.engine.feed(epoch, index + len(batches), None, None)
                 return True, None
-            epoch, index, indices, rng, then = p.decode_feed(message)
-            self.engine.feed(epoch, index, indices, rng or None)
+            epoch, index, indices, rng, ahead, then = p.decode_feed(message)
+            self.engine.feed(epoch, index, indices, rng or None, ahead)
         except ValueError as exc:
             self.error(ProtocolError(str(exc)))
             return False, None

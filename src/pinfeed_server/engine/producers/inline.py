@@ -36,6 +36,7 @@ from pinfeed_server.engine.iterable import EndJudge, is_iterable, shard_env
 from pinfeed_server.engine.producers.base import ProducerContext, Result, Task, error_info
 from pinfeed_server.engine.producers.iterating import IterStreams, make_turn, write_samples
 from pinfeed_server.engine.producers.seeding import Streams, WorkerRngs, apply, history_of
+from pinfeed_server.malloc import keep_inline_batches, release_inline_batches
 
 
 class GlobalRngs:
@@ -109,11 +110,15 @@ class InlineProducer:
         )
         self._busy_s = 0.0
         self._closed = False
+        keep_inline_batches(self, ctx.ring.slot_bytes)  # malloc.py says why
         self._dataset = ctx.dataset
         self._fed_epoch = -1  # a trainer-fed iterable's epoch, and its iterator
         self._fed_iter: Iterator[Any] = iter(())
         # The loader's RNG states between its batches, while the globals hold another's.
         self._rng: RngState | None = None
+        # A trainer-fed loader's last batch made on the trainer's states: (epoch, index,
+        # the states after it), the states a batch fed ahead of its own is made on.
+        self._after: tuple[int, int, bytes] | None = None
         self._config = ctx.config
         # Created with workers: their streams, served here (see the module docstring).
         self._workers: WorkerRngs | None = None
@@ -180,19 +185,40 @@ class InlineProducer:
         trainer sent with the task (FEED), and the states after it go back with the
         result (RNG), for the trainer to carry on from. A batch the trainer sent no
         states with (its objects draw nothing: ``pinfeed.DataLoader`` feeds those
-        ahead) is made here and sends none back."""
+        ahead) is made here and sends none back. The globals are lent to this loader
+        (``lent_to``): the server's own states are swapped out once, not each batch.
+
+        A batch fed ahead of its states (the trainer drew nothing between its batches so
+        far) is made at once on the states the batch before left, while the trainer
+        steps; it stands if the states the trainer then sends are those (it drew
+        nothing meanwhile: the same batch, made on the same states, in the same order
+        of calls), else it is made again on them."""
         state = plan.trainer_rng(task.epoch, task.index)
-        if state is None:
+        if state is None and not plan.fed_ahead(task.epoch, task.index):
             return _attempt(task, make)  # nothing draws: the server's RNGs are untouched
-        with GLOBAL_RNG:
-            server = capture()
-            try:
-                load_state(state)
-                result = _attempt(task, make)
-                result.rng = dump_state()
-                return result
-            finally:
-                restore(server)
+        if state is None:
+            guess, made = None, None
+            after = self._after
+            if after is not None and after[:2] == (task.epoch, task.index - 1):
+                guess = after[2]
+                with GLOBAL_RNG.lent_to(self) as held:
+                    if not held:
+                        load_state(guess)
+                    made = _attempt(task, make)
+                    made.rng = dump_state()
+            state = plan.wait_rng(task.epoch, task.index)
+            if state is None:  # never asked for: the epoch was left, a seek, a stop
+                self._after = None
+                return Result(task.seq, rows=0)
+            if made is not None and state == guess:
+                self._after = (task.epoch, task.index, made.rng)
+                return made
+        with GLOBAL_RNG.lent_to(self):
+            load_state(state)
+            result = _attempt(task, make)
+            result.rng = dump_state()
+        self._after = (task.epoch, task.index, result.rng)
+        return result
 
     def _make_as_workers(self, task: Task, indices: list[int]) -> Result:
         assert self._workers is not None
@@ -261,6 +287,7 @@ class InlineProducer:
         if not self._closed:
             self._closed = True
             self._writer.close()
+            release_inline_batches(self)
 
 
 def _attempt(task: Task, make: Callable[[], Result]) -> Result:
