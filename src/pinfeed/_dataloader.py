@@ -33,13 +33,15 @@ trainer's RNG states travel with each index batch and come back with the batch. 
 nothing can draw (torch's ``TensorDataset`` and ``default_collate`` under one of torch's
 samplers) the next index batches are sent ahead instead, without RNG states, and made
 while the trainer steps. Where something may draw, under one of torch's samplers: once
-the trainer drew nothing between two batches in a row, each next batch is sent ahead of
-its RNG states and made at once on the states the last batch left; when the trainer
-asks for it, its states go as always, and the batch stands only if they are those (else
-it is made again on them, and no batch is made ahead for this loader again). So the
-batches are DataLoader's either way; what a batch made ahead can change is only how
-often the dataset was called, once, in the batch made again: a ``__getitem__`` whose
-result depends on how often it ran before sees one more call of each of its indices.
+the trainer drew nothing between two batches in a row, each batch's FEED is followed by
+the next batch's indices, ahead of their RNG states, which the server makes right after
+it, on the states it left; when the trainer asks for that batch, its states go as
+always, and the batch stands only if they are those (else it is made again on them, and
+no batch is made ahead for this loader again). So the batches are DataLoader's either
+way. What a batch made ahead can change is how often the dataset was called: once, in
+the batch made again, and in the one made ahead of a loop left early (as DataLoader's
+workers make batches ahead): a ``__getitem__`` whose result depends on how often it
+ran before sees more calls than under DataLoader without workers.
 
 The batches arrive as zero-copy views into the server's ring (page-locked and
 registered with CUDA once when ``pin_memory=True`` and a GPU is present), as a
@@ -455,11 +457,16 @@ class _Owned:
         except ServerUnavailable:
             self._lost()
 
-    def feed_ahead(self, index: int, indices: list[int]) -> None:
+    def feed_ahead(self, index: int, indices: list[int], ask: bool = False) -> None:
         """Send batch ``index`` ahead of the RNG states it is to be made on (a FEED of it
-        with them follows; ``struct.error``, nothing sent, if an index is no integer)."""
+        with them follows; ``struct.error``, nothing sent, if an index is no integer);
+        ``ask``: with the NEXT, as ``feed``."""
+        message = p.encode_feed_ahead(self.epoch, index, indices)
+        if ask:
+            message = p.feed_then_next(message, self.conn.release_message(_NEXT))
+            self.next_sent = True
         try:
-            self.conn.send_plain(p.encode_feed_ahead(self.epoch, index, indices))
+            self.conn.send_plain(message)
         except ServerUnavailable:
             self._lost()
 
@@ -802,13 +809,19 @@ class _Iter(_BaseDataLoaderIter):
         state = rng.dump_state() if with_rng else b""
         if with_rng and self._fed:  # (the first batch: the iterator drew its base seed)
             owned.drew(state, spec is not None)
+        # Without workers, once armed: the next batch goes ahead of its states, after
+        # this one and with the NEXT, so the server makes it right after this one.
+        ahead = with_rng and owned.speculate and owned.quiet >= QUIET_BEFORE_AHEAD
+        now = ask and not ahead
         if spec is not None:  # its states now, and the same indices again
-            owned.feed(self._fed, spec, state, ask=ask)
+            owned.feed(self._fed, spec, state, ask=now)
             batch = spec
         else:
-            batch = self._send(indices, lambda b: owned.feed(self._fed, b, state, ask=ask))
+            batch = self._send(indices, lambda b: owned.feed(self._fed, b, state, ask=now))
         self._history.append((batch, state))
         self._fed += 1
+        if ahead:
+            self._feed_ahead_of_states(ask)
         return True
 
     def _send(self, indices: Any, send: Callable[[list[int]], None]) -> list[int]:
@@ -826,20 +839,18 @@ class _Iter(_BaseDataLoaderIter):
             send(batch)
         return batch
 
-    def _feed_spec(self) -> None:
-        """After a batch made on the trainer's RNG states (no workers): the next one fed
-        ahead of its states (``_Owned.speculate``), made while the trainer steps; or, if
-        the sampler ran out, its end."""
+    def _feed_ahead_of_states(self, ask: bool) -> None:
+        """Without workers, after the batch about to be made on the trainer's RNG
+        states: the next one, ahead of its states (``_Owned.speculate``: made while the
+        trainer steps), or, if the sampler ran out, its end; ``ask``: with the NEXT."""
         owned = self._owned
-        if not owned.speculate or owned.quiet < QUIET_BEFORE_AHEAD or self._exhausted:
-            return
         try:
             indices = self._next_index()  # type: ignore[no-untyped-call]
         except StopIteration:
             self._exhausted = True
-            owned.feed(self._fed, None)
+            owned.feed(self._fed, None, ask=ask)
             return
-        self._spec = self._send(indices, lambda b: owned.feed_ahead(self._fed, b))
+        self._spec = self._send(indices, lambda b: owned.feed_ahead(self._fed, b, ask))
 
     def _next_data(self) -> Any:
         owned = self._owned
@@ -878,8 +889,6 @@ class _Iter(_BaseDataLoaderIter):
         else:
             self._feed_ahead()
             owned.ask_ahead()
-            if owned.speculate:
-                self._feed_spec()
         return owned.deliver()
 
     def _feed_ahead(self) -> None:
