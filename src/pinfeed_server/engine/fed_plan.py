@@ -172,18 +172,16 @@ class FedPlan:
             e = self._epochs.get(epoch)
             return ([], False) if e is None else (list(e.batches), e.ended)
 
-    def trainer_rng(self, epoch: int, index: int) -> bytes | None:
+    def trainer_rng(self, epoch: int, index: int) -> tuple[bytes | None, bool]:
         """The trainer's global RNG state that batch ``index`` is to be made on (a loader
-        without workers: DataLoader makes its batches in the trainer, on its RNGs)."""
+        without workers: DataLoader makes its batches in the trainer, on its RNGs), if it
+        came, and whether the batch came ahead of it (the state still to come), read
+        together: a state arriving between two calls would be seen by neither."""
         with self._cond:
             e = self._epochs.get(epoch)
-            return None if e is None else e.rng.pop(index, None)
-
-    def fed_ahead(self, epoch: int, index: int) -> bool:
-        """Whether batch ``index`` came ahead of the trainer's RNG states, still to come."""
-        with self._cond:
-            e = self._epochs.get(epoch)
-            return e is not None and index in e.ahead
+            if e is None:
+                return None, False
+            return e.rng.pop(index, None), index in e.ahead
 
     def wait_rng(self, epoch: int, index: int) -> bytes | None:
         """The trainer's RNG states for batch ``index``, fed ahead of them, once they

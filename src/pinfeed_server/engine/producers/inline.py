@@ -193,8 +193,8 @@ class InlineProducer:
         steps; it stands if the states the trainer then sends are those (it drew
         nothing meanwhile: the same batch, made on the same states, in the same order
         of calls), else it is made again on them."""
-        state = plan.trainer_rng(task.epoch, task.index)
-        if state is None and not plan.fed_ahead(task.epoch, task.index):
+        state, ahead = plan.trainer_rng(task.epoch, task.index)
+        if state is None and not ahead:
             return _attempt(task, make)  # nothing draws: the server's RNGs are untouched
         if state is None:
             guess, made = None, None
