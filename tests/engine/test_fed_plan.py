@@ -39,7 +39,8 @@ def test_the_states_must_come_with_the_same_indices() -> None:
         plan.feed(0, 1, [5, 4, 7, 6], ahead=True)
 
 
-def test_waiting_for_the_states_of_a_batch_fed_ahead() -> None:
+def _waiting() -> tuple[FedPlan, threading.Thread, list[bytes | None]]:
+    """A plan with batch 1 fed ahead, and a thread waiting for its states (in ``got``)."""
     plan = _plan()
     plan.feed(0, 1, [5, 4, 7, 6], ahead=True)
     got: list[bytes | None] = []
@@ -47,6 +48,11 @@ def test_waiting_for_the_states_of_a_batch_fed_ahead() -> None:
     waiter.start()
     time.sleep(0.05)
     assert waiter.is_alive()
+    return plan, waiter, got
+
+
+def test_waiting_for_the_states_of_a_batch_fed_ahead() -> None:
+    plan, waiter, got = _waiting()
     plan.feed(0, 1, [5, 4, 7, 6], b"s1")
     waiter.join(5)
     assert got == [b"s1"]
@@ -55,12 +61,7 @@ def test_waiting_for_the_states_of_a_batch_fed_ahead() -> None:
 @pytest.mark.parametrize("how", ["ended", "interrupted", "reset"])
 def test_states_that_never_come(how: str) -> None:
     """The trainer left the epoch (its sampler's end), a seek or stop, a new trainer."""
-    plan = _plan()
-    plan.feed(0, 1, [5, 4, 7, 6], ahead=True)
-    got: list[bytes | None] = []
-    waiter = threading.Thread(target=lambda: got.append(plan.wait_rng(0, 1)))
-    waiter.start()
-    time.sleep(0.05)
+    plan, waiter, got = _waiting()
     {"ended": lambda: plan.end(0), "interrupted": plan.interrupt, "reset": plan.reset}[how]()
     waiter.join(5)
     assert got == [None]
