@@ -443,25 +443,23 @@ class _Owned:
         return kind == _END
 
     def feed(
-        self, index: int, indices: list[int] | None, rng_state: bytes = b"", ask: bool = False
+        self,
+        index: int,
+        indices: list[int] | None,
+        rng_state: bytes = b"",
+        ask: bool = False,
+        ahead: bool = False,
     ) -> None:
         """Send batch ``index``'s indices (``struct.error``, nothing sent, if one is no
         integer); ``ask``: with the NEXT in the same message (it hands back the slots),
-        then in flight. Else a NEXT, SKIP or SEEK follows and hands them back."""
-        message = p.encode_feed(self.epoch, index, indices, rng_state)
-        if ask:
-            message = p.feed_then_next(message, self.conn.release_message(_NEXT))
-            self.next_sent = True
-        try:
-            self.conn.send_plain(message)
-        except ServerUnavailable:
-            self._lost()
-
-    def feed_ahead(self, index: int, indices: list[int], ask: bool = False) -> None:
-        """Send batch ``index`` ahead of the RNG states it is to be made on (a FEED of it
-        with them follows; ``struct.error``, nothing sent, if an index is no integer);
-        ``ask``: with the NEXT, as ``feed``."""
-        message = p.encode_feed_ahead(self.epoch, index, indices)
+        then in flight. Else a NEXT, SKIP or SEEK follows and hands them back.
+        ``ahead``: ahead of the RNG states it is to be made on (a FEED of it with them
+        follows)."""
+        if ahead:
+            assert indices is not None and not rng_state
+            message = p.encode_feed_ahead(self.epoch, index, indices)
+        else:
+            message = p.encode_feed(self.epoch, index, indices, rng_state)
         if ask:
             message = p.feed_then_next(message, self.conn.release_message(_NEXT))
             self.next_sent = True
@@ -850,7 +848,7 @@ class _Iter(_BaseDataLoaderIter):
             self._exhausted = True
             owned.feed(self._fed, None, ask=ask)
             return
-        self._spec = self._send(indices, lambda b: owned.feed_ahead(self._fed, b, ask))
+        self._spec = self._send(indices, lambda b: owned.feed(self._fed, b, ask=ask, ahead=True))
 
     def _next_data(self) -> Any:
         owned = self._owned
