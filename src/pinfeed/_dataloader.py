@@ -120,8 +120,9 @@ class DataLoader(TorchDataLoader):  # type: ignore[type-arg]
     tensors, not views into the ring (a view is valid until the next batch).
     ``reconnect``: if the server restarts, ship again and go on from where the epoch
     was. ``socket``: the server's data-plane socket (default ``PINFEED_SOCKET``, then
-    the default path). ``max_batch_size``: the largest batch a ``batch_sampler``
-    without a ``batch_size`` makes (the ring's slots hold that many samples).
+    the default path). ``max_batch_size``: a hint, the largest batch a ``batch_sampler``
+    without a ``batch_size`` makes (the ring's slots are sized for it; a larger batch
+    is served from memory of its own, as the first batches are).
     ``cache``: keep the dataset's samples in the node's cache after their first read, so
     later epochs (and other jobs) do not read and decode them again: ``"a-name"``, one
     cache shared by every ``pinfeed.DataLoader`` on the node that names it, in any job;
@@ -203,11 +204,6 @@ class DataLoader(TorchDataLoader):  # type: ignore[type-arg]
         rows = max_batch_size or self.batch_size or getattr(batches, "batch_size", None)
         if _one_index_a_batch(self):
             rows = 1
-        if not rows:
-            raise ValueError(
-                "pinfeed.DataLoader: this batch_sampler has no batch_size; give "
-                "max_batch_size=, the largest batch it makes (the ring's slots hold it)"
-            )
         self._owned = _Owned(
             self,
             name=name,
@@ -215,7 +211,7 @@ class DataLoader(TorchDataLoader):  # type: ignore[type-arg]
             copy=copy,
             reconnect=reconnect,
             socket=Path(socket) if socket is not None else p.default_socket_path(),
-            max_rows=int(rows),
+            max_rows=int(rows) if isinstance(rows, int) and rows > 0 else None,
             cache=cache,
             cache_max_bytes=cache_max_bytes,
         )
@@ -299,7 +295,7 @@ class _Owned:
         copy: bool,
         reconnect: bool,
         socket: Path,
-        max_rows: int,
+        max_rows: int | None,
         cache: bool | str | None = None,
         cache_max_bytes: int | None = None,
     ) -> None:
@@ -379,6 +375,7 @@ class _Owned:
             cache=cache is not None and cache is not False,
             cache_name=cache if isinstance(cache, str) else None,
             cache_max_bytes=cache_max_bytes,
+            draws=not rng.draws_nothing(dataset, collate, loader.worker_init_fn),
         )
         # A named loader's "equal configuration and objects": unnamed, nothing to compare.
         digest = "" if name is None else _digest(self.payload, request.encode())

@@ -5,7 +5,10 @@ slots can go back to the server.
 A BATCH in the loader's fixed layout carries dims (rows, shapes); one with
 ``FLAG_LAYOUT`` carries its own layout (a ``collate_fn``'s output): its structure is
 parsed once per distinct structure and cached, so the per-batch cost is a dict lookup,
-one ``struct`` unpack and one view per leaf, as for a fixed layout.
+one ``struct`` unpack and one view per leaf, as for a fixed layout. One with
+``FLAG_OWN`` too lives in a memfd of its own that came with it (a ``pinfeed.DataLoader``'s
+batch made before its ring was sized, or larger than its slots): its views are of that
+mapping, which goes when they do.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 import collections
 import json
 import math
+import mmap
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -89,11 +94,34 @@ def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 
 class BatchViews:
-    """The batch a BATCH message announces, as tensor views into the ring."""
+    """The batch a BATCH message announces, as tensor views into the ring. A loader
+    attached before its ring was sized has none until ``set_ring`` (a RING message);
+    ``fds()`` hands over the fds the last message carried (a FLAG_OWN batch's memfd)."""
 
-    def __init__(self, ring: RingSegments, layout: p.Layout, nslots: int, slot_bytes: int):
-        self._ring = ring
+    def __init__(
+        self,
+        ring: RingSegments | None,
+        layout: p.Layout | None,
+        nslots: int,
+        slot_bytes: int,
+        fds: Callable[[], list[int]] = list,
+    ):
         self._nslots = nslots
+        self._fds = fds
+        self._strides: dict[tuple[int, ...], tuple[int, ...]] = {}
+        # Per (slot, dims): the batch's leaf views, built once. Each batch hands out
+        # detach()ed aliases of them: new tensor objects (a trainer may reshape its own
+        # in place), for a quarter of the cost of as_strided, and far less when the
+        # trainer's step has left the caches cold.
+        self._views: dict[tuple[int, tuple[int, ...]], list[torch.Tensor]] = {}
+        self._structures: dict[bytes, Structure] = {}
+        self._ring: RingSegments | None = None
+        if ring is not None and layout is not None:
+            self.set_ring(ring, layout, slot_bytes)
+
+    def set_ring(self, ring: RingSegments, layout: p.Layout, slot_bytes: int) -> None:
+        """The ring and its fixed layout (ATTACHED's, or a RING's)."""
+        self._ring = ring
         self._slot_bytes = slot_bytes
         self._leaves = [
             (
@@ -105,13 +133,7 @@ class BatchViews:
         ]
         self._dims = p.dims_struct(layout)
         self._build = builder(layout.treedef)
-        self._strides: dict[tuple[int, ...], tuple[int, ...]] = {}
-        # Per (slot, dims): the batch's leaf views, built once. Each batch hands out
-        # detach()ed aliases of them: new tensor objects (a trainer may reshape its own
-        # in place), for a quarter of the cost of as_strided, and far less when the
-        # trainer's step has left the caches cold.
-        self._views: dict[tuple[int, tuple[int, ...]], list[torch.Tensor]] = {}
-        self._structures: dict[bytes, Structure] = {}
+        self._views.clear()
 
     def batch(self, buf: bytearray, slot: int, nstr: int) -> Any:
         """The nested batch of the BATCH message in ``buf`` (its head already read)."""
@@ -132,6 +154,7 @@ class BatchViews:
 
     def _make_leaves(self, slot: int, dims: tuple[int, ...], strings: Any) -> list[Any]:
         out: list[Any] = []
+        assert self._ring is not None, "a batch in a slot before the ring (RING)"
         ring, first = self._ring.of(slot)  # the segment holding the slot
         base = (slot - first) * self._slot_bytes
         d = 0
@@ -165,8 +188,13 @@ class BatchViews:
         dims = dims_struct.unpack_from(buf, at)
         at += dims_struct.size
         objects = iter(json.loads(bytes(buf[at : at + nobj])) if nobj else ())
-        ring, first = self._ring.of(slot)  # the segment holding the slot
-        base = (slot - first) * self._slot_bytes
+        memory: Callable[[torch.dtype], torch.Tensor]
+        if buf[1] & p.FLAG_OWN:  # in the memfd that came with it, from its first byte
+            memory, base = _own_memory(self._fds()), 0
+        elif any(dtype is not None for _, dtype, _ in specs):
+            assert self._ring is not None, "a batch in a slot before the ring (RING)"
+            ring, first = self._ring.of(slot)  # the segment holding the slot
+            memory, base = ring.typed, (slot - first) * self._slot_bytes
         out: list[Any] = []
         d = 0
         for kind, dtype, ndim in specs:
@@ -176,7 +204,7 @@ class BatchViews:
             offset, shape = dims[d], dims[d + 1 : d + 1 + ndim]
             d += ndim + 1
             t = torch.as_strided(
-                ring.typed(dtype), shape, _strides(shape), (base + offset) // dtype.itemsize
+                memory(dtype), shape, _strides(shape), (base + offset) // dtype.itemsize
             )
             out.append(t if kind == "t" else t.numpy() if kind == "n" else t.numpy()[()])
         return build(out)
@@ -184,6 +212,22 @@ class BatchViews:
     def clear(self) -> None:
         self._views.clear()
         self._structures.clear()
+
+
+def _own_memory(fds: list[int]) -> Callable[[torch.dtype], torch.Tensor]:
+    """A FLAG_OWN batch's memfd (``fds``: what its message carried), mapped: its whole
+    bytes viewed as a dtype. The fd is closed; the mapping lives as long as a view."""
+    if len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError(f"a BATCH with FLAG_OWN carries one memfd, not {len(fds)}")
+    try:
+        size = os.fstat(fds[0]).st_size
+        mm = mmap.mmap(fds[0], size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fds[0])
+    whole = torch.frombuffer(mm, dtype=torch.uint8)  # holds the mapping
+    return lambda dtype: whole.view(dtype)
 
 
 class Delivery:

@@ -54,7 +54,7 @@ from pinfeed_server.engine.iterable import (
     first_samples,
     is_iterable,
 )
-from pinfeed_server.engine.loader import LoaderEngine
+from pinfeed_server.engine.loader import LoaderEngine, Sizing
 from pinfeed_server.engine.prepare import ConfigError, prepare
 from pinfeed_server.engine.producers import Zygotes, configure_forkserver, executors
 from pinfeed_server.engine.producers.inline import GLOBAL_RNG
@@ -436,6 +436,7 @@ class Service:
         except ConfigError as exc:
             raise errors.InvalidRequest(str(exc)) from None
         workers = cfg.num_workers if ready.executor.counts_workers else 0
+        assert ready.layout is not None  # a plan of its own: sized from its first batch
         self._admit(cfg, ring_slots(cfg) * ready.layout.slot_bytes, workers)
         # The dataset's zygote starts with the first local worker process, in the
         # loader's boot thread (state "starting"); one that cannot start fails the
@@ -542,13 +543,20 @@ class Service:
         return engine
 
     def _start_owned(self, name: str, request: protocol.Create, fd: int) -> LoaderEngine:
-        try:
-            with GLOBAL_RNG:  # the trainer's code runs here: not on a loader's RNGs
-                objects = shipped.load(fd)
-        except DatasetError as exc:
-            raise errors.InvalidRequest(str(exc)) from None
+        """A trainer's loader over the objects in payload ``fd``. This process loads
+        them only where it runs them (no workers: it makes the batches, as DataLoader's
+        main process does) or checks them for the node's cache (``cache=``); with
+        workers they are loaded in the dataset's zygote and its workers alone."""
+        objects = None
+        if request.num_workers == 0 or request.cache:
+            try:
+                with GLOBAL_RNG:  # the trainer's code runs here: not on a loader's RNGs
+                    objects = shipped.load(fd)
+            except DatasetError as exc:
+                raise errors.InvalidRequest(str(exc)) from None
         if not request.cache:
             return self._start_shipped(name, request, fd, objects, None)
+        assert objects is not None
         name_ok = request.cache_name is None or re.fullmatch(NAME_PATTERN, request.cache_name)
         if not name_ok:
             raise errors.InvalidRequest(
@@ -573,16 +581,18 @@ class Service:
         name: str,
         request: protocol.Create,
         fd: int,
-        objects: shipped.Shipped,
+        objects: shipped.Shipped | None,
         cache_region: Region | None,
     ) -> LoaderEngine:
-        """Loader ``name`` over a trainer's ``objects`` (its dataset behind the node's
-        cache, whose region is ``cache_region``, where it asked for one)."""
+        """Loader ``name`` over a trainer's ``objects`` (None: not loaded here; its
+        dataset behind the node's cache, whose region is ``cache_region``, where it
+        asked for one). No sample is read: its ring is sized from the first batches its
+        producer makes (``engine.loader.Sizing``), when the trainer's loop asks."""
         try:
             cfg = LoaderConfig(
                 name=name,
                 dataset=name,  # a label: its dataset is its own, never registered
-                batch_size=request.max_rows,
+                batch_size=request.max_rows or 1,
                 seed=0,  # its trainer draws the seeds
                 drop_last=request.drop_last,
                 num_workers=request.num_workers,
@@ -598,30 +608,43 @@ class Service:
             raise errors.InvalidRequest(f"pinfeed.DataLoader: {problems}") from None
         plan = FedPlan(
             request.length or 0,
-            request.max_rows,
-            iterable=is_iterable(objects.dataset),
+            request.max_rows or 1,
+            iterable=request.iterable,
             reported=request.batches_per_epoch,
             samples=request.samples,
             fed_turns=request.num_workers == 0,
         )
-        code = LoaderCode(objects.collate_fn, objects.worker_init_fn)
-        params = shipped.params(objects)
-        cap = max(0, self.settings.max_shm_bytes - self.shm_used()) // (4 * ring_slots(cfg))
+        dataset = None if objects is None else objects.dataset
+        code = (
+            LoaderCode(None, None)
+            if objects is None
+            else LoaderCode(objects.collate_fn, objects.worker_init_fn)
+        )
+        params = shipped.params(request.draws)
         try:
             ready = prepare(
                 cfg,
-                objects.dataset,
+                dataset,
                 shipped.KIND,
                 self.executors,
                 self.context.allowed_plugins,
-                cap,
+                0,
                 code=code,
                 plan=plan,
+                iterable=request.iterable,
             )
         except ConfigError as exc:
             raise errors.InvalidRequest(str(exc)) from None
         workers = cfg.num_workers if ready.executor.counts_workers else 0
-        self._admit(cfg, ring_slots(cfg) * ready.layout.slot_bytes, workers)
+        self._admit(cfg, 0, workers)  # its ring once sized (Sizing.admit)
+
+        def admit_ring(config: LoaderConfig, ring_bytes: int, workers: int) -> None:
+            with self._lock:
+                self.budget.admit(config, ring_bytes, workers, replaces=name)
+
+        def cap() -> int:  # a per-batch layout's slot: a share of what the node has free
+            return max(0, self.settings.max_shm_bytes - self.shm_used()) // (4 * ring_slots(cfg))
+
         zygote = functools.partial(
             self.zygotes.get,
             OWNED_ZYGOTE + name,
@@ -633,19 +656,21 @@ class Service:
         )
         engine = LoaderEngine(
             cfg,
-            objects.dataset,
+            dataset,
             shipped.KIND,
             params,
             self.context,
-            ready.layout,
+            None,
             plan,
             code,
             ready.executor,
             spawn=lambda: zygote().process_factory,
+            sizing=Sizing(admit_ring, cap),
+            iterable=request.iterable,
         )
         self.loaders[name] = engine
         engine.start()
-        if cfg.num_workers == 0:
+        if objects is not None and cfg.num_workers == 0:
             # This process reads the shipped objects' pages itself: map them in now,
             # beside the trainer's start, not by faults in its first epoch.
             threading.Thread(
@@ -721,7 +746,7 @@ class Service:
         return {
             **engine.config.model_dump(),
             "created_at": created,
-            "batch": describe(engine.layout),
+            "batch": None if engine.layout is None else describe(engine.layout),
             "owner": owner,
             **engine.status().model_dump(),
         }

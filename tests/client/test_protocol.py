@@ -97,6 +97,10 @@ ROUND_TRIPS: dict[int, tuple[bytes, Callable[[bytes], object]]] = {
         p.SEGMENT_BODY.pack(p.SEGMENT, 2, 10, 8),
         lambda m: p.SEGMENT_BODY.unpack(m) == (p.SEGMENT, 2, 10, 8),
     ),
+    p.RING: (
+        p.RingInfo(4, 4096, LAYOUT).encode(),
+        lambda m: p.RingInfo.decode(m) == p.RingInfo(4, 4096, LAYOUT),
+    ),
     p.ERROR: (
         p.ErrorInfo(
             "sample-error", "sample 13 raised", False, extra={"index": 13, "error_type": "E"}

@@ -131,12 +131,20 @@ def test_a_module_the_server_cannot_import(server: Server, installed_elsewhere: 
 
 
 def test_a_collate_fn_that_raises_on_the_first_batch(server: Server) -> None:
+    """DataLoader calls ``collate_fn`` in the loop: the loader is made, and its first
+    batch raises the function's own exception type there (a SampleError too)."""
+
     def broken(samples: list[Any]) -> Any:
         raise KeyError("label")
 
-    with pytest.raises(InvalidRequest) as info:
-        pinfeed.DataLoader(Squares(), batch_size=4, collate_fn=broken, socket=server.socket)
-    assert "KeyError" in str(info.value) and "'label'" in str(info.value)
+    for workers in (0, 2):
+        loader = pinfeed.DataLoader(
+            Squares(), batch_size=4, collate_fn=broken, num_workers=workers, socket=server.socket
+        )
+        with pytest.raises(KeyError) as info:
+            next(iter(loader))
+        assert isinstance(info.value, pinfeed.SampleError) and "'label'" in str(info.value)
+        loader.close()
     _alive(server)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pinfeed import payload, rng
+from pinfeed import payload
 from pinfeed_server.datasets.base import DatasetContext, DatasetError, Kind, Params
 
 
@@ -59,13 +59,13 @@ def load(fd: int) -> Shipped:
     )
 
 
-def params(objects: Shipped) -> dict[str, Any]:
-    """The loader's dataset params: ``draws_rng: false`` where the shipped objects draw
-    nothing from the global RNGs (``rng.draws_nothing``, and no ``worker_init_fn``,
-    which might change the dataset per worker): then no RNG stream is kept per worker
-    and any worker may make any batch, as for a registered dataset that draws none."""
-    quiet = rng.draws_nothing(objects.dataset, objects.collate_fn)
-    return {} if not quiet or objects.worker_init_fn is not None else {"draws_rng": False}
+def params(draws: bool) -> dict[str, Any]:
+    """The loader's dataset params: ``draws_rng: false`` where the trainer found that its
+    objects draw nothing from the global RNGs (``rng.draws_nothing``, and no
+    ``worker_init_fn``, which might change the dataset per worker: ``Create.draws``):
+    then no RNG stream is kept per worker and any worker may make any batch, as for a
+    registered dataset that draws none."""
+    return {} if draws else {"draws_rng": False}
 
 
 def _build(params: ShippedParams, ctx: DatasetContext) -> Any:

@@ -219,7 +219,7 @@ class DataPlaneServer:
             attached = self._attach(conn, peer)
             if attached is not None:
                 owned = attached[2]
-                session = Session(conn, attached[0], attached[1], self._stop)
+                session = Session(conn, attached[0], attached[1], self._stop, attached[3])
                 session.run()
         except ValueError as exc:  # a malformed message: say so, then hang up
             log.debug("consumer broke the protocol: %s", exc)
@@ -245,10 +245,11 @@ class DataPlaneServer:
 
     def _attach(
         self, conn: socket.socket, peer: Peer
-    ) -> tuple[LoaderEngine, int, str | None] | None:
+    ) -> tuple[LoaderEngine, int, str | None, bool] | None:
         """Serve the first message: an ATTACH of a loader, or a trainer's CREATE of one
         of its own (then its name, which goes when the connection does); None (after an
-        ERROR, if the peer said anything) if refused."""
+        ERROR, if the peer said anything) if refused. Last: whether ATTACHED carried
+        the ring (a loader sized from its first batches may have none yet)."""
         conn.settimeout(10)  # a peer that connects and says nothing is dropped
         buf = bytearray(p.MAX_MESSAGE)
         n, fds = p.recv_message(conn, buf)
@@ -284,36 +285,40 @@ class DataPlaneServer:
             if owned is not None and self._owner_gone is not None:
                 self._owner_gone(owned)
             return None
-        assert engine.ring is not None
+        # A loader sized from its first batches may have no ring yet: a RING brings it.
+        ring, layout = engine.ring, engine.layout
+        slot_bytes = 0 if ring is None else ring.slot_bytes
         epoch, index = engine.position(member)
         attached = p.Attached(
             loader=engine.config.name,
             member=member,
-            ring_bytes=engine.nslots * engine.ring.slot_bytes,  # segment 0; SEGMENT the rest
+            ring_bytes=engine.nslots * slot_bytes,  # segment 0; SEGMENT the rest
             nslots=engine.nslots,
-            slot_bytes=engine.ring.slot_bytes,
-            layout=engine.layout,
+            slot_bytes=slot_bytes,
+            layout=layout if ring is not None else None,
             batches_per_epoch=engine.batches_per_epoch,
             epoch=epoch,
             position=index,
             config=_attached_config(engine.config),
             dataset_length=dataset_length(engine.sampler),
             sampler_length=sampler_length(engine.sampler),
-            sample=describe(engine.layout),
+            sample=None if layout is None else describe(layout),
             elastic=engine.elastic_epoch(),
         )
         try:
-            conn.sendmsg(
-                [attached.encode()],
-                [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", engine.ring.fd))],
+            rights = (
+                []
+                if ring is None
+                else [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", ring.fd))]
             )
+            conn.sendmsg([attached.encode()], rights)
         except BaseException:
             engine.detach(member, set())
             del engine  # as in _serve: nothing here holds the loader while it goes
             if owned is not None and self._owner_gone is not None:
                 self._owner_gone(owned)
             raise
-        return engine, member, owned
+        return engine, member, owned, ring is not None
 
     def _replay(self, conn: socket.socket, message: memoryview) -> None:
         """A REPLAY: REPLAYED with the ring of one slot the batch was made into, then
@@ -333,7 +338,8 @@ class DataPlaneServer:
         except PinfeedError as exc:
             conn.send(exc.info().encode())
             return
-        ring = made.ring
+        ring, layout = made.ring, engine.layout
+        assert layout is not None  # a batch was made: the loader has its ring
         try:
             reply = p.Replayed(
                 engine.config.name,
@@ -343,7 +349,7 @@ class DataPlaneServer:
                 made.worker,
                 engine.config.rank,
                 ring.size,
-                engine.layout,
+                layout,
             )
             rights = (socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", ring.fd))
             conn.sendmsg([reply.encode()], [rights])
@@ -356,7 +362,7 @@ class DataPlaneServer:
             if body[:1] == b"\0":  # a layout of its own (BATCH_LAYOUT_HEAD's mark)
                 parts = p.batch_parts(0, 0, made.epoch, made.index, b"", body, p.FLAG_LAYOUT)
             else:
-                dims = p.pack_dims(engine.layout, rows)
+                dims = p.pack_dims(layout, rows)
                 parts = p.batch_parts(0, 0, made.epoch, made.index, dims, body)
             conn.sendmsg(parts)
         finally:
@@ -409,7 +415,7 @@ class DataPlaneServer:
             raise LoaderFailed(str(exc)) from None
         if engine.failure is not None:
             raise LoaderFailed(engine.failure.detail)
-        if engine.state != "ready" or engine.ring is None:
+        if engine.state != "ready" or (engine.ring is None and engine.sizing is None):
             raise LoaderFailed(f"loader {engine.config.name!r} is {engine.state}")
 
 

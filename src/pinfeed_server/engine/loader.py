@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pinfeed import elastic
@@ -31,12 +32,13 @@ from pinfeed.errors import (
     LoaderBusy,
     LoaderFailed,
     NotFound,
+    PinfeedError,
     ServerUnavailable,
 )
-from pinfeed.protocol import ErrorInfo
+from pinfeed.protocol import ErrorInfo, align
 from pinfeed_server.datasets import DatasetContext, Kind
 from pinfeed_server.engine.autotune import Sample, Tuner
-from pinfeed_server.engine.collate import Layout
+from pinfeed_server.engine.collate import Layout, layout_bytes, with_rows
 from pinfeed_server.engine.config import (
     LiveChange,
     LoaderCode,
@@ -79,6 +81,20 @@ Keep = Callable[[dict[str, Any] | None], None]
 PRODUCER_THREAD = "pinfeed-produce-"
 
 
+@dataclass(frozen=True)
+class Sizing:
+    """How a loader created without a layout gets its ring: sized from its first batches,
+    as they are made (``pinfeed.DataLoader``'s: no sample is read before the trainer's
+    loop asks for one, and where it has workers, only in them). ``admit``: the node's
+    admission of the ring (its domain error fails the loader, which the trainer hears);
+    ``cap()``: the most bytes a slot of a per-batch layout (a ``collate_fn``'s) may take.
+    Such a loader has DataLoader's rule on sizes too: a batch larger than the slots goes
+    into a buffer of its own, never an error (``collate.SlotWriter``'s ``own``)."""
+
+    admit: Admit
+    cap: Callable[[], int]
+
+
 class LoaderEngine:
     """States: starting -> ready | failed (-> ready again, when its producer recovers);
     draining -> closed when deleted."""
@@ -90,24 +106,33 @@ class LoaderEngine:
         kind: Kind[Any],
         params: dict[str, Any],
         context: DatasetContext,
-        layout: Layout,
+        layout: Layout | None,
         plan: BatchPlan,
         code: LoaderCode,
         executor: Executor,
         spawn: Callable[[], ProcessFactory] | None = None,
         resumed: dict[str, Any] | None = None,
         keep: Keep | None = None,
+        *,
+        sizing: Sizing | None = None,
+        iterable: bool | None = None,
     ) -> None:
         """``plan``: the batch plan the ring was sized with (``prepare.py``: a custom
         sampler's first epoch is iterated once, at creation); ``code``: its collate_fn
         and worker_init_fn; ``spawn``: how the executor forks local processes (the
         dataset's zygote); ``resumed``: the elastic epoch it had (the registry's, after
-        a server restart); ``keep``: where a new one is recorded."""
+        a server restart); ``keep``: where a new one is recorded. ``layout`` None: the
+        ring is sized from the first batches (``sizing``). ``dataset`` may be None where
+        this process must not hold the trainer's objects (they run only in its workers):
+        then ``iterable`` says what it is."""
+        if (layout is None) != (sizing is not None):
+            raise ValueError("a loader without a layout is sized from its first batches")
         self.config = config
         self.dataset = dataset
         self.layout = layout
+        self.sizing = sizing
         self.sampler = plan
-        self.iterable = is_iterable(dataset)
+        self.iterable = is_iterable(dataset) if iterable is None else iterable
         self.batches_per_epoch = plan_len(plan)  # DataLoader's len(), or None
         self._turns = MAX_TURN if isinstance(plan, IterablePlan) else len(plan)  # seek's bound
         # DataLoader's num_workers as created: the RNG streams, whatever number of
@@ -135,7 +160,7 @@ class LoaderEngine:
             self.consumers,
             self.slots,
             self.stats,
-            layout.slot_bytes,
+            0 if layout is None else layout.slot_bytes,
             config.on_error,
         )
         self._gen = 0  # bumped by seek: the producer restarts at _cursor
@@ -170,7 +195,6 @@ class LoaderEngine:
         return self._source
 
     def _producer_context(self, processes: int) -> ProducerContext:
-        assert self.ring is not None
         kind, params, context = self._source
         return ProducerContext(
             self.config,
@@ -187,6 +211,8 @@ class LoaderEngine:
             self._on_result,
             self._fail,
             self._recovered,
+            iterable=self.iterable,
+            own=self.sizing is not None,
         )
 
     @staticmethod
@@ -207,10 +233,8 @@ class LoaderEngine:
             # Under the reconfigure lock: a live change made while starting waits, then
             # applies to the ring and producer made here from the config it changed.
             with self._reconfigure:
-                self.ring = Ring(self.config.name, self.nslots, self.layout.slot_bytes)
-                self.resizer = RingResizer(self.ring, self.slots)
-                if ring_slots(self.config) != self.nslots:
-                    self.resizer.retarget(ring_slots(self.config))
+                if self.layout is not None:
+                    self._make_ring(self.layout)
                 self.producer.start(self.config.num_workers)
         except Exception as exc:
             log.exception("loader %s failed to start", self.config.name)
@@ -221,6 +245,53 @@ class LoaderEngine:
                 self.state = "ready"
             self._cond.notify_all()
         self._start_producing()
+
+    def _make_ring(self, layout: Layout) -> Ring:
+        """The loader's ring for ``layout``, with the slots its config wants (under
+        ``_reconfigure``)."""
+        ring = Ring(self.config.name, self.nslots, layout.slot_bytes)
+        self.resizer = RingResizer(ring, self.slots)
+        self.ring = ring
+        if ring_slots(self.config) != self.nslots:
+            self.resizer.retarget(ring_slots(self.config))
+        return ring
+
+    def _size_ring(self, proposal: Layout) -> None:
+        """A loader sized from its first batches: its ring, from the layout the first
+        batch made proposes (for the most rows fed so far, a per-batch layout's slot
+        capped by the node's memory), admitted by the node, then handed to the producer.
+        Where the node refuses it the loader fails, and its trainer hears why."""
+        assert self.sizing is not None
+        with self._reconfigure:
+            if self.ring is not None or self._stop.is_set():
+                return
+            plan = self.sampler
+            rows = max(proposal.batch_size, plan.largest if isinstance(plan, FedPlan) else 0)
+            layout = with_rows(proposal, rows)
+            if layout.per_batch:
+                first = layout_bytes(layout)
+                capped = max(first, min(layout.slot_bytes, self.sizing.cap()))
+                layout = replace(layout, slot_bytes=align(max(capped, 64)))
+            try:
+                self.sizing.admit(
+                    self.config, ring_slots(self.config) * layout.slot_bytes, self.node_workers
+                )
+                # The layout first: a session that sees the ring sends it with it.
+                self.layout = layout
+                ring = self._make_ring(layout)
+            except (PinfeedError, OSError) as exc:
+                detail = exc.detail if isinstance(exc, PinfeedError) else str(exc)
+                log.warning("loader %s: its ring cannot be made: %s", self.config.name, detail)
+                self._fail(detail)
+                return
+            self.publisher.slot_bytes = layout.slot_bytes
+            self.producer.ring_ready(ring, layout)
+        log.info(
+            "loader %s: ring sized from its first batch: %d slots of %d bytes",
+            self.config.name,
+            ring.nslots,
+            layout.slot_bytes,
+        )
 
     def _start_producing(self) -> None:
         thread = threading.Thread(
@@ -319,10 +390,11 @@ class LoaderEngine:
                     rows = 0 if indices is None else len(indices)
                     seq = self.publisher.add(epoch, i, slot, rows, last)
                     self._cursor = (epoch, i + 1)
-                error = oversize(indices, self.layout.batch_size)
-                if error is not None:  # a batch_sampler's batch larger than the slots
-                    self._on_result(Result(seq, error=error))
-                    continue
+                if self.sizing is None and self.layout is not None:
+                    error = oversize(indices, self.layout.batch_size)
+                    if error is not None:  # a batch_sampler's batch larger than the slots
+                        self._on_result(Result(seq, error=error))
+                        continue
                 seed = None if fed is None else fed.base_seed(epoch)
                 self.producer.submit(Task(seq, epoch, i, slot, indices, seed))
             if fed is not None and not self._end_fed(gen, epoch):
@@ -350,6 +422,8 @@ class LoaderEngine:
     # -- publisher -----------------------------------------------------------------------
     def _on_result(self, result: Result) -> None:
         """A producer's result, from any thread, in any order: publish in sampler order."""
+        if result.proposal is not None and self.ring is None:
+            self._size_ring(result.proposal)
         with self._cond:
             ended = self.publisher.accept(result)
             if ended is not None and self._cursor[0] <= ended:
@@ -550,7 +624,7 @@ class LoaderEngine:
             refusal = self.producer.executor.live_refusal(old, new, self.iterable)
             if refusal is not None:
                 raise Conflict(refusal)
-            admit(new, ring_slots(new) * self.layout.slot_bytes, self._node_workers(new))
+            admit(new, ring_slots(new) * self.slot_bytes, self._node_workers(new))
             if self.resizer is not None:
                 self.resizer.retarget(ring_slots(new))
             self.slots.set_limit(prefetch_depth(new))
@@ -591,7 +665,12 @@ class LoaderEngine:
         """Ring memory this loader holds or is about to (the node budget's view of it)."""
         if self.resizer is not None:
             return self.resizer.reserved_bytes()
-        return ring_slots(self.config) * self.layout.slot_bytes
+        return ring_slots(self.config) * self.slot_bytes
+
+    @property
+    def slot_bytes(self) -> int:
+        """A slot's bytes; 0 while the ring is still to be sized from the first batches."""
+        return 0 if self.layout is None else self.layout.slot_bytes
 
     @property
     def node_workers(self) -> int:
@@ -713,9 +792,9 @@ class LoaderEngine:
                 "state": self.state,
                 "failure": self.failure.to_json() if self.failure else None,
                 "batches_per_epoch": self.batches_per_epoch,
-                "ring_bytes": ring.size if ring else self.nslots * self.layout.slot_bytes,
+                "ring_bytes": ring.size if ring else self.nslots * self.slot_bytes,
                 "ring_segments": len(ring.space.parts) if ring else 0,  # one tuple: no lock
-                "slot_bytes": self.layout.slot_bytes,
+                "slot_bytes": self.slot_bytes,
                 "slots": built(SlotCounts, counts),
                 "page_locked": bool(ring and ring.page_locked),
                 "consumer_attached": any(up for _, up, _ in raw),

@@ -25,8 +25,14 @@ class Session:
     caller whatever ends the session."""
 
     def __init__(
-        self, conn: socket.socket, engine: LoaderEngine, member: int, stop: threading.Event
+        self,
+        conn: socket.socket,
+        engine: LoaderEngine,
+        member: int,
+        stop: threading.Event,
+        has_ring: bool = True,
     ) -> None:
+        """``has_ring``: ATTACHED carried the ring (else a RING brings it, once sized)."""
         self.conn = conn
         self.engine = engine
         self.member = member
@@ -35,7 +41,7 @@ class Session:
         self.buf = bytearray(p.MAX_MESSAGE)
         self.view = memoryview(self.buf)
         self.dims: dict[int, bytes] = {}  # packed leaf dims by batch length
-        self.segments = {0}  # ring segments the trainer has (ATTACHED carried 0)
+        self.segments = {0} if has_ring else set()  # ring segments the trainer has
         self.generation = -1  # the ring's generation they are of
         self.poller = select.poll()
         self.poller.register(conn, select.POLLIN | select.POLLRDHUP)
@@ -124,12 +130,26 @@ class Session:
         if isinstance(item, BatchItem):
             self.leased.add(item.slot)
             body = item.strings
+            if item.own is not None:  # in a buffer of its own, which goes with it
+                head = p.BATCH_HEAD.pack(
+                    p.BATCH | (p.FLAG_LAYOUT | p.FLAG_OWN) << 8,
+                    item.slot,
+                    item.seq,
+                    item.epoch,
+                    item.index,
+                    len(body),
+                )
+                rights = (socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", item.own.fd))
+                self.conn.sendmsg([head, body], [rights])
+                return True
             kind, dims = p.BATCH | p.FLAG_LAYOUT << 8, b""
             if body[:1] != b"\0":  # else a layout of its own (BATCH_LAYOUT_HEAD's mark)
                 kind = p.BATCH
                 dims = self.dims.get(item.rows) or b""
                 if not dims:
-                    dims = self.dims[item.rows] = p.pack_dims(self.engine.layout, item.rows)
+                    layout = self.engine.layout
+                    assert layout is not None  # a batch in a slot: the ring is sized
+                    dims = self.dims[item.rows] = p.pack_dims(layout, item.rows)
             # BATCH, as p.batch_parts builds it, without the call on the per-batch path.
             head = p.BATCH_HEAD.pack(kind, item.slot, item.seq, item.epoch, item.index, len(body))
             self.conn.sendmsg([head, dims, body])
@@ -166,13 +186,19 @@ class Session:
         return True, then
 
     def announce_segments(self, ring: Ring) -> None:
-        """Tell the trainer of the ring's new segments (SEGMENT + memfd) and of the
-        closed ones (SEGMENT with 0 slots), before an item that may use them."""
+        """Tell the trainer of the ring's new segments (SEGMENT + memfd; the ring itself,
+        where ATTACHED did not carry it, as a RING with segment 0's) and of the closed
+        ones (SEGMENT with 0 slots), before an item that may use them."""
         with ring.lock:  # no segment closes while its fd is on the way
             now = {info.id: (info, fd) for info, fd in ring.segments()}
             for sid in sorted(set(now) - self.segments):
                 info, fd = now[sid]
-                body = p.SEGMENT_BODY.pack(p.SEGMENT, sid, info.first, info.nslots)
+                if sid == 0:
+                    layout = self.engine.layout
+                    assert layout is not None  # the ring is made with its layout
+                    body = p.RingInfo(info.nslots, ring.slot_bytes, layout).encode()
+                else:
+                    body = p.SEGMENT_BODY.pack(p.SEGMENT, sid, info.first, info.nslots)
                 rights = (socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))
                 self.conn.sendmsg([body], [rights])
             for sid in sorted(self.segments - set(now)):

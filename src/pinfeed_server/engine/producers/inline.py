@@ -30,12 +30,19 @@ from typing import Any
 from torch.utils.data._utils import worker as torch_worker
 
 from pinfeed.rng import RngState, capture, dump_state, load_state, restore
-from pinfeed_server.engine.collate import SlotWriter
+from pinfeed_server.engine.collate import Layout, SlotWriter
 from pinfeed_server.engine.fed_plan import FedPlan
 from pinfeed_server.engine.iterable import EndJudge, is_iterable, shard_env
-from pinfeed_server.engine.producers.base import ProducerContext, Result, Task, error_info
+from pinfeed_server.engine.producers.base import (
+    ProducerContext,
+    Result,
+    Task,
+    batch_result,
+    error_info,
+)
 from pinfeed_server.engine.producers.iterating import IterStreams, make_turn, write_samples
 from pinfeed_server.engine.producers.seeding import Streams, WorkerRngs, apply, history_of
+from pinfeed_server.engine.ring import Ring
 from pinfeed_server.malloc import keep_inline_batches, release_inline_batches
 
 
@@ -104,13 +111,14 @@ class InlineProducer:
     def __init__(self, ctx: ProducerContext) -> None:
         self._on_result = ctx.on_result
         self._ctx = ctx
-        self._generation = ctx.ring.generation
-        self._writer = SlotWriter(
-            ctx.dataset, ctx.layout, ctx.ring.space, ctx.ring.slot_bytes, ctx.code.collate_fn
-        )
+        self._ring = ctx.ring  # None until a loader sized from its first batches has it
+        self._layout = ctx.layout
+        self._generation = -1 if ctx.ring is None else ctx.ring.generation
+        self._writer = self._new_writer(ctx.dataset, ctx.code.collate_fn)
         self._busy_s = 0.0
         self._closed = False
-        keep_inline_batches(self, ctx.ring.slot_bytes)  # malloc.py says why
+        if ctx.ring is not None:
+            keep_inline_batches(self, ctx.ring.slot_bytes)  # malloc.py says why
         self._dataset = ctx.dataset
         self._fed_epoch = -1  # a trainer-fed iterable's epoch, and its iterator
         self._fed_iter: Iterator[Any] = iter(())
@@ -144,10 +152,22 @@ class InlineProducer:
                 copy.copy(ctx.dataset), ctx.streams, code.worker_init_fn, code.collate_fn
             )
 
+    def _new_writer(self, dataset: Any, collate_fn: Any) -> SlotWriter:
+        ring, ctx = self._ring, self._ctx
+        return SlotWriter(
+            dataset,
+            self._layout,
+            None if ring is None else ring.space,
+            0 if ring is None else ring.slot_bytes,
+            collate_fn,
+            own=ctx.own,
+            rows=ctx.plan.max_rows,
+        )
+
     def submit(self, task: Task) -> None:
         """Make the batch now, in the caller's thread, and report it before returning."""
         t0 = time.perf_counter()
-        if self._generation != self._ctx.ring.generation:
+        if self._ring is not None and self._generation != self._ring.generation:
             self.segments_changed()
         if self._iter is not None and isinstance(self._ctx.plan, FedPlan):
             result = self._on_trainer_rngs(self._ctx.plan, task, lambda: self._fed_turn(task))
@@ -262,8 +282,9 @@ class InlineProducer:
         return result
 
     def _make(self, seq: int, slot: int, indices: list[int]) -> Result:
+        writer = self._writer
         try:
-            return Result(seq, self._writer.write(slot, indices))
+            return batch_result(seq, writer.write(slot, indices), writer)
         except Exception as exc:
             return Result(seq, error=error_info(exc))
 
@@ -271,14 +292,19 @@ class InlineProducer:
         if num_workers != 0:
             raise ValueError("the in-server producer has no workers; the engine swaps it")
 
+    def ring_ready(self, ring: Ring, layout: Layout) -> None:
+        """The ring, sized from the first batches: the next batches go into its slots."""
+        self._ring, self._layout = ring, layout
+        keep_inline_batches(self, ring.slot_bytes)
+        self.segments_changed()
+
     def segments_changed(self) -> None:
         """A new writer: the old one's cached slot views may be of a closed segment."""
-        ctx = self._ctx
-        self._generation = ctx.ring.generation
+        assert self._ring is not None
+        self._generation = self._ring.generation
         old = self._writer
-        self._writer = SlotWriter(
-            old.dataset, ctx.layout, ctx.ring.space, ctx.ring.slot_bytes, old.collate_fn
-        )
+        self._writer = self._new_writer(old.dataset, old.collate_fn)
+        old.close()
 
     def busy_seconds(self) -> float:
         return self._busy_s

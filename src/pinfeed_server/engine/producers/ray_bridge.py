@@ -247,7 +247,7 @@ class Bridge:
                 if not self._poisoned(task.seq, task):
                     self.give(task)
             return
-        result = decode_result(encoded)
+        result, _ = decode_result(encoded)
         if data is not None:
             start = task.slot * self._slot_bytes
             self._space[start : start + data.nbytes].numpy()[:] = data  # the one host copy
