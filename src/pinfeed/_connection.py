@@ -220,6 +220,11 @@ class Connection:
         self._t.send(message)
         release.clear()
 
+    def send_objects(self, epoch: int, fds: list[int]) -> None:
+        """The objects from ``epoch`` on (an OBJECTS): the payload's memfd, then the
+        shared memory its objects map."""
+        self._t.send_fds(p.encode_objects(epoch), fds)
+
     def send_plain(self, message: bytes) -> None:
         """A message that hands nothing back (a FEED: the slots wait for the NEXT, SKIP
         or SEEK that follows it)."""

@@ -83,9 +83,9 @@ from pinfeed import rng
 from pinfeed._accelerate import PreparedAsIs
 from pinfeed._autostart import ensure_server
 from pinfeed._connection import Connection
-from pinfeed._shipping import ship
+from pinfeed._shipping import Shipper
 from pinfeed._transport import SocketTransport
-from pinfeed.errors import PinfeedError, ServerUnavailable, error_from_info
+from pinfeed.errors import InvalidRequest, PinfeedError, ServerUnavailable, error_from_info
 from pinfeed.unbatched import Unbatched
 
 _NEXT, _BATCH, _END, _ERROR = p.NEXT, p.BATCH, p.END, p.ERROR
@@ -301,20 +301,17 @@ class _Owned:
     ) -> None:
         dataset = loader.dataset
         iterable = isinstance(dataset, IterableDataset)
-        collate: Any = loader.collate_fn
-        if not loader._auto_collation:  # batch_size=None
-            collate = Unbatched(collate, by_list=not _one_index_a_batch(loader))
-        elif collate is torch.utils.data.default_collate:
-            collate = None  # the server writes default-collated batches itself
         self.one_index = _one_index_a_batch(loader)  # each index fed as a batch of one
-        self.payload = ship(
-            {
-                "dataset": dataset,
-                "collate_fn": collate,
-                "worker_init_fn": loader.worker_init_fn,
-            }
-        )
-        self._finalize = weakref.finalize(self, os.close, self.payload)
+        # The objects as shipped, and as they change (follow): the shipper holds the
+        # payloads a server needs for them (a reconnect sends them again, in order).
+        self.shipper = Shipper()
+        objects = _objects(loader)
+        collate = objects["collate_fn"]
+        first = self.shipper.ship(objects)
+        assert first is not None
+        self.payload = first
+        self._finalize = weakref.finalize(self, self.shipper.close)
+        self.cache = cache
         self.iterable = iterable
         self.num_workers = loader.num_workers
         # Index batches fed ahead with workers: DataLoader's num_workers * prefetch_factor;
@@ -379,25 +376,50 @@ class _Owned:
         )
         # A named loader's "equal configuration and objects": unnamed, nothing to compare.
         digest = "" if name is None else _digest(self.payload, request.encode())
-        message, fds = p.Create(**{**request.__dict__, "digest": digest}).encode(), (self.payload,)
+        message = p.Create(**{**request.__dict__, "digest": digest}).encode()
+        shipper = self.shipper
         ensure_server(socket)
         timeout = loader.timeout or None
         transport = SocketTransport(socket, timeout, name or "pinfeed.DataLoader")
-        # The CREATE (sent again by a reconnect) refers to nothing of this object's, so
-        # the connection, which the finalizer below holds, does not keep it alive.
+        # The CREATE (sent again by a reconnect, with the objects as last shipped in one
+        # payload) refers to nothing of this object's, so the connection, which the
+        # finalizer below holds, does not keep it alive.
         self.conn = Connection(
-            transport, name or "", None, device, copy, request=lambda: (message, fds)
+            transport,
+            name or "",
+            None,
+            device,
+            copy,
+            request=lambda: (message, (shipper.whole(), *shipper.shared)),
         )
         # The connection (and so the server's loader) goes with this object.
         self._closing = weakref.finalize(self, self.conn.close)
 
+    # -- the objects ----------------------------------------------------------------------
+    def follow(self, loader: DataLoader) -> int | None:
+        """The loader's objects as they are now, where they changed since last shipped:
+        the payload to send (the shipper owns it); None: unchanged."""
+        fd = self.shipper.ship(_objects(loader))
+        if fd is not None and self.cache not in (None, False):
+            raise InvalidRequest(
+                "pinfeed.DataLoader(cache=...): the dataset, collate_fn or worker_init_fn "
+                "changed since the loader was made (set_epoch, an attribute); a cached "
+                "loader serves its objects as shipped: keep what changes out of it, or "
+                "make a new loader"
+            )
+        return fd
+
     # -- an epoch -----------------------------------------------------------------------
-    def begin(self, base_seed: int) -> int:
-        """A new epoch of this loader (the last one, unfinished, is dropped first)."""
+    def begin(self, base_seed: int, objects: int | None = None) -> int:
+        """A new epoch of this loader (the last one, unfinished, is dropped first), with
+        the trainer's objects as they are now where they changed (``objects``: their
+        payload, ``follow``'s)."""
         conn = self.conn
         if self.in_epoch:
             self.skip()
         self.epoch += 1
+        if objects is not None:
+            conn.send_objects(self.epoch, [objects, *self.shipper.shared])
         conn.send_message(p.encode_epoch(self.epoch, base_seed))
         self.in_epoch, self.yielded, self.base_seed = True, 0, base_seed
         return self.epoch
@@ -542,6 +564,22 @@ class _Owned:
     def close(self) -> None:
         self._closing()
         self._finalize()
+
+
+def _objects(loader: DataLoader) -> dict[str, Any]:
+    """What DataLoader hands its workers (by fork), as the server gets it: the dataset,
+    the collate_fn (None: default_collate, which the server writes itself; without
+    automatic batching, ``Unbatched``) and the worker_init_fn, as they are now."""
+    collate: Any = loader.collate_fn
+    if not loader._auto_collation:  # batch_size=None
+        collate = Unbatched(collate, by_list=not _one_index_a_batch(loader))
+    elif collate is torch.utils.data.default_collate:
+        collate = None
+    return {
+        "dataset": loader.dataset,
+        "collate_fn": collate,
+        "worker_init_fn": loader.worker_init_fn,
+    }
 
 
 def _draws_nothing(loader: DataLoader, collate: Any) -> bool:
@@ -712,7 +750,10 @@ class _Iter(_BaseDataLoaderIter):
             _restore(loader, resume["start"])  # the sampler draws what it drew then
         owned.epoch_start = _taken(loader)
         super().__init__(loader)  # DataLoader's own: the base seed, the sampler's iterator
-        self._start(resume)
+        # DataLoader hands its (new) workers the objects as they are now, or, without
+        # workers, uses them as they are (persistent workers come here once: later
+        # epochs are _reset's, whose workers keep what they have).
+        self._start(resume, owned.follow(loader))
 
     def __next__(self) -> Any:
         if self._owned.iterable or torch._C._autograd._profiler_enabled():
@@ -725,7 +766,8 @@ class _Iter(_BaseDataLoaderIter):
         self._num_yielded += 1
         return data
 
-    def _start(self, resume: dict[str, Any] | None = None) -> None:
+    def _start(self, resume: dict[str, Any] | None = None, objects: int | None = None) -> None:
+        """The epoch begins (``objects``: the objects' payload, where they changed)."""
         owned = self._owned
         index = 0
         seed = int(self._base_seed)
@@ -734,7 +776,7 @@ class _Iter(_BaseDataLoaderIter):
             index = int(resume["index"])
             seed = int(resume.get("base_seed", seed))
             self._base_seed = seed
-        self._epoch = owned.begin(seed)
+        self._epoch = owned.begin(seed, objects)
         self._fed = 0
         self._indices: Iterator[Any] | None = None  # the sampler's, for _feed_chunk
         self._exhausted = False

@@ -31,6 +31,9 @@ class Transport(Protocol):
 
     def send(self, message: bytes) -> None: ...
 
+    def send_fds(self, message: bytes, fds: Sequence[int]) -> None:
+        """Send ``message`` with ``fds`` (SCM_RIGHTS): a pinfeed.DataLoader's OBJECTS."""
+
     def recv(self) -> int:
         """Wait, up to the loader's timeout, for one reply."""
 
@@ -88,8 +91,7 @@ class SocketTransport:
         self._readable.register(sock, select.POLLIN)
         try:
             if fds:
-                rights = (socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))
-                sock.sendmsg([request], [rights])
+                self.send_fds(request, fds)
             else:
                 self.send(request)
             self._wait()
@@ -106,6 +108,14 @@ class SocketTransport:
         assert self._sock is not None
         try:
             self._sock.send(message)
+        except OSError as exc:
+            raise lost(exc.strerror) from None
+
+    def send_fds(self, message: bytes, fds: Sequence[int]) -> None:
+        assert self._sock is not None
+        rights = (socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))
+        try:
+            self._sock.sendmsg([message], [rights])
         except OSError as exc:
             raise lost(exc.strerror) from None
 

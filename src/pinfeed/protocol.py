@@ -18,6 +18,8 @@ so the hot path neither pickles nor parses JSON::
                                                          (a ring sized after ATTACHED)
     CREATE  O  JSON Create + payload memfd   RNG      Y  RNG_HEAD + the trainer's RNG
     EPOCH   H  EPOCH_BODY (base seed)                    states, ahead of its BATCH
+    OBJECTS J  OBJECTS_BODY + payload memfd
+               (the objects changed)
     FEED    F  FEED_HEAD, int64 indices, RNG
                (FEED_NEXT: then a NEXT; FEED_AHEAD: no RNG yet, its FEED follows)
     FEEDS   M  FEEDS_HEAD, uint32 batch sizes, int64 indices (many FEEDs in one)
@@ -25,9 +27,11 @@ so the hot path neither pickles nor parses JSON::
     REPLAY  V  JSON Replay (a connection's   REPLAYED v  JSON Replayed + a one-slot ring
                first message)                            memfd, then its BATCH or ERROR
 
-CREATE, EPOCH, FEED, FEEDS and RNG are ``pinfeed.DataLoader``'s: the trainer ships its
-objects (``pinfeed.payload``) and gets a loader of its own (the reply is ATTACHED), then,
-per epoch, sends the base seed its iterator drew and the index batches its sampler made,
+CREATE, EPOCH, OBJECTS, FEED, FEEDS and RNG are ``pinfeed.DataLoader``'s: the trainer
+ships its objects (``pinfeed.payload``) and gets a loader of its own (the reply is
+ATTACHED), then, per epoch, sends its objects again where they changed (OBJECTS: the
+objects as DataLoader would hand them to that epoch's workers), the base seed its
+iterator drew and the index batches its sampler made,
 ahead of the batches it asks for, as DataLoader's iterator hands them to its workers
 (FEED, one a batch), or, where when the sampler is iterated cannot be seen (torch's own
 samplers), many at once (FEEDS).
@@ -58,13 +62,14 @@ PROTOCOL_VERSION = 10
 HTTP_CLIENT_HEADER = "x-pinfeed-client"
 
 ATTACH, NEXT, RELEASE, SKIP, SEEK, CUDA = map(ord, "ANRSKC")  # client -> server
-CREATE, EPOCH, FEED, FEEDS = map(ord, "OHFM")  # client -> server: pinfeed.DataLoader's
+CREATE, EPOCH, FEED, FEEDS, OBJECTS = map(ord, "OHFMJ")  # client -> server: pinfeed.DataLoader's
 RESUME, REPLAY = map(ord, "UV")  # client -> server: load_state_dict, Loader.replay
 ATTACHED, BATCH, END, POSITION, ERROR, SEGMENT, RNG, RING = map(ord, "aBEPXGYW")  # server -> client
 RESUMED, REPLAYED = map(ord, "uv")  # server -> client
 KIND_NAMES = {
     ATTACH: "ATTACH", NEXT: "NEXT", RELEASE: "RELEASE", SKIP: "SKIP", SEEK: "SEEK",
     CUDA: "CUDA", CREATE: "CREATE", EPOCH: "EPOCH", FEED: "FEED", FEEDS: "FEEDS",
+    OBJECTS: "OBJECTS",
     ATTACHED: "ATTACHED",
     BATCH: "BATCH", END: "END", POSITION: "POSITION", ERROR: "ERROR", SEGMENT: "SEGMENT",
     RNG: "RNG", RING: "RING", RESUME: "RESUME", RESUMED: "RESUMED", REPLAY: "REPLAY",
@@ -87,6 +92,9 @@ POSITION_BODY = struct.Struct("<B3xII")  # kind, epoch, index
 SEGMENT_BODY = struct.Struct("<B3xIII")  # kind, segment id, first slot, slots (0: closed)
 RELEASE_HEAD = struct.Struct("<BxH")  # kind, count
 EPOCH_BODY = struct.Struct("<B3xIq")  # kind, epoch, base seed
+# kind, the epoch from which the objects in the payload memfd that travels with it apply
+# (the memfd first, then the shared memory fds its objects map)
+OBJECTS_BODY = struct.Struct("<B3xI")
 # kind, flags, epoch, index, indices (FEED_END: the sampler ran out), RNG state bytes
 FEED_HEAD = struct.Struct("<BB2xIIII")
 FEED_END = 0xFFFFFFFF
@@ -334,6 +342,18 @@ def decode_epoch(data: Buffer) -> tuple[int, int]:
         raise ValueError("an EPOCH is kind, epoch, base seed")
     _, epoch, seed = EPOCH_BODY.unpack_from(data)
     return epoch, seed
+
+
+def encode_objects(epoch: int) -> bytes:
+    """An OBJECTS (its payload memfd travels with it): the objects from ``epoch`` on."""
+    return OBJECTS_BODY.pack(OBJECTS, epoch)
+
+
+def decode_objects(data: Buffer) -> int:
+    """The epoch an OBJECTS applies from."""
+    if len(data) != OBJECTS_BODY.size:
+        raise ValueError("an OBJECTS is kind, epoch (and its payload's memfd)")
+    return int(OBJECTS_BODY.unpack_from(data)[1])
 
 
 def encode_feed(epoch: int, index: int, indices: list[int] | None, rng: bytes = b"") -> bytes:

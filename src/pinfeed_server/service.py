@@ -29,6 +29,7 @@ import torch
 from pydantic import ValidationError
 
 from pinfeed import errors, payload, protocol
+from pinfeed.payload import Chain
 from pinfeed_server import cache
 from pinfeed_server.cache import CachedDataset, CacheSpec, NotCacheable
 from pinfeed_server.cache.region import Region
@@ -58,6 +59,7 @@ from pinfeed_server.engine.loader import LoaderEngine, Sizing
 from pinfeed_server.engine.prepare import ConfigError, prepare
 from pinfeed_server.engine.producers import Zygotes, configure_forkserver, executors
 from pinfeed_server.engine.producers.inline import GLOBAL_RNG
+from pinfeed_server.engine.producers.zygote import Zygote
 from pinfeed_server.engine.stats import StatsSnapshot
 from pinfeed_server.engine.status import LoaderStatus
 from pinfeed_server.malloc import return_big_buffers
@@ -124,7 +126,6 @@ class Owned:
 
     owner: Peer
     digest: str  # the trainer's config and payload: a later trainer must send the same
-    payload_fd: int  # the objects' memfd, kept for the loader's life (its zygote maps it)
     keep: bool
     created_at: float
     cache: str | None  # the key of the node cache its dataset reads through (cache=)
@@ -489,33 +490,40 @@ class Service:
             log.exception("loader %s: its elastic epoch could not be recorded", name)
 
     # -- loaders a trainer makes (pinfeed.DataLoader) ----------------------------------------
-    def create_owned(self, request: protocol.Create, payload_fd: int, peer: Peer) -> LoaderEngine:
-        """A loader of its own for the trainer at ``peer``, over the objects in its payload,
-        fed by its sampler (``engine/fed_plan.py``); a named one that exists with the same
-        config and payload is handed over, warm. Raises the pinfeed error that says why
-        not (the data plane sends it)."""
+    def create_owned(
+        self, request: protocol.Create, payload_fd: int, shared: list[int], peer: Peer
+    ) -> LoaderEngine:
+        """A loader of its own for the trainer at ``peer``, over the objects in its payload
+        (and the shared memory they map), fed by its sampler (``engine/fed_plan.py``); a
+        named one that exists with the same config and payload is handed over, warm.
+        Raises the pinfeed error that says why not (the data plane sends it). The fds
+        stay the caller's: the loader keeps duplicates."""
         with self._lock:
             if request.name is not None:
-                kept = self._reattach(request, peer)
+                kept = self._reattach(request, payload_fd, shared, peer)
                 if kept is not None:
                     return kept
             name = request.name or f"trainer-{peer.pid}-{next(self._owned_ids)}"
-            fd = os.dup(payload_fd)
+            chain = Chain()  # the payloads of its objects, as they change (OBJECTS)
+            chain.add(os.dup(payload_fd), [os.dup(fd) for fd in shared])
             try:
-                engine = self._start_owned(name, request, fd)
+                engine = self._start_owned(name, request, chain)
             except BaseException:
-                os.close(fd)
+                chain.close()
                 raise
             cache_key = ShippedCaches.key(request.cache_name, name) if request.cache else None
             self._owned[name] = Owned(
-                peer, request.digest, fd, request.name is not None, time.time(), cache_key
+                peer, request.digest, request.name is not None, time.time(), cache_key
             )
             log.info("loader %s made by the trainer pid %d (uid %d)", name, peer.pid, peer.uid)
             return engine
 
-    def _reattach(self, request: protocol.Create, peer: Peer) -> LoaderEngine | None:
-        """The named trainer-made loader ``request`` asks for, restarted for this trainer;
-        None if there is none of that name."""
+    def _reattach(
+        self, request: protocol.Create, fd: int, shared: list[int], peer: Peer
+    ) -> LoaderEngine | None:
+        """The named trainer-made loader ``request`` asks for, restarted for this trainer
+        with its objects (payload ``fd``, the ``shared`` memory they map); None if there
+        is none of that name."""
         name = request.name
         assert name is not None
         owned = self._owned.get(name)
@@ -538,24 +546,25 @@ class Service:
                 "pinfeed.DataLoader serves one trainer at a time"
             )
         engine = self._engine(name)
-        engine.restart_fed()
+        engine.restart_fed(os.dup(fd), [os.dup(f) for f in shared])
         owned.owner, owned.attached = peer, True
         return engine
 
-    def _start_owned(self, name: str, request: protocol.Create, fd: int) -> LoaderEngine:
-        """A trainer's loader over the objects in payload ``fd``. This process loads
-        them only where it runs them (no workers: it makes the batches, as DataLoader's
-        main process does) or checks them for the node's cache (``cache=``); with
-        workers they are loaded in the dataset's zygote and its workers alone."""
+    def _start_owned(self, name: str, request: protocol.Create, chain: Chain) -> LoaderEngine:
+        """A trainer's loader over the objects in payload ``chain`` (the loader owns it).
+        This process loads them only where it runs them (no workers: it makes the
+        batches, as DataLoader's main process does) or checks them for the node's cache
+        (``cache=``); with workers they are loaded in the dataset's zygote and its
+        workers alone."""
         objects = None
         if request.num_workers == 0 or request.cache:
             try:
                 with GLOBAL_RNG:  # the trainer's code runs here: not on a loader's RNGs
-                    objects = shipped.load(fd)
+                    objects = shipped.load(chain.fds, chain.shared)
             except DatasetError as exc:
                 raise errors.InvalidRequest(str(exc)) from None
         if not request.cache:
-            return self._start_shipped(name, request, fd, objects, None)
+            return self._start_shipped(name, request, chain, objects, None)
         assert objects is not None
         name_ok = request.cache_name is None or re.fullmatch(NAME_PATTERN, request.cache_name)
         if not name_ok:
@@ -571,7 +580,7 @@ class Service:
         except NotCacheable as exc:
             raise errors.InvalidRequest(str(exc)) from None
         try:
-            return self._start_shipped(name, request, fd, objects, region)
+            return self._start_shipped(name, request, chain, objects, region)
         except BaseException:
             self.shipped_caches.release(name)
             raise
@@ -580,7 +589,7 @@ class Service:
         self,
         name: str,
         request: protocol.Create,
-        fd: int,
+        chain: Chain,
         objects: shipped.Shipped | None,
         cache_region: Region | None,
     ) -> LoaderEngine:
@@ -645,15 +654,12 @@ class Service:
         def cap() -> int:  # a per-batch layout's slot: a share of what the node has free
             return max(0, self.settings.max_shm_bytes - self.shm_used()) // (4 * ring_slots(cfg))
 
-        zygote = functools.partial(
-            self.zygotes.get,
-            OWNED_ZYGOTE + name,
-            objects,
-            shipped.KIND.name,
-            params,
-            fd,
-            cache_region,
-        )
+        def zygote() -> Zygote:  # its objects as last shipped (a zygote started again)
+            payload = (chain.fds, chain.shared)
+            return self.zygotes.get(
+                OWNED_ZYGOTE + name, objects, shipped.KIND.name, params, payload, cache_region
+            )
+
         engine = LoaderEngine(
             cfg,
             dataset,
@@ -667,6 +673,7 @@ class Service:
             spawn=lambda: zygote().process_factory,
             sizing=Sizing(admit_ring, cap),
             iterable=request.iterable,
+            objects=chain,
         )
         self.loaders[name] = engine
         engine.start()
@@ -867,9 +874,9 @@ class Service:
                 self.registry.delete_loader(name)
             del self.loaders[name]
         engine.close()
-        if owned is not None:  # its objects: the zygote that holds them, their memfd
+        if owned is not None:  # its objects: the zygote that holds them (the engine
+            # closed their memfds), and the cache it read through
             self.zygotes.discard(OWNED_ZYGOTE + name)
-            os.close(owned.payload_fd)
             self.shipped_caches.release(name)  # a cache no other loader reads goes
             gone = _weak([engine, engine.dataset])
             del engine

@@ -121,6 +121,7 @@ ROUND_TRIPS: dict[int, tuple[bytes, Callable[[bytes], object]]] = {
         ),
     ),
     p.EPOCH: (p.encode_epoch(3, -7), lambda m: p.decode_epoch(m) == (3, -7)),
+    p.OBJECTS: (p.encode_objects(4), lambda m: p.decode_objects(m) == 4),
     p.FEED: (
         p.encode_feed(1, 5, [9, 2, 4], b"rng"),
         lambda m: p.decode_feed(m) == (1, 5, [9, 2, 4], b"rng", False, None),

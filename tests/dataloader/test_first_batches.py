@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import Dataset, IterableDataset, get_worker_info
 from torch.utils.data import DataLoader as TorchDataLoader
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 import pinfeed
 from tests.conftest import Server

@@ -82,7 +82,8 @@ class Peer:
 
 # A trainer's CREATE (its options, its payload's fd, who sent it): the service makes the
 # loader of its own or raises the pinfeed error that says why not (``service.py``).
-Create = Callable[[p.Create, int, Peer], LoaderEngine]
+# a trainer's CREATE, its payload's fd, the shared memory fds its objects map, the peer
+Create = Callable[[p.Create, int, list[int], Peer], LoaderEngine]
 # The connection that owned loader ``name`` ended (its trainer left, however it left).
 OwnerGone = Callable[[str], None]
 
@@ -387,8 +388,8 @@ class DataPlaneServer:
             raise ProtocolError(f"a malformed CREATE: {exc}") from None
         try:
             self._check_version(request.version)
-            if len(fds) != 1:
-                raise ProtocolError(f"a CREATE brings one payload fd, not {len(fds)}")
+            if not fds:
+                raise ProtocolError("a CREATE brings its payload's fd")
             if self._create is None:
                 raise InvalidRequest(
                     "this pinfeed server does not accept a trainer's objects "
@@ -402,7 +403,7 @@ class DataPlaneServer:
                     "its code in the server. Run the trainer as that user, or start a "
                     "server of your own (pinfeed serve)"
                 )
-            return self._create(request, fds[0], peer)
+            return self._create(request, fds[0], fds[1:], peer)
         finally:
             for fd in fds:
                 os.close(fd)  # the service dup()s what it keeps

@@ -17,6 +17,7 @@ restart.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -35,6 +36,7 @@ from pinfeed.errors import (
     PinfeedError,
     ServerUnavailable,
 )
+from pinfeed.payload import Chain
 from pinfeed.protocol import ErrorInfo, align
 from pinfeed_server.datasets import DatasetContext, Kind
 from pinfeed_server.engine.autotune import Sample, Tuner
@@ -116,6 +118,7 @@ class LoaderEngine:
         *,
         sizing: Sizing | None = None,
         iterable: bool | None = None,
+        objects: Chain | None = None,
     ) -> None:
         """``plan``: the batch plan the ring was sized with (``prepare.py``: a custom
         sampler's first epoch is iterated once, at creation); ``code``: its collate_fn
@@ -124,13 +127,16 @@ class LoaderEngine:
         a server restart); ``keep``: where a new one is recorded. ``layout`` None: the
         ring is sized from the first batches (``sizing``). ``dataset`` may be None where
         this process must not hold the trainer's objects (they run only in its workers):
-        then ``iterable`` says what it is."""
+        then ``iterable`` says what it is. ``objects``: a trainer's loader's, the payloads
+        its objects need (the engine owns them), as they change (``objects_changed``)."""
         if (layout is None) != (sizing is not None):
             raise ValueError("a loader without a layout is sized from its first batches")
         self.config = config
         self.dataset = dataset
         self.layout = layout
         self.sizing = sizing
+        self.objects = objects
+        self._objects_from: int | None = None  # the epoch the trainer's last OBJECTS applies from
         self.sampler = plan
         self.iterable = is_iterable(dataset) if iterable is None else iterable
         self.batches_per_epoch = plan_len(plan)  # DataLoader's len(), or None
@@ -213,7 +219,30 @@ class LoaderEngine:
             self._recovered,
             iterable=self.iterable,
             own=self.sizing is not None,
+            objects=self._current_objects(),
         )
+
+    def _current_objects(self) -> tuple[int, list[int], list[int]] | None:
+        """A trainer's objects where they changed since the loader was made: the epoch
+        they apply from, their payloads and the shared memory they map (what a new
+        producer starts with)."""
+        if self.objects is None or self._objects_from is None:
+            return None
+        return self._objects_from, self.objects.fds, self.objects.shared
+
+    def objects_changed(self, epoch: int, fd: int, shared: list[int]) -> None:
+        """A pinfeed.DataLoader's objects as its trainer has them at ``epoch``'s start
+        (an OBJECTS: they changed; payload memfd ``fd`` and the ``shared`` memory they
+        map, which the engine owns from now): the batches of that epoch on are made with
+        them, as DataLoader hands its workers the objects as they are at ``iter()``."""
+        if self.objects is None:
+            for f in (fd, *shared):
+                os.close(f)
+            raise ValueError(f"loader {self.config.name!r} has no trainer's objects")
+        with self._reconfigure:  # not while a producer is swapped for another
+            self.objects.add(fd, shared)
+            self._objects_from = epoch
+            self.producer.objects(epoch, self.objects.fds, self.objects.shared)
 
     @staticmethod
     def _tuner_for(config: LoaderConfig) -> Tuner | None:
@@ -354,6 +383,8 @@ class LoaderEngine:
         self.producer.close()
         if self.ring is not None:
             self.ring.close()
+        if self.objects is not None:
+            self.objects.close()
         with self._cond:
             self.state = "closed"
             self._cond.notify_all()
@@ -595,12 +626,19 @@ class LoaderEngine:
         else:
             plan.feed(epoch, index, indices, rng, ahead=ahead)
 
-    def restart_fed(self) -> None:
+    def restart_fed(self, fd: int, shared: list[int]) -> None:
         """A new trainer takes over a named trainer-fed loader: its epochs start afresh,
         on fresh worker streams (its producer restarted from the dataset's zygote, which
-        stays warm), as a new DataLoader's would."""
+        stays warm), as a new DataLoader's would, with its objects (payload ``fd``, equal
+        to the loader's first, and the ``shared`` memory they map: the engine owns them)."""
         plan = self._fed()
         with self._reconfigure:
+            if self.objects is not None:
+                self.objects.add(fd, shared)
+                self._objects_from = 0
+            else:
+                for f in (fd, *shared):
+                    os.close(f)
             self.producer.restart()
             with self._cond:
                 plan.reset()

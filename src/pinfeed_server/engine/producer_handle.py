@@ -86,6 +86,10 @@ class ProducerHandle:
         if self._producer is not None:
             self._producer.ring_ready(ring, layout)
 
+    def objects(self, epoch: int, fds: list[int], shared: list[int]) -> None:
+        if self._producer is not None:
+            self._producer.objects(epoch, fds, shared)
+
     def segments_changed(self) -> None:
         if self._producer is not None:
             self._producer.segments_changed()

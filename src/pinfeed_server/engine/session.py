@@ -5,18 +5,21 @@ accepts and attaches it): NEXT -> BATCH | END | ERROR, RELEASE, SKIP, SEEK and R
 
 from __future__ import annotations
 
+import os
 import select
 import socket
 import struct
 import threading
 
 from pinfeed import protocol as p
-from pinfeed.errors import DataPlaneError, ProtocolError
+from pinfeed.errors import DataPlaneError, InvalidRequest, ProtocolError
+from pinfeed_server.datasets import DatasetError
 from pinfeed_server.engine.consumers import BatchItem, EndItem, ErrorItem, Item
 from pinfeed_server.engine.loader import LoaderEngine
 from pinfeed_server.engine.ring import Ring
 
-_FED = (p.EPOCH, p.FEED, p.FEEDS)  # a pinfeed.DataLoader's epoch and its index batches
+# a pinfeed.DataLoader's objects, epoch and index batches
+_FED = (p.EPOCH, p.FEED, p.FEEDS, p.OBJECTS)
 
 
 class Session:
@@ -45,14 +48,15 @@ class Session:
         self.generation = -1  # the ring's generation they are of
         self.poller = select.poll()
         self.poller.register(conn, select.POLLIN | select.POLLRDHUP)
+        self.fds: list[int] = []  # what the last message brought (an OBJECTS' payload)
 
-    def error(self, exc: DataPlaneError) -> None:
+    def error(self, exc: DataPlaneError | InvalidRequest) -> None:
         self.conn.send(exc.info().encode())
 
     def run(self) -> None:
         self.conn.settimeout(None)
         while not self.stop.is_set():
-            n = self.conn.recv_into(self.buf)
+            n = self.recv()
             if n == 0:
                 return  # the trainer closed (or died)
             kind = self.buf[0]
@@ -162,12 +166,36 @@ class Session:
                 return False
         return True
 
+    def recv(self) -> int:
+        """The next message into ``buf``: its length (0: the peer closed). The fds that
+        came with it are kept for an OBJECTS (``fds``); with any other message they are
+        closed: only an OBJECTS brings one."""
+        for fd in self.fds:
+            os.close(fd)
+        n, self.fds = p.recv_message(self.conn, self.buf)
+        if self.fds and self.buf[0] != p.OBJECTS:
+            for fd in self.fds:
+                os.close(fd)
+            self.fds = []
+        return n
+
     def feed(self, kind: int, message: memoryview) -> tuple[bool, memoryview | None]:
-        """A ``pinfeed.DataLoader``'s EPOCH (the base seed its iterator drew), FEED (an
-        index batch its sampler made, and maybe the NEXT after it) or FEEDS (several, and
-        maybe the sampler's end); (False, None), after a ProtocolError, if it makes no
-        sense, else (True, the NEXT or None)."""
+        """A ``pinfeed.DataLoader``'s OBJECTS (its objects, which changed), EPOCH (the base
+        seed its iterator drew), FEED (an index batch its sampler made, and maybe the
+        NEXT after it) or FEEDS (several, and maybe the sampler's end); (False, None),
+        after a ProtocolError, if it makes no sense, else (True, the NEXT or None)."""
         try:
+            if kind == p.OBJECTS:
+                epoch = p.decode_objects(message)
+                if not self.fds:
+                    raise ValueError("an OBJECTS brings its payload's memfd")
+                fds, self.fds = self.fds, []
+                try:
+                    self.engine.objects_changed(epoch, fds[0], fds[1:])
+                except DatasetError as exc:  # they cannot be loaded here (without workers)
+                    self.error(InvalidRequest(str(exc)))
+                    return False, None
+                return True, None
             if kind == p.EPOCH:
                 self.engine.begin_fed_epoch(*p.decode_epoch(message))
                 return True, None
@@ -225,7 +253,7 @@ class Session:
                 return item
             if not self.poller.poll(0):
                 continue
-            n = self.conn.recv_into(self.buf)
+            n = self.recv()
             if n == 0:
                 return None
             kind = self.buf[0]

@@ -13,6 +13,10 @@ ready again and production goes on where it stopped: a remote backend that came 
     resize(n)           change the number of processes live, losing no task
     ring_ready(r, l)    a loader sized from its first batches (``ctx.ring`` None; their
                         results propose a layout) has its ring ``r`` of layout ``l``
+    objects(e, fds, s)  a pinfeed.DataLoader's objects changed: from epoch ``e`` on, its
+                        batches are made with the objects of payloads ``fds`` (a chain:
+                        ``pinfeed.payload``) and shared memory ``s``, as DataLoader's
+                        workers get them then
     segments_changed()  the ring lost a segment: unmap it (added ones are mapped lazily,
                         before the first task into them: ``ctx.ring.generation``)
     busy_seconds()      time spent making batches (worker_busy_share)
@@ -149,6 +153,9 @@ class ProducerContext:
     # DataLoader's rule on sizes (a pinfeed.DataLoader's loader): a batch larger than the
     # slots, or made before the ring is sized, goes into a buffer of its own
     own: bool = False
+    # A pinfeed.DataLoader's objects where they changed since the loader was made: the
+    # epoch they apply from, their payloads and the shared memory they map; None: as made
+    objects: tuple[int, list[int], list[int]] | None = None
 
     @property
     def draws_rng(self) -> bool:
@@ -180,6 +187,8 @@ class Producer(Protocol):
     def resize(self, num_workers: int) -> None: ...
 
     def ring_ready(self, ring: Ring, layout: Layout) -> None: ...
+
+    def objects(self, epoch: int, fds: list[int], shared: list[int]) -> None: ...
 
     def segments_changed(self) -> None: ...
 

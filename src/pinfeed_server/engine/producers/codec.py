@@ -11,6 +11,8 @@ per batch; the rare ones (a reseed, an RNG snapshot) are pickled.
     D  DROP     a ring segment to unmap
     W  RING     the ring of a loader sized from its first batches: its layout (JSON),
                 segment 0's fd follows
+    J  OBJECTS  a trainer's objects from an epoch on: the epoch, the number of
+                payloads (a chain) and of shared memory fds, which follow, in order
     N  RESIZE   actors to run (bridge)
     (empty)     STOP: exit
 
@@ -35,7 +37,7 @@ from pinfeed.protocol import ErrorInfo, Layout
 from pinfeed_server.engine.producers.base import Result, Task
 
 TASK_TAG, RESEED_TAG, SEGMENT_TAG, DROP_TAG, RESIZE_TAG = b"T", b"R", b"G", b"D", b"N"
-RING_TAG = b"W"
+RING_TAG, OBJECTS_TAG = b"W", b"J"
 RESULT_TAG, SNAPSHOT_TAG, RESTART_TAG, FATAL_TAG = b"r", b"s", b"x", b"F"
 STOP = b""
 STARTUP_SEQ = -1
@@ -107,6 +109,20 @@ def decode_result(buf: bytes) -> tuple[Result, bool]:
         proposal = Layout.from_json(json.loads(payload[start : start + size]))
         payload = payload[start + size :]
     return Result(seq, payload, rows=n, proposal=proposal), bool(flags & OWN)
+
+
+_OBJECTS = struct.Struct("<qII")  # epoch, payloads, shared memory fds
+
+
+def encode_objects(epoch: int, payloads: int, shared: int) -> bytes:
+    """An OBJECTS: the epoch the objects apply from, and how many payload fds and shared
+    memory fds follow."""
+    return OBJECTS_TAG + _OBJECTS.pack(epoch, payloads, shared)
+
+
+def decode_objects(message: bytes) -> tuple[int, int, int]:
+    epoch, payloads, shared = _OBJECTS.unpack(message[1:])
+    return int(epoch), int(payloads), int(shared)
 
 
 def encode_ring(layout: Layout, nslots: int) -> bytes:

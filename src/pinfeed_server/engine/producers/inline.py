@@ -30,6 +30,8 @@ from typing import Any
 from torch.utils.data._utils import worker as torch_worker
 
 from pinfeed.rng import RngState, capture, dump_state, load_state, restore
+from pinfeed_server.datasets import shipped
+from pinfeed_server.datasets.shipped import Shipped
 from pinfeed_server.engine.collate import Layout, SlotWriter
 from pinfeed_server.engine.fed_plan import FedPlan
 from pinfeed_server.engine.iterable import EndJudge, is_iterable, shard_env
@@ -114,26 +116,37 @@ class InlineProducer:
         self._ring = ctx.ring  # None until a loader sized from its first batches has it
         self._layout = ctx.layout
         self._generation = -1 if ctx.ring is None else ctx.ring.generation
-        self._writer = self._new_writer(ctx.dataset, ctx.code.collate_fn)
         self._busy_s = 0.0
         self._closed = False
         if ctx.ring is not None:
             keep_inline_batches(self, ctx.ring.slot_bytes)  # malloc.py says why
-        self._dataset = ctx.dataset
-        self._fed_epoch = -1  # a trainer-fed iterable's epoch, and its iterator
-        self._fed_iter: Iterator[Any] = iter(())
         # The loader's RNG states between its batches, while the globals hold another's.
         self._rng: RngState | None = None
         # A trainer-fed loader's last batch made on the trainer's states: (epoch, index,
         # the states after it), the states a batch fed ahead of its own is made on.
         self._after: tuple[int, int, bytes] | None = None
         self._config = ctx.config
+        # A trainer's objects from an epoch on, loaded, till that epoch's first batch.
+        self._pending: tuple[int, Shipped] | None = None
+        if ctx.objects is not None:  # as the trainer last sent them (a swap, a restart)
+            held = _load(ctx.objects[1], ctx.objects[2])
+            self._use(held.dataset, held.collate_fn, held.worker_init_fn)
+        else:
+            self._use(ctx.dataset, ctx.code.collate_fn, ctx.code.worker_init_fn)
+
+    def _use(self, dataset: Any, collate_fn: Any, worker_init_fn: Any) -> None:
+        """Make the loader's batches with these objects (a trainer's, as they changed)."""
+        ctx = self._ctx
+        self._dataset, self._collate = dataset, collate_fn
+        self._writer = self._new_writer(dataset, collate_fn)
+        self._fed_epoch = -1  # a trainer-fed iterable's epoch, and its iterator
+        self._fed_iter: Iterator[Any] = iter(())
         # Created with workers: their streams, served here (see the module docstring).
         self._workers: WorkerRngs | None = None
-        if is_iterable(ctx.dataset):
+        if ctx.iterable or is_iterable(dataset):
             # An iterable: one stream, its own RNGs (iterating.py); no index plan.
             self._iter: IterStreams | None = IterStreams(
-                ctx.dataset, ctx.config, ctx.streams, worker=False
+                dataset, ctx.config, ctx.streams, worker=False
             )
             self._judge = EndJudge(1)
             return
@@ -141,16 +154,16 @@ class InlineProducer:
         self.streams = Streams(
             ctx.config,
             ctx.streams,
-            history_of(
-                ctx.config, ctx.streams, ctx.plan, ctx.dataset, ctx.datasets.allowed_plugins
-            ),
+            history_of(ctx.config, ctx.streams, ctx.plan, dataset, ctx.datasets.allowed_plugins),
             replay=ctx.draws_rng,
         )
         if self.streams.replay and ctx.streams > 0:
-            code = ctx.code
-            self._workers = WorkerRngs(
-                copy.copy(ctx.dataset), ctx.streams, code.worker_init_fn, code.collate_fn
-            )
+            self._workers = WorkerRngs(copy.copy(dataset), ctx.streams, worker_init_fn, collate_fn)
+
+    def objects(self, epoch: int, fds: list[int], shared: list[int]) -> None:
+        """A pinfeed.DataLoader's objects as its trainer sent them (they changed): loaded
+        now, and used from the first batch of ``epoch`` on."""
+        self._pending = (epoch, _load(fds, shared))
 
     def _new_writer(self, dataset: Any, collate_fn: Any) -> SlotWriter:
         ring, ctx = self._ring, self._ctx
@@ -167,6 +180,11 @@ class InlineProducer:
     def submit(self, task: Task) -> None:
         """Make the batch now, in the caller's thread, and report it before returning."""
         t0 = time.perf_counter()
+        pending = self._pending
+        if pending is not None and task.epoch >= pending[0]:
+            self._pending = None
+            held = pending[1]
+            self._use(held.dataset, held.collate_fn, held.worker_init_fn)
         if self._ring is not None and self._generation != self._ring.generation:
             self.segments_changed()
         if self._iter is not None and isinstance(self._ctx.plan, FedPlan):
@@ -194,7 +212,7 @@ class InlineProducer:
         with GLOBAL_RNG.lent_to(self) as held:
             reseed = self.streams.prepare(task.epoch, task.index, task.seq)
             if reseed is not None:
-                apply(reseed, self._dataset, worker=False, collate_fn=self._ctx.code.collate_fn)
+                apply(reseed, self._dataset, worker=False, collate_fn=self._collate)
             elif not held and self._rng is not None:
                 restore(self._rng)
             return self._make(task.seq, task.slot, indices)
@@ -314,6 +332,13 @@ class InlineProducer:
             self._closed = True
             self._writer.close()
             release_inline_batches(self)
+
+
+def _load(fds: list[int], shared: list[int]) -> Shipped:
+    """A trainer's objects from their payloads, loaded here, its code on the server's own
+    RNG states (a DatasetError, as a loader's failure, where they cannot be)."""
+    with GLOBAL_RNG:
+        return shipped.load(fds, shared)
 
 
 def _attempt(task: Task, make: Callable[[], Result]) -> Result:

@@ -35,6 +35,7 @@ from pinfeed_server.engine.producers.codec import (
     TASK_TAG,
     decode_pickled,
     decode_result,
+    encode_objects,
     encode_pickled,
     encode_ring,
     encode_task,
@@ -78,6 +79,10 @@ class WorkerPool:
         )
         # None until a loader sized from its first batches has them (ring_ready)
         self._ring, self._layout = ctx.ring, ctx.layout
+        # A trainer's objects as last sent (the epoch they apply from, their payloads),
+        # and how many times they were: a worker behind gets them before its next task.
+        self._objects = ctx.objects
+        self._objects_sent = 0 if ctx.objects is None else 1
         # Without global RNG draws (built-in kinds) the streams do not matter: batches
         # go round-robin over the processes there are, whatever the loader started with.
         # An iterable's turn belongs to its worker's stream.
@@ -176,10 +181,31 @@ class WorkerPool:
             with w.send_lock:
                 self._sync(w)
 
+    def objects(self, epoch: int, fds: list[int], shared: list[int]) -> None:
+        """A pinfeed.DataLoader's objects changed: every worker gets them now (OBJECTS,
+        their payloads' and shared memory's fds), and uses them from ``epoch``'s first
+        batch on."""
+        with self._lock:
+            self._objects = (epoch, fds, shared)
+            self._objects_sent += 1
+            everyone = self._workers + self._retiring
+        for w in everyone:
+            with w.send_lock:
+                self._sync(w)
+
     def _sync(self, worker: Worker) -> None:
-        """Map the ring's new segments in ``worker`` and unmap its closed ones (first the
-        ring itself, where the worker has none yet: a RING and segment 0's fd); under
-        the worker's send lock, before a task that may use them."""
+        """Send ``worker`` the trainer's objects where they changed, map the ring's new
+        segments in it and unmap its closed ones (first the ring itself, where the
+        worker has none yet: a RING and segment 0's fd); under the worker's send lock,
+        before a task that may use them."""
+        objects = self._objects
+        if objects is not None and worker.objects != self._objects_sent:
+            epoch, fds, shared = objects
+            with contextlib.suppress(OSError):  # a dead one: its reaper's
+                worker.conn.send_bytes(encode_objects(epoch, len(fds), len(shared)))
+                for fd in (*fds, *shared):
+                    reduction.send_handle(worker.conn, fd, worker.process.pid)
+            worker.objects = self._objects_sent
         ring = self._ring
         if ring is None or worker.generation == ring.generation:
             return

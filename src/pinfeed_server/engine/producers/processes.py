@@ -37,6 +37,7 @@ class Worker:
     started: dict[int, float] = field(default_factory=dict)
     segments: set[int] = field(default_factory=lambda: {0})  # ring segments it has mapped
     generation: int = -1  # the ring's generation it last synced with
+    objects: int = 0  # the trainer's objects it has (the pool's count of OBJECTS sent)
 
 
 def start_workers(

@@ -219,6 +219,9 @@ class RayProducer:
     def ring_ready(self, ring: Ring, layout: Layout) -> None:
         raise RuntimeError("executor 'ray' serves no loader sized from its first batches")
 
+    def objects(self, epoch: int, fds: list[int], shared: list[int]) -> None:
+        raise RuntimeError("executor 'ray' serves no trainer's objects")
+
     def segments_changed(self) -> None:
         """The ring closed a segment: the bridge unmaps it now (not at its next task)."""
         with self._lock:

@@ -50,6 +50,7 @@ class Reseed:
     base_seed: int
     replay: list[list[int]] = field(default_factory=list)
     state: bytes | None = None  # a snapshot to restore (``dump_state``) before the replay
+    epoch: int = 0  # of the batch it is for (a trainer's objects of that epoch are used)
 
 
 class BaseSeeds:
@@ -248,7 +249,7 @@ class Streams:
             # Made from the plan before its latest change, its batch is dropped: any seed
             # does, and the worker's next task is reseeded.
             self._next.pop(w, None)
-            return Reseed(w, self.count, self.base_seed(epoch))
+            return Reseed(w, self.count, self.base_seed(epoch), epoch=epoch)
         reseed = None if self._next.get(w) == (epoch, index) else self._reseed(w, epoch, index)
         after = self._after(w, epoch, index)
         if after is None:
@@ -282,7 +283,7 @@ class Streams:
                 state = kept[start]
         replay = self._between(w, start, (epoch, index)) if self.replay else []
         self.replayed += len(replay)
-        return Reseed(w, self.count, self.base_seed(epoch), replay, state)
+        return Reseed(w, self.count, self.base_seed(epoch), replay, state, epoch)
 
     def _between(self, w: int, start: tuple[int, int], stop: tuple[int, int]) -> list[list[int]]:
         """Worker ``w``'s index batches from ``start`` (included) to ``stop`` (not)."""

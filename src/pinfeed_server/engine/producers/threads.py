@@ -144,6 +144,9 @@ class ThreadPool:
     def ring_ready(self, ring: Ring, layout: Layout) -> None:
         raise RuntimeError("executor 'thread' serves no loader sized from its first batches")
 
+    def objects(self, epoch: int, fds: list[int], shared: list[int]) -> None:
+        raise RuntimeError("executor 'thread' serves no trainer's objects")
+
     def segments_changed(self) -> None:
         pass  # each thread renews its views before its next task (ring.generation)
 

@@ -27,9 +27,11 @@ from typing import Any
 import numpy.random  # noqa: F401
 import torch
 
+from pinfeed.errors import LoaderFailed
+from pinfeed.protocol import ErrorInfo
 from pinfeed.rng import dump_state
 from pinfeed.transformed import Transformed
-from pinfeed_server.datasets import DatasetContext
+from pinfeed_server.datasets import DatasetContext, shipped
 from pinfeed_server.datasets.shipped import Shipped
 from pinfeed_server.engine.collate import Layout, SlotWriter
 from pinfeed_server.engine.config import LoaderCode, LoaderConfig
@@ -43,6 +45,7 @@ from pinfeed_server.engine.producers.base import (
 )
 from pinfeed_server.engine.producers.codec import (
     DROP_TAG,
+    OBJECTS_TAG,
     RESEED_TAG,
     RESULT_TAG,
     RING_TAG,
@@ -50,6 +53,7 @@ from pinfeed_server.engine.producers.codec import (
     SNAPSHOT_TAG,
     STARTUP_SEQ,
     STOP,
+    decode_objects,
     decode_pickled,
     decode_ring,
     decode_segment,
@@ -138,6 +142,17 @@ class BatchMaker:
         self._spec, self._slots = spec, slots
         self._layout = None if spec.layout is None else Layout.from_json(spec.layout)
         self._slot_bytes = spec.slot_bytes
+        self._use(dataset, collate, init_fn)
+        self._failed: Exception | None = None  # the last reseed's error, until the next one
+        # A trainer's objects from an epoch on (or why they could not be loaded here),
+        # till a reseed or batch of that epoch; and objects that could not be loaded.
+        self._pending: tuple[int, Shipped | Exception] | None = None
+        self._unloaded: Exception | None = None
+
+    def _use(self, dataset: Any, collate: Any, init_fn: Any) -> None:
+        """Make batches with these objects (a trainer's, as they changed: a worker's new
+        start, as DataLoader's new worker processes each epoch)."""
+        spec = self._spec
         self.writer = self._writer(dataset, collate)
         self._rngs = WorkerRngs(dataset, spec.streams, init_fn, collate)
         self._turns = (
@@ -145,9 +160,27 @@ class BatchMaker:
             if spec.iterable is None
             else IterStreams(dataset, spec.iterable, spec.streams, init_fn, worker=True)
         )
-        self._failed: Exception | None = None  # the last reseed's error, until the next one
+
+    def objects(self, epoch: int, held: Shipped | Exception) -> None:
+        """A trainer's objects, used from ``epoch``'s first reseed or batch on (an
+        Exception: they could not be loaded here; that epoch's batches fail with it)."""
+        self._pending = (epoch, held)
+
+    def _catch_up(self, epoch: int) -> None:
+        pending = self._pending
+        if pending is None or epoch < pending[0]:
+            return
+        self._pending = None
+        held = pending[1]
+        if isinstance(held, Exception):
+            self._unloaded = held
+            return
+        self._unloaded = None
+        self.writer.close()
+        self._use(held.dataset, held.collate_fn, held.worker_init_fn)
 
     def reseed(self, reseed: Reseed) -> None:
+        self._catch_up(reseed.epoch)
         # Seeding (and worker_init_fn) failing fails the batch it is for.
         try:
             self._rngs.reseed(reseed)
@@ -158,6 +191,9 @@ class BatchMaker:
     def make(self, task: Task) -> tuple[Result, bool]:
         """Make ``task``'s batch into its slot: the result, and whether the global RNGs
         are now that batch's stream's (then a snapshot of them means something)."""
+        self._catch_up(task.epoch)
+        if self._unloaded is not None:
+            return Result(task.seq, error=_unloaded(self._unloaded)), False
         if self._turns is not None:
             return make_turn(self._turns, self.writer, task), False
         assert task.indices is not None
@@ -240,6 +276,9 @@ def worker_main(worker_id: int, conn: Connection, spec: WorkerSpec) -> None:
             maker.reseed(decode_pickled(message))
             cadence.reset()
             continue
+        if message[:1] == OBJECTS_TAG:
+            maker.objects(*receive_objects(message, conn))
+            continue
         task = decode_task(message[1:])
         t0 = time.perf_counter()
         result, seeded = maker.make(task)
@@ -256,6 +295,25 @@ def worker_main(worker_id: int, conn: Connection, spec: WorkerSpec) -> None:
     for m in maps.values():
         with contextlib.suppress(BufferError):
             m.close()
+
+
+def receive_objects(message: bytes, conn: Connection) -> tuple[int, Shipped | Exception]:
+    """A trainer's objects (OBJECTS: their payloads' fds follow on the pipe), loaded here:
+    the epoch they apply from, and them (or why they cannot be loaded)."""
+    epoch, payloads, shared = decode_objects(message)
+    fds = [reduction.recv_handle(conn) for _ in range(payloads + shared)]
+    try:
+        return epoch, shipped.load(fds[:payloads], fds[payloads:])
+    except Exception as exc:
+        return epoch, exc
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _unloaded(exc: Exception) -> ErrorInfo:
+    """A batch's error where the trainer's objects could not be loaded in its worker."""
+    return LoaderFailed(f"the trainer's objects could not be loaded in a worker: {exc}").info()
 
 
 def map_segment0(
