@@ -18,6 +18,7 @@ import socket
 import stat
 import struct
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,6 +110,7 @@ class DataPlaneServer:
         self._sock: socket.socket | None = None
         self._threads: set[threading.Thread] = set()
         self._conns: set[socket.socket] = set()
+        self._idle_since = time.monotonic()  # when the last connection closed
         self._lock = threading.Lock()
 
     def start(self) -> None:
@@ -128,6 +130,7 @@ class DataPlaneServer:
         sock.settimeout(0.2)
         self._sock = sock
         t = threading.Thread(target=self._accept_loop, name="pinfeed-dataplane", daemon=True)
+        self._idle_since = time.monotonic()
         t.start()
         self._accept_thread = t
 
@@ -158,11 +161,11 @@ class DataPlaneServer:
         elif stat.S_IMODE(st.st_mode) & 0o077:
             os.chmod(run_dir, 0o700)
 
-    @property
-    def connections(self) -> int:
-        """Trainers connected now."""
+    def idle_s(self) -> float | None:
+        """Seconds since the last trainer's connection closed (or since the start, if
+        none came); None while one is connected."""
         with self._lock:
-            return len(self._conns)
+            return None if self._conns else time.monotonic() - self._idle_since
 
     def close(self) -> None:
         self._stop.set()
@@ -242,6 +245,8 @@ class DataPlaneServer:
             with self._lock:
                 self._conns.discard(conn)
                 self._threads.discard(threading.current_thread())
+                if not self._conns:
+                    self._idle_since = time.monotonic()
 
     def _attach(
         self, conn: socket.socket, peer: Peer
