@@ -2,7 +2,8 @@
 this user from the trainer's Python, which exits by itself once idle, whatever the
 registry of ``pinfeed serve`` holds (it keeps a registry of its own); two trainers
 starting at once start one server; ``PINFEED_AUTOSTART=0`` turns it off with an error
-naming ``pinfeed serve``."""
+naming ``pinfeed serve``; ``pinfeed serve`` started while a script's server runs takes
+the socket over."""
 
 from __future__ import annotations
 
@@ -303,3 +304,55 @@ def _node(c: Client) -> dict[str, Any] | None:
         return c.node()
     except ServerUnavailable:
         return None
+
+
+TAKEN_OVER = textwrap.dedent(
+    """
+    import sys, time, pathlib, torch, pinfeed
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self): return 16
+        def __getitem__(self, i): return torch.tensor([i])
+    loader = pinfeed.DataLoader(Rows(), batch_size=4, num_workers=1)
+    assert sum(1 for _ in loader) == 4
+    print("first epoch", flush=True)
+    go = pathlib.Path(sys.argv[1])
+    while not go.exists():
+        time.sleep(0.05)
+    for _ in range(2):  # new workers each epoch (no persistent_workers)
+        assert [b.flatten().tolist() for b in loader][-1] == [12, 13, 14, 15]
+    loader.close()
+    """
+)
+
+
+@pytest.mark.slow
+def test_pinfeed_serve_takes_the_socket_over_from_a_scripts_server(tmp_path: Path) -> None:
+    """``pinfeed serve`` started while a script's server runs on the same socket: new
+    trainers connect to the service; the script's trainer goes on with its own server
+    (new epochs, new workers); that server exits once its trainer is done, and leaves
+    the service's socket where it is."""
+    env = _env(tmp_path / "run", PINFEED_IDLE_EXIT_S=str(IDLE_EXIT_S))
+    go = tmp_path / "go"
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", TAKEN_OVER, str(go)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    try:
+        assert trainer.stdout is not None
+        assert trainer.stdout.readline() == "first epoch\n", trainer.stderr
+        (script_server,) = _servers(tmp_path / "run" / "pinfeed.sock")
+        pids = _tree(script_server)
+        with Server(tmp_path) as serve:  # the same socket: tmp_path/run/pinfeed.sock
+            go.touch()
+            _, err = trainer.communicate(timeout=120)
+            assert trainer.returncode == 0, err[-3000:]
+            wait_for(lambda: gone(pids), "the script's server to exit", IDLE_EXIT_S + 30)
+            assert answers(serve.socket)
+            assert "this one takes the path over" in serve.tail()
+    finally:
+        trainer.kill()
+        trainer.wait()

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pinfeed import protocol as p
+from pinfeed._autostart import answers
 from pinfeed.errors import (
     InvalidRequest,
     LoaderFailed,
@@ -111,18 +112,26 @@ class DataPlaneServer:
         self._threads: set[threading.Thread] = set()
         self._conns: set[socket.socket] = set()
         self._idle_since = time.monotonic()  # when the last connection closed
+        self._bound: tuple[int, int] | None = None  # the socket file's (st_dev, st_ino)
         self._lock = threading.Lock()
 
     def start(self) -> None:
         self._secure_dir(self.path.parent, self.group)
         if self.path.exists() or self.path.is_symlink():
-            self.path.unlink()  # a stale socket from a previous run
+            if answers(self.path):
+                # Another server (a script's, started while none ran): new trainers
+                # connect here; the other keeps its trainers, and its close leaves this
+                # socket alone (``close``).
+                log.warning("a server answers on %s: this one takes the path over", self.path)
+            self.path.unlink()  # else a stale socket from a previous run
         sock = p.new_socket()
         old = os.umask(0o177)  # the socket is never, even briefly, wider than 0600
         try:
             sock.bind(str(self.path))
         finally:
             os.umask(old)
+        st = os.lstat(self.path)
+        self._bound = (st.st_dev, st.st_ino)
         if self.group is not None:
             os.chown(self.path, -1, self.group)
         os.chmod(self.path, 0o660)
@@ -183,7 +192,9 @@ class DataPlaneServer:
         for t in list(self._threads):
             t.join(5)
         with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+            st = os.lstat(self.path)
+            if (st.st_dev, st.st_ino) == self._bound:  # not another server's, made since
+                self.path.unlink()
 
     def _accept_loop(self) -> None:
         assert self._sock is not None
