@@ -8,12 +8,14 @@ the socket over."""
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,9 +75,40 @@ def _servers(socket: Path) -> list[psutil.Process]:
     return [p for p in found.values() if p.info["ppid"] not in found]
 
 
-def _run(env: dict[str, str], code: str = TRAINER) -> subprocess.Popen[str]:
+@dataclass
+class Watched:
+    """What ``_watch`` saw of the servers on a socket while trainers ran."""
+
+    servers: set[int]  # the servers' pids
+    pids: set[int]  # theirs and their descendants' (forkserver, zygotes, workers)
+    ended: float  # when the last trainer was seen done (monotonic)
+
+
+def _watch(trainers: list[subprocess.Popen[str]], socket: Path) -> Watched:
+    """The servers on ``socket`` while ``trainers`` run, until they are done. Looked for
+    during the run: a server exits PINFEED_IDLE_EXIT_S after its last trainer's
+    connection closed, which may come well before that trainer's process is done
+    (torch's teardown, on a loaded machine)."""
+    seen = Watched(set(), set(), math.nan)
+    while True:
+        running = any(t.poll() is None for t in trainers)
+        seen.ended = time.monotonic()
+        for server in _servers(socket):
+            seen.servers.add(server.pid)
+            seen.pids.update(_tree(server))
+        if not running:
+            return seen
+        time.sleep(0.05)
+
+
+def _tree(server: psutil.Process) -> list[int]:
+    """The server's pid and its descendants' (forkserver, zygotes, workers)."""
+    return [server.pid, *(p.pid for p in descendants(server.pid))]
+
+
+def _run(env: dict[str, str], code: str = TRAINER, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-c", code],
+        [sys.executable, "-c", code, *args],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -88,16 +121,16 @@ def test_a_server_starts_for_the_trainer_and_exits_when_idle(tmp_path: Path) -> 
     socket = tmp_path / "pinfeed.sock"
     assert not answers(socket)
     trainer = _run(_env(tmp_path))
+    seen = _watch([trainer], socket)
     out, err = trainer.communicate(timeout=120)
     assert trainer.returncode == 0, err[-3000:]
     assert (
         out.startswith("first-batch ")
         and out.split(" ", 2)[2].strip() == "[0, 1, 2, 3, 4, 5, 6, 7]"
     )
-    (server,) = _servers(socket)
-    assert answers(socket)
-    # Idle (no loader, no trainer) for PINFEED_IDLE_EXIT_S: it exits by itself, cleanly.
-    wait_for(lambda: not server.is_running() or server.status() == psutil.STATUS_ZOMBIE, "exit", 30)
+    assert len(seen.servers) == 1
+    # No trainer for PINFEED_IDLE_EXIT_S: it exits by itself, cleanly.
+    wait_for(lambda: gone(list(seen.pids)), "exit", 30)
     assert not answers(socket)
 
 
@@ -105,10 +138,11 @@ def test_two_trainers_at_once_start_one_server(tmp_path: Path) -> None:
     env = _env(tmp_path, PINFEED_IDLE_EXIT_S="5")
     trainers = [_run(env) for _ in range(2)]
     try:
+        seen = _watch(trainers, tmp_path / "pinfeed.sock")
         for t in trainers:
             _, err = t.communicate(timeout=120)
             assert t.returncode == 0, err[-3000:]
-        assert len(_servers(tmp_path / "pinfeed.sock")) == 1
+        assert len(seen.servers) == 1
         log = (tmp_path / "autostart.log").read_text()
         # One server opened a data plane; the trainers may be done before its HTTP stack is up.
         assert log.count("INFO pinfeed: data plane on ") == 1, log[-2000:]
@@ -137,11 +171,6 @@ def test_autostart_off_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 IDLE_EXIT_S = 3
 
 
-def _tree(server: psutil.Process) -> list[int]:
-    """The server's pid and its descendants' (forkserver, zygotes, workers)."""
-    return [server.pid, *(p.pid for p in descendants(server.pid))]
-
-
 def _memfd_holders(names: list[str]) -> list[str]:
     """This user's processes that hold or map a memfd ``pinfeed-<name>`` (a ring, a
     shipped payload) of one of ``names``."""
@@ -161,16 +190,19 @@ def _memfd_holders(names: list[str]) -> list[str]:
     return held
 
 
-def _exits_after_the_script(socket: Path, ended: float) -> None:
-    """The server on ``socket``, started by a script that ended at ``ended``
-    (monotonic), exits with all its processes within PINFEED_IDLE_EXIT_S plus a second,
-    and takes its socket with it; killed, if it does not, so that nothing outlives the
+def _exits_after_the_script(seen: Watched, socket: Path) -> None:
+    """The server on ``socket`` that a script started (``seen`` while it ran) exits with
+    all its processes within PINFEED_IDLE_EXIT_S plus a second of the script's end, and
+    takes its socket with it; killed, if it does not, so that nothing outlives the
     test."""
-    (server,) = _servers(socket)
-    pids = _tree(server)
+    assert len(seen.servers) == 1
+    for pid in seen.servers:  # its workers, if any started after the script was done
+        with contextlib.suppress(psutil.NoSuchProcess):
+            seen.pids.update(_tree(psutil.Process(pid)))
+    pids = list(seen.pids)
     try:
         wait_for(lambda: gone(pids), "the script's server to exit", IDLE_EXIT_S + 10, every=0.05)
-        took = time.monotonic() - ended
+        took = time.monotonic() - seen.ended
     finally:
         for pid in pids:
             with contextlib.suppress(psutil.NoSuchProcess):
@@ -200,11 +232,11 @@ def test_a_scripts_server_leaves_the_registry_alone_and_exits_when_the_script_en
     )
     code = TRAINER + "print('loader', loader.pinfeed_name, flush=True)\n"
     trainer = _run(env, code)
+    seen = _watch([trainer], serve.socket)
     out, err = trainer.communicate(timeout=120)
-    ended = time.monotonic()
     assert trainer.returncode == 0, err[-3000:]
     mine = out.split()[-1]
-    _exits_after_the_script(serve.socket, ended)
+    _exits_after_the_script(seen, serve.socket)
     assert _memfd_holders([name, mine]) == []
     rows = _registered(registry)
     assert [(r["name"], r["config"]["num_workers"]) for r in rows] == [(name, 2)]
@@ -240,18 +272,20 @@ def test_make_run_then_the_one_line_script(tmp_path: Path) -> None:
         assert serve.wait(30) == 0
     script = tmp_path / "train.py"
     script.write_text(_example())
-    trainer = subprocess.run(
+    trainer = subprocess.Popen(
         [sys.executable, str(script)],
         env=env | {"PINFEED_IDLE_EXIT_S": str(IDLE_EXIT_S)},
         cwd=tmp_path,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=120,
     )
-    ended = time.monotonic()
-    assert trainer.returncode == 0, trainer.stderr[-3000:]
-    assert [line.split()[0] for line in trainer.stdout.splitlines()] == ["0", "1"]
-    _exits_after_the_script(runtime / "pinfeed" / "pinfeed.sock", ended)
+    socket = runtime / "pinfeed" / "pinfeed.sock"
+    seen = _watch([trainer], socket)
+    out, err = trainer.communicate(timeout=120)
+    assert trainer.returncode == 0, err[-3000:]
+    assert [line.split()[0] for line in out.splitlines()] == ["0", "1"]
+    _exits_after_the_script(seen, socket)
     registry = home / ".local" / "state" / "pinfeed" / "registry.sqlite3"
     assert [r["name"] for r in _registered(registry)] == ["demo"]
 
@@ -333,14 +367,7 @@ def test_pinfeed_serve_takes_the_socket_over_from_a_scripts_server(tmp_path: Pat
     the service's socket where it is."""
     env = _env(tmp_path / "run", PINFEED_IDLE_EXIT_S=str(IDLE_EXIT_S))
     go = tmp_path / "go"
-    trainer = subprocess.Popen(
-        [sys.executable, "-c", TAKEN_OVER, str(go)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-    )
+    trainer = _run(env, TAKEN_OVER, str(go))
     try:
         assert trainer.stdout is not None
         assert trainer.stdout.readline() == "first epoch\n", trainer.stderr
