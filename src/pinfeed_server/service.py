@@ -73,6 +73,7 @@ from pinfeed_server.schemas import (
     LoaderCreate,
     LoaderPatch,
     NodeDecision,
+    NodeLifetime,
     NodeLoader,
     NodePublic,
 )
@@ -219,20 +220,23 @@ class Service:
                 self._unstarted[row["name"]] = row | {"detail": detail}
 
     def _exit_when_idle(self) -> None:
-        """PINFEED_IDLE_EXIT_S (a server pinfeed.DataLoader started): stop once no loader
-        and no trainer has been here for that long, as a graceful SIGTERM does."""
-        limit = self.settings.idle_exit_s
-        assert limit is not None
-        idle_since = time.monotonic()
-        while not self._closed.wait(0.5):
-            if self.loaders or self._unstarted or self.dataplane.connections:
-                idle_since = time.monotonic()
-            elif time.monotonic() - idle_since >= limit:
-                log.info(
-                    "no loader and no trainer for %.0f s: exiting (PINFEED_IDLE_EXIT_S)", limit
-                )
-                os.kill(os.getpid(), signal.SIGTERM)
+        """PINFEED_IDLE_EXIT_S (a server pinfeed.DataLoader started): stop that long after
+        the last trainer left, as a graceful SIGTERM does. Only trainers keep it: the
+        loaders it holds with none attached (a named one waiting warm) go with it."""
+        while True:
+            left = self.exits_in_s()
+            if left is not None and left <= 0:
+                break
+            if self._closed.wait(0.5 if left is None else min(left, 0.5)):
                 return
+        log.info("no trainer for %.0f s: exiting (PINFEED_IDLE_EXIT_S)", self.settings.idle_exit_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def exits_in_s(self) -> float | None:
+        """Seconds before PINFEED_IDLE_EXIT_S stops this server if no trainer connects;
+        None while one is connected, or without it."""
+        limit, idle = self.settings.idle_exit_s, self.dataplane.idle_s()
+        return None if limit is None or idle is None else max(0.0, limit - idle)
 
     def close(self) -> None:
         self._closed.set()
@@ -791,8 +795,14 @@ class Service:
                     weighted_stall=None if r is None else r.stall,
                 )
             )
+        left = self.exits_in_s()
         return NodePublic(
             uptime_s=round(time.monotonic() - self.arbiter.started, 2),
+            lifetime=NodeLifetime(
+                started_by=self.settings.started_by,
+                idle_exit_s=self.settings.idle_exit_s,
+                exits_in_s=None if left is None else round(left, 1),
+            ),
             cpus=len(os.sched_getaffinity(0)),
             max_workers=self.budget.max_workers,
             workers_used=self.workers_used(),

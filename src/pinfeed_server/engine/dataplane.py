@@ -18,11 +18,13 @@ import socket
 import stat
 import struct
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from pinfeed import protocol as p
+from pinfeed._autostart import answers
 from pinfeed.errors import (
     InvalidRequest,
     LoaderFailed,
@@ -110,18 +112,27 @@ class DataPlaneServer:
         self._sock: socket.socket | None = None
         self._threads: set[threading.Thread] = set()
         self._conns: set[socket.socket] = set()
+        self._idle_since = time.monotonic()  # when the last connection closed
+        self._bound: tuple[int, int] | None = None  # the socket file's (st_dev, st_ino)
         self._lock = threading.Lock()
 
     def start(self) -> None:
         self._secure_dir(self.path.parent, self.group)
         if self.path.exists() or self.path.is_symlink():
-            self.path.unlink()  # a stale socket from a previous run
+            if answers(self.path):
+                # Another server (a script's, started while none ran): new trainers
+                # connect here; the other keeps its trainers, and its close leaves this
+                # socket alone (``close``).
+                log.warning("a server answers on %s: this one takes the path over", self.path)
+            self.path.unlink()  # else a stale socket from a previous run
         sock = p.new_socket()
         old = os.umask(0o177)  # the socket is never, even briefly, wider than 0600
         try:
             sock.bind(str(self.path))
         finally:
             os.umask(old)
+        st = os.lstat(self.path)
+        self._bound = (st.st_dev, st.st_ino)
         if self.group is not None:
             os.chown(self.path, -1, self.group)
         os.chmod(self.path, 0o660)
@@ -129,6 +140,7 @@ class DataPlaneServer:
         sock.settimeout(0.2)
         self._sock = sock
         t = threading.Thread(target=self._accept_loop, name="pinfeed-dataplane", daemon=True)
+        self._idle_since = time.monotonic()
         t.start()
         self._accept_thread = t
 
@@ -159,11 +171,11 @@ class DataPlaneServer:
         elif stat.S_IMODE(st.st_mode) & 0o077:
             os.chmod(run_dir, 0o700)
 
-    @property
-    def connections(self) -> int:
-        """Trainers connected now."""
+    def idle_s(self) -> float | None:
+        """Seconds since the last trainer's connection closed (or since the start, if
+        none came); None while one is connected."""
         with self._lock:
-            return len(self._conns)
+            return None if self._conns else time.monotonic() - self._idle_since
 
     def close(self) -> None:
         self._stop.set()
@@ -181,7 +193,9 @@ class DataPlaneServer:
         for t in list(self._threads):
             t.join(5)
         with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+            st = os.lstat(self.path)
+            if (st.st_dev, st.st_ino) == self._bound:  # not another server's, made since
+                self.path.unlink()
 
     def _accept_loop(self) -> None:
         assert self._sock is not None
@@ -243,6 +257,8 @@ class DataPlaneServer:
             with self._lock:
                 self._conns.discard(conn)
                 self._threads.discard(threading.current_thread())
+                if not self._conns:
+                    self._idle_since = time.monotonic()
 
     def _attach(
         self, conn: socket.socket, peer: Peer
