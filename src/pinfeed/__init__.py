@@ -3,7 +3,7 @@ and ``Transformed`` (a dataset and its per-loader transform, the reference of a 
 dataset's loader)."""
 
 from pinfeed._admin import Client
-from pinfeed._dataloader import DataLoader
+from pinfeed._dataloader import DataLoader, FallbackWarning
 from pinfeed._loader import Loader
 from pinfeed.elastic import merge_states
 from pinfeed.errors import (
@@ -44,6 +44,7 @@ __all__ = [
     "Conflict",
     "DataLoader",
     "DataPlaneError",
+    "FallbackWarning",
     "GroupMemberLost",
     "InsufficientMemory",
     "InternalError",

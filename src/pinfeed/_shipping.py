@@ -322,6 +322,10 @@ def _dumps(obj: Any) -> None:
 
 
 def _children(obj: Any) -> Iterator[tuple[str, Any]]:
+    """What ``obj`` holds, by the path a user reads: the items of a container, and the
+    attributes of an object of the script's own classes (not of an installed library's,
+    whose insides are not the user's: ``dataset.reads``, a ``multiprocessing.Value``,
+    is named, not its lock's buffer)."""
     if isinstance(obj, dict):
         for i, (key, value) in enumerate(obj.items()):
             if i >= MAX_CHILDREN:
@@ -332,11 +336,26 @@ def _children(obj: Any) -> Iterator[tuple[str, Any]]:
         for i, value in enumerate(obj[:MAX_CHILDREN]):
             yield f"[{i}]", value
         return
+    if _library_class(type(obj)):
+        return
     for name, value in getattr(obj, "__dict__", {}).items():
         yield f".{name}", value
     for name in getattr(type(obj), "__slots__", ()):
         if hasattr(obj, name):
             yield f".{name}", getattr(obj, name)
+
+
+def _library_class(cls: type) -> bool:
+    """Whether ``cls`` is the Python installation's (the standard library, an installed
+    package), not the script's."""
+    module = sys.modules.get(cls.__module__)
+    path = getattr(module, "__file__", None)
+    if module is None or cls.__module__ == "__main__":
+        return False
+    if not path:
+        return True  # a builtin module's
+    roots = _installed_roots()
+    return _installed(os.path.abspath(path), roots)
 
 
 def _culprit(obj: Any, path: str, depth: int = 0) -> tuple[str, Any, BaseException] | None:

@@ -42,6 +42,7 @@ from pinfeed_server.engine.collate import (
 )
 from pinfeed_server.engine.config import (
     KEEP,
+    MAX_WORKERS,
     NAME_PATTERN,
     LiveChange,
     LoaderCode,
@@ -601,6 +602,12 @@ class Service:
         dataset behind the node's cache, whose region is ``cache_region``, where it
         asked for one). No sample is read: its ring is sized from the first batches its
         producer makes (``engine.loader.Sizing``), when the trainer's loop asks."""
+        # DataLoader's num_workers are its RNG streams; its processes are as many as the
+        # node has room for (one serves several streams where it has less), never none.
+        processes = request.num_workers
+        if processes:
+            free = self.budget.max_workers - self.budget.workers_used()
+            processes = max(1, min(processes, free, MAX_WORKERS))
         try:
             cfg = LoaderConfig(
                 name=name,
@@ -608,7 +615,7 @@ class Service:
                 batch_size=request.max_rows or 1,
                 seed=0,  # its trainer draws the seeds
                 drop_last=request.drop_last,
-                num_workers=request.num_workers,
+                num_workers=processes,
                 prefetch_factor=request.prefetch_factor,
                 pin_memory=request.pin_memory,
                 persistent_workers=request.persistent_workers,
@@ -678,6 +685,7 @@ class Service:
             sizing=Sizing(admit_ring, cap),
             iterable=request.iterable,
             objects=chain,
+            streams=request.num_workers,
         )
         self.loaders[name] = engine
         engine.start()

@@ -152,7 +152,9 @@ def test_two_trainers_at_once_start_one_server(tmp_path: Path) -> None:
 
 
 def test_autostart_off_is_an_error_naming_pinfeed_serve(tmp_path: Path) -> None:
-    env = _env(tmp_path, PINFEED_AUTOSTART="0")
+    """With no server and none to start, a strict loader is an error naming ``pinfeed
+    serve`` (and a loader that is not strict runs torch's own: test_fallback.py)."""
+    env = _env(tmp_path, PINFEED_AUTOSTART="0", PINFEED_STRICT="1")
     trainer = _run(env)
     _, err = trainer.communicate(timeout=120)
     assert trainer.returncode != 0
@@ -165,7 +167,10 @@ def test_autostart_off_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setenv("PINFEED_AUTOSTART", "0")
     with pytest.raises(ServerUnavailable, match="pinfeed serve"):
-        pinfeed.DataLoader(list(range(4)), socket=tmp_path / "none.sock")
+        pinfeed.DataLoader(list(range(4)), socket=tmp_path / "none.sock", strict=True)
+    with pytest.warns(pinfeed.FallbackWarning, match="pinfeed serve"):
+        loader = pinfeed.DataLoader(list(range(4)), socket=tmp_path / "none.sock")
+    assert [b.tolist() for b in loader] == [[0], [1], [2], [3]]
 
 
 IDLE_EXIT_S = 3

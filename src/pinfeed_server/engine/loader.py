@@ -119,6 +119,7 @@ class LoaderEngine:
         sizing: Sizing | None = None,
         iterable: bool | None = None,
         objects: Chain | None = None,
+        streams: int | None = None,
     ) -> None:
         """``plan``: the batch plan the ring was sized with (``prepare.py``: a custom
         sampler's first epoch is iterated once, at creation); ``code``: its collate_fn
@@ -128,7 +129,10 @@ class LoaderEngine:
         ring is sized from the first batches (``sizing``). ``dataset`` may be None where
         this process must not hold the trainer's objects (they run only in its workers):
         then ``iterable`` says what it is. ``objects``: a trainer's loader's, the payloads
-        its objects need (the engine owns them), as they change (``objects_changed``)."""
+        its objects need (the engine owns them), as they change (``objects_changed``).
+        ``streams``: DataLoader's ``num_workers`` where it is more than the processes
+        ``config`` runs (a trainer's loader on a node short of worker processes: one
+        process serves several workers' RNG streams, as a pool shrunk live does)."""
         if (layout is None) != (sizing is not None):
             raise ValueError("a loader without a layout is sized from its first batches")
         self.config = config
@@ -143,7 +147,7 @@ class LoaderEngine:
         self._turns = MAX_TURN if isinstance(plan, IterablePlan) else len(plan)  # seek's bound
         # DataLoader's num_workers as created: the RNG streams, whatever number of
         # processes the loader runs later (config.num_workers).
-        self.streams = streams_of(config)
+        self.streams = streams_of(config) if streams is None else streams
         self.state: LoaderState = "starting"
         self.failure: ErrorInfo | None = None
         self.stats = LoaderStats()
