@@ -17,7 +17,7 @@ import pytest
 from pinfeed import ServerUnavailable
 from pinfeed._autostart import answers
 from tests.launcher import REPO
-from tests.reliability.procs import wait_for
+from tests.reliability.procs import servers_on, wait_for
 
 TRAINER = textwrap.dedent(
     """
@@ -46,20 +46,6 @@ def _env(run: Path, **extra: str) -> dict[str, str]:
     }
 
 
-def _servers(socket: Path) -> list[psutil.Process]:
-    """The server processes on ``socket``: ``python -m pinfeed_server serve`` with that
-    PINFEED_SOCKET, not counting its own children (forkserver, zygotes, workers)."""
-    found = {}
-    for proc in psutil.process_iter(["cmdline", "ppid"]):
-        try:
-            serve = (proc.info["cmdline"] or [])[-3:] == ["-m", "pinfeed_server", "serve"]
-            if serve and proc.environ().get("PINFEED_SOCKET") == str(socket):
-                found[proc.pid] = proc
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return [p for p in found.values() if p.info["ppid"] not in found]
-
-
 def _run(env: dict[str, str]) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-c", TRAINER],
@@ -81,7 +67,7 @@ def test_a_server_starts_for_the_trainer_and_exits_when_idle(tmp_path: Path) -> 
         out.startswith("first-batch ")
         and out.split(" ", 2)[2].strip() == "[0, 1, 2, 3, 4, 5, 6, 7]"
     )
-    (server,) = _servers(socket)
+    (server,) = servers_on(socket)
     assert answers(socket)
     # Idle (no loader, no trainer) for PINFEED_IDLE_EXIT_S: it exits by itself, cleanly.
     wait_for(lambda: not server.is_running() or server.status() == psutil.STATUS_ZOMBIE, "exit", 30)
@@ -95,12 +81,12 @@ def test_two_trainers_at_once_start_one_server(tmp_path: Path) -> None:
         for t in trainers:
             _, err = t.communicate(timeout=120)
             assert t.returncode == 0, err[-3000:]
-        assert len(_servers(tmp_path / "pinfeed.sock")) == 1
+        assert len(servers_on(tmp_path / "pinfeed.sock")) == 1
         log = (tmp_path / "autostart.log").read_text()
         # One server opened a data plane; the trainers may be done before its HTTP stack is up.
         assert log.count("INFO pinfeed: data plane on ") == 1, log[-2000:]
     finally:
-        for server in _servers(tmp_path / "pinfeed.sock"):
+        for server in servers_on(tmp_path / "pinfeed.sock"):
             server.terminate()
 
 
@@ -110,7 +96,7 @@ def test_autostart_off_is_an_error_naming_pinfeed_serve(tmp_path: Path) -> None:
     _, err = trainer.communicate(timeout=120)
     assert trainer.returncode != 0
     assert "ServerUnavailable" in err and "start one with `pinfeed serve`" in err
-    assert not _servers(tmp_path / "pinfeed.sock")
+    assert not servers_on(tmp_path / "pinfeed.sock")
 
 
 def test_autostart_off_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
