@@ -32,7 +32,7 @@ from tests.api.conftest import synthetic
 from tests.dataloader.test_example import _example
 from tests.helpers import unique
 from tests.launcher import REPO, Server, free_port
-from tests.reliability.procs import descendants, fd_targets, gone, wait_for
+from tests.reliability.procs import descendants, fd_targets, gone, servers_on, wait_for
 
 TRAINER = textwrap.dedent(
     """
@@ -61,20 +61,6 @@ def _env(run: Path, **extra: str) -> dict[str, str]:
     }
 
 
-def _servers(socket: Path) -> list[psutil.Process]:
-    """The server processes on ``socket``: ``python -m pinfeed_server serve`` with that
-    PINFEED_SOCKET, not counting its own children (forkserver, zygotes, workers)."""
-    found = {}
-    for proc in psutil.process_iter(["cmdline", "ppid"]):
-        try:
-            serve = (proc.info["cmdline"] or [])[-3:] == ["-m", "pinfeed_server", "serve"]
-            if serve and proc.environ().get("PINFEED_SOCKET") == str(socket):
-                found[proc.pid] = proc
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return [p for p in found.values() if p.info["ppid"] not in found]
-
-
 @dataclass
 class Watched:
     """What ``_watch`` saw of the servers on a socket while trainers ran."""
@@ -93,7 +79,7 @@ def _watch(trainers: list[subprocess.Popen[str]], socket: Path) -> Watched:
     while True:
         running = any(t.poll() is None for t in trainers)
         seen.ended = time.monotonic()
-        for server in _servers(socket):
+        for server in servers_on(socket):
             seen.servers.add(server.pid)
             seen.pids.update(_tree(server))
         if not running:
@@ -147,7 +133,7 @@ def test_two_trainers_at_once_start_one_server(tmp_path: Path) -> None:
         # One server opened a data plane; the trainers may be done before its HTTP stack is up.
         assert log.count("INFO pinfeed: data plane on ") == 1, log[-2000:]
     finally:
-        for server in _servers(tmp_path / "pinfeed.sock"):
+        for server in servers_on(tmp_path / "pinfeed.sock"):
             server.terminate()
 
 
@@ -159,7 +145,7 @@ def test_autostart_off_is_an_error_naming_pinfeed_serve(tmp_path: Path) -> None:
     _, err = trainer.communicate(timeout=120)
     assert trainer.returncode != 0
     assert "ServerUnavailable" in err and "start one with `pinfeed serve`" in err
-    assert not _servers(tmp_path / "pinfeed.sock")
+    assert not servers_on(tmp_path / "pinfeed.sock")
 
 
 def test_autostart_off_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -319,7 +305,7 @@ def test_a_scripts_server_says_so_and_when_it_exits(tmp_path: Path) -> None:
     trainer = _run(env)
     _, err = trainer.communicate(timeout=120)
     assert trainer.returncode == 0, err[-3000:]
-    (server,) = _servers(tmp_path / "pinfeed.sock")
+    (server,) = servers_on(tmp_path / "pinfeed.sock")
     url = f"http://127.0.0.1:{port}"
     try:
         with Client(url) as c:
@@ -376,7 +362,7 @@ def test_pinfeed_serve_takes_the_socket_over_from_a_scripts_server(tmp_path: Pat
     try:
         assert trainer.stdout is not None
         assert trainer.stdout.readline() == "first epoch\n", trainer.stderr
-        (script_server,) = _servers(tmp_path / "run" / "pinfeed.sock")
+        (script_server,) = servers_on(tmp_path / "run" / "pinfeed.sock")
         pids = _tree(script_server)
         with Server(tmp_path) as serve:  # the same socket: tmp_path/run/pinfeed.sock
             go.touch()
