@@ -14,6 +14,7 @@ import contextlib
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -63,9 +64,13 @@ class Connection:
         device: torch.device | None,
         copy: bool,
         request: Callable[[], tuple[bytes, Sequence[int]]] | None = None,
+        keep: bool = False,
     ) -> None:
         """``request()``: the first message and the fds that go with it (default: an
-        ATTACH of ``name`` as ``member``; ``pinfeed.DataLoader``'s is a CREATE)."""
+        ATTACH of ``name`` as ``member``; ``pinfeed.DataLoader``'s is a CREATE).
+        ``keep``: a batch's slot goes back once the trainer no longer holds the batch
+        (``pinfeed.DataLoader``'s: DataLoader's batches live as long as they are held),
+        not with the next message (``pinfeed.Loader``'s views)."""
         self.name = name
         self.member = member
         self._request = request or (lambda: (p.Attach(self.name, self.member).encode(), ()))
@@ -73,6 +78,7 @@ class Connection:
         self.copy = copy
         self.buf = transport.buf  # every reply lands here
         self.wait_us = 0  # the trainer's last wait for a batch, not yet reported
+        self.keep = keep
         self.rng_after = b""  # the RNG states the server sent last (a RNG message)
         self._t = transport
         self.ring = None
@@ -96,8 +102,8 @@ class Connection:
             raise self.failure(n)
         self.info = info
         self.name, self.member = info.loader, info.member
-        self.views = BatchViews(None, None, info.nslots, 0, t.take_fds)
-        self.delivery = Delivery(self.device, self.copy, info.nslots)
+        self.views = BatchViews(None, None, 0, t.take_fds)
+        self.delivery = Delivery(self.device, self.copy, info.nslots, self.keep)
         self.ring = None
         if info.layout is not None:  # else a RING brings the ring, once it is sized
             self._map_ring(fds[0], info.nslots, info.slot_bytes, info.layout)
@@ -203,6 +209,8 @@ class Connection:
         delivery = self.delivery
         if delivery.pending:
             delivery.collect_copies()
+        if delivery.held:
+            delivery.collect_held()
         release = delivery.release
         message = p.encode_release(kind, release, self.wait_us)
         self.wait_us = 0
@@ -214,6 +222,8 @@ class Connection:
         delivery = self.delivery
         if delivery.pending:
             delivery.collect_copies()
+        if delivery.held:
+            delivery.collect_held()
         release = delivery.release
         if release:
             self._t.send(p.encode_release(p.RELEASE, release))
@@ -235,8 +245,20 @@ class Connection:
         self.delivery.release.append(slot)
 
     def holds_slots(self) -> bool:
-        """True if slots wait to go back (or for their device copy to finish)."""
-        return bool(self.delivery.release or self.delivery.pending)
+        """True if slots wait to go back (or for their device copy to finish, or for the
+        trainer to let go of a kept batch it no longer holds)."""
+        delivery = self.delivery
+        if delivery.held:
+            delivery.collect_held()
+        return bool(delivery.release or delivery.pending)
+
+    def deliver(self, slot: int, nstr: int) -> Any:
+        """The BATCH just received (its head read: ``slot``, ``nstr``), as the trainer
+        gets it (views, copies, or on the device)."""
+        views = self.views
+        batch = views.batch(self.buf, slot, nstr)
+        held, views.held = views.held, None
+        return self.delivery.deliver(slot, batch, held)
 
     # -- the ring --------------------------------------------------------------------------
     @property

@@ -147,7 +147,10 @@ class DataLoader(TorchDataLoader[_T_co]):
     ``name``: a named loader on the server, kept warm after this trainer for the next
     one that asks for it with an equal configuration and objects (another: an error).
     ``device``: copy each batch there (``non_blocking``). ``copy``: yield owned CPU
-    tensors, not views into the ring (a view is valid until the next batch).
+    tensors, not views into the ring. A view is the trainer's for as long as it holds
+    it, as DataLoader's batches are: its slot goes back to the server once no tensor
+    holds it (where the trainer holds every slot, the ring grows, within the node's
+    budget).
     ``reconnect``: if the server restarts, ship again and go on from where the epoch
     was. ``socket``: the server's data-plane socket (default ``PINFEED_SOCKET``, then
     the default path). ``max_batch_size``: a hint, the largest batch a ``batch_sampler``
@@ -491,6 +494,7 @@ class _Owned:
             device,
             copy,
             request=lambda: (message, (shipper.whole(), *shipper.shared)),
+            keep=True,  # DataLoader's batches are the trainer's as long as it holds them
         )
         # The connection (and so the server's loader) goes with this object.
         self._closing = weakref.finalize(self, self.conn.close)
@@ -659,7 +663,7 @@ class _Owned:
         back with the next message sent: send FEEDs before, not after."""
         conn = self.conn
         _, slot, _seq, _epoch, _index, nstr = _BATCH_HEAD.unpack_from(conn.buf)
-        return conn.delivery.deliver(slot, conn.views.batch(conn.buf, slot, nstr))
+        return conn.deliver(slot, nstr)
 
     def close(self) -> None:
         self._closing()

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from pinfeed import protocol as p
-from pinfeed._ring import RingSegments
+from pinfeed._ring import RingSegments, SlotMemory
 
 Builder = Callable[[list[Any]], Any]
 
@@ -102,20 +102,18 @@ class BatchViews:
         self,
         ring: RingSegments | None,
         layout: p.Layout | None,
-        nslots: int,
         slot_bytes: int,
         fds: Callable[[], list[int]] = list,
     ):
-        self._nslots = nslots
         self._fds = fds
         self._strides: dict[tuple[int, ...], tuple[int, ...]] = {}
-        # Per (slot, dims): the batch's leaf views, built once. Each batch hands out
-        # detach()ed aliases of them: new tensor objects (a trainer may reshape its own
-        # in place), for a quarter of the cost of as_strided, and far less when the
-        # trainer's step has left the caches cold.
-        self._views: dict[tuple[int, tuple[int, ...]], list[torch.Tensor]] = {}
+        # Per slot and dims: the batch's leaf views, built once (``SlotMemory.cached``).
+        # Each batch hands out detach()ed aliases of them: new tensor objects (a trainer
+        # may reshape its own in place), for a quarter of the cost of as_strided, and far
+        # less when the trainer's step has left the caches cold.
         self._structures: dict[bytes, Structure] = {}
         self._ring: RingSegments | None = None
+        self.held: SlotMemory | None = None  # the last batch's slot (``batch``)
         if ring is not None and layout is not None:
             self.set_ring(ring, layout, slot_bytes)
 
@@ -133,30 +131,28 @@ class BatchViews:
         ]
         self._dims = p.dims_struct(layout)
         self._build = builder(layout.treedef)
-        self._views.clear()
+        ring.clear_cached()
 
     def batch(self, buf: bytearray, slot: int, nstr: int) -> Any:
-        """The nested batch of the BATCH message in ``buf`` (its head already read)."""
+        """The nested batch of the BATCH message in ``buf`` (its head already read).
+        ``held`` is then its slot's memory (None: nothing of the batch is in its slot)."""
         if buf[1] & p.FLAG_LAYOUT:
             return self._own_layout(buf, slot)
         dims = self._dims.unpack_from(buf, p.BATCH_HEAD.size)
+        assert self._ring is not None, "a batch in a slot before the ring (RING)"
+        memory = self.held = self._ring.slot(slot)
         if not nstr:
-            key = (slot, dims)
-            views = self._views.get(key)
+            views = memory.cached.get(dims)
             if views is None:
-                if len(self._views) >= 4 * self._nslots:
-                    self._views.clear()  # many batch lengths: keep the cache bounded
-                views = self._views[key] = self._make_leaves(slot, dims, None)
+                views = self._make_leaves(memory, dims, None)
+                memory.cache(dims, views)
             return self._build([v.detach() for v in views])
         start = p.BATCH_HEAD.size + self._dims.size
         strings = iter(json.loads(bytes(buf[start : start + nstr])))
-        return self._build(self._make_leaves(slot, dims, strings))
+        return self._build(self._make_leaves(memory, dims, strings))
 
-    def _make_leaves(self, slot: int, dims: tuple[int, ...], strings: Any) -> list[Any]:
+    def _make_leaves(self, memory: SlotMemory, dims: tuple[int, ...], strings: Any) -> list[Any]:
         out: list[Any] = []
-        assert self._ring is not None, "a batch in a slot before the ring (RING)"
-        ring, first = self._ring.of(slot)  # the segment holding the slot
-        base = (slot - first) * self._slot_bytes
         d = 0
         for offset, dtype, ndim in self._leaves:
             if dtype is None:
@@ -167,8 +163,8 @@ class BatchViews:
             stride = self._strides.get(shape)
             if stride is None:
                 stride = self._strides[shape] = _strides(shape)
-            typed = ring.typed(dtype)
-            out.append(torch.as_strided(typed, shape, stride, (base + offset) // dtype.itemsize))
+            typed = memory.typed(dtype)
+            out.append(torch.as_strided(typed, shape, stride, offset // dtype.itemsize))
         return out
 
     def _own_layout(self, buf: bytearray, slot: int) -> Any:
@@ -189,12 +185,14 @@ class BatchViews:
         at += dims_struct.size
         objects = iter(json.loads(bytes(buf[at : at + nobj])) if nobj else ())
         memory: Callable[[torch.dtype], torch.Tensor]
-        if buf[1] & p.FLAG_OWN:  # in the memfd that came with it, from its first byte
-            memory, base = _own_memory(self._fds()), 0
+        base = 0  # its arrays' offsets are from its slot's first byte, or its memfd's
+        self.held = None  # nothing of it in its slot (in a memfd of its own, or no arrays)
+        if buf[1] & p.FLAG_OWN:  # in the memfd that came with it
+            memory = _own_memory(self._fds())
         elif any(dtype is not None for _, dtype, _ in specs):
             assert self._ring is not None, "a batch in a slot before the ring (RING)"
-            ring, first = self._ring.of(slot)  # the segment holding the slot
-            memory, base = ring.typed, (slot - first) * self._slot_bytes
+            slot_memory = self.held = self._ring.slot(slot)
+            memory = slot_memory.typed
         out: list[Any] = []
         d = 0
         for kind, dtype, ndim in specs:
@@ -210,7 +208,8 @@ class BatchViews:
         return build(out)
 
     def clear(self) -> None:
-        self._views.clear()
+        if self._ring is not None:
+            self._ring.clear_cached()
         self._structures.clear()
 
 
@@ -233,23 +232,34 @@ def _own_memory(fds: list[int]) -> Callable[[torch.dtype], torch.Tensor]:
 class Delivery:
     """Hands a slot's batch to the trainer and says when the slot can go back.
 
-    Views: the slot is released with the next message (the view lives until then).
+    Views: the slot is released with the next message (the view lives until then); with
+    ``keep`` (``pinfeed.DataLoader``: DataLoader's batches are the trainer's for as long
+    as it holds them), with the first message once no tensor of the trainer's holds the
+    batch's views (``held``: the slot's storage is held by the slot's own views alone).
     ``copy``: owned CPU tensors, the slot released at once. ``device`` (CUDA): a
     ``non_blocking`` copy on a side stream; the slot is released once its event is done.
     """
 
-    def __init__(self, device: torch.device | None, copy: bool, nslots: int) -> None:
+    def __init__(
+        self, device: torch.device | None, copy: bool, nslots: int, keep: bool = False
+    ) -> None:
         self.device = device
         self.copy = copy
+        self.keep = keep
         self.release: list[int] = []  # slots to hand back with the next message
         self.pending: list[tuple[int, torch.cuda.Event]] = []  # (slot, copy done)
+        # (slot, its memory): batches the trainer got as views, with ``keep``, until it
+        # lets go of them
+        self.held: list[tuple[int, SlotMemory]] = []
         self._hold = max(1, nslots - 1)
         if device is not None and device.type == "cuda":
             self.stream: torch.cuda.Stream | None = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         else:
             self.stream = None
 
-    def deliver(self, slot: int, batch: Any) -> Any:
+    def deliver(self, slot: int, batch: Any, held: SlotMemory | None) -> Any:
+        """The batch as the trainer gets it; ``held``: ``BatchViews.held`` (None: nothing
+        of it is in its slot)."""
         if self.stream is not None:
             current = torch.cuda.current_stream(self.device)
             with torch.cuda.stream(self.stream):
@@ -263,10 +273,24 @@ class Delivery:
                 t.record_stream(current)
             self.pending.append((slot, event))
             return out
-        self.release.append(slot)
         if self.copy:
+            self.release.append(slot)
             return _map_tensors(batch, torch.Tensor.clone)
+        if self.keep and held is not None:
+            self.held.append((slot, held))
+        else:
+            self.release.append(slot)
         return batch
+
+    def collect_held(self) -> None:
+        """Release the slots of kept batches the trainer no longer holds."""
+        still = []
+        for slot, memory in self.held:
+            if memory.alive():
+                still.append((slot, memory))
+            else:
+                self.release.append(slot)
+        self.held = still
 
     def collect_copies(self) -> None:
         """Release slots whose device copy has finished; block on the oldest only when
@@ -280,7 +304,10 @@ class Delivery:
             self.release.append(slot)
 
     def finish_copies(self) -> None:
-        """Wait for every device copy; their slots join ``release``."""
+        """Wait for every device copy; their slots join ``release`` (and so do kept
+        batches' that the trainer no longer holds)."""
+        if self.held:
+            self.collect_held()
         for slot, event in self.pending:
             event.synchronize()
             self.release.append(slot)

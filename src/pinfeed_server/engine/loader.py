@@ -28,6 +28,7 @@ from pinfeed import elastic
 from pinfeed.errors import (
     Conflict,
     GroupMemberLost,
+    InsufficientMemory,
     InvalidPosition,
     InvalidState,
     LoaderBusy,
@@ -139,6 +140,7 @@ class LoaderEngine:
         self.dataset = dataset
         self.layout = layout
         self.sizing = sizing
+        self._grown = False  # the ring grew for a trainer that held every slot (relieve)
         self.objects = objects
         self._objects_from: int | None = None  # the epoch the trainer's last OBJECTS applies from
         self.sampler = plan
@@ -152,7 +154,7 @@ class LoaderEngine:
         self.failure: ErrorInfo | None = None
         self.stats = LoaderStats()
         self.tuner = self._tuner_for(config)
-        self.nslots = ring_slots(config)  # segment 0's slots (the ring as created)
+        self.nslots = ring_slots(config, sizing is not None)  # segment 0's (as created)
         self.ring: Ring | None = None
         self.resizer: RingResizer | None = None
         self._source = (kind, params, context)
@@ -285,8 +287,8 @@ class LoaderEngine:
         ring = Ring(self.config.name, self.nslots, layout.slot_bytes)
         self.resizer = RingResizer(ring, self.slots)
         self.ring = ring
-        if ring_slots(self.config) != self.nslots:
-            self.resizer.retarget(ring_slots(self.config))
+        if self._ring_slots(self.config) != self.nslots:
+            self.resizer.retarget(self._ring_slots(self.config))
         return ring
 
     def _size_ring(self, proposal: Layout) -> None:
@@ -307,7 +309,9 @@ class LoaderEngine:
                 layout = replace(layout, slot_bytes=align(max(capped, 64)))
             try:
                 self.sizing.admit(
-                    self.config, ring_slots(self.config) * layout.slot_bytes, self.node_workers
+                    self.config,
+                    self._ring_slots(self.config) * layout.slot_bytes,
+                    self.node_workers,
                 )
                 # The layout first: a session that sees the ring sends it with it.
                 self.layout = layout
@@ -666,9 +670,9 @@ class LoaderEngine:
             refusal = self.producer.executor.live_refusal(old, new, self.iterable)
             if refusal is not None:
                 raise Conflict(refusal)
-            admit(new, ring_slots(new) * self.slot_bytes, self._node_workers(new))
+            admit(new, self._ring_slots(new) * self.slot_bytes, self._node_workers(new))
             if self.resizer is not None:
-                self.resizer.retarget(ring_slots(new))
+                self.resizer.retarget(self._ring_slots(new))
             self.slots.set_limit(prefetch_depth(new))
             self.producer.resize(new.num_workers)
             self.config = new
@@ -683,7 +687,7 @@ class LoaderEngine:
             new.prefetch_factor,
             prefetch_depth(new),
             self.ring.nslots if self.ring else 0,
-            ring_slots(new),
+            self._ring_slots(new),
         )
         return new
 
@@ -707,7 +711,11 @@ class LoaderEngine:
         """Ring memory this loader holds or is about to (the node budget's view of it)."""
         if self.resizer is not None:
             return self.resizer.reserved_bytes()
-        return ring_slots(self.config) * self.slot_bytes
+        return self._ring_slots(self.config) * self.slot_bytes
+
+    def _ring_slots(self, config: LoaderConfig) -> int:
+        """The slots ``config`` wants (a trainer that keeps its batches: one more)."""
+        return ring_slots(config, keeps=self.sizing is not None)
 
     @property
     def slot_bytes(self) -> int:
@@ -748,7 +756,53 @@ class LoaderEngine:
     def release(self, member: int, slots: set[int] | list[int]) -> None:
         with self._cond:
             self.consumers.release(member, slots)
+        if self._grown and self.slots.leased() <= self.nslots - prefetch_depth(self.config):
+            self._shrink()
         self.upkeep()
+
+    def relieve(self) -> ErrorItem | None:
+        """A trainer-made loader whose trainer waits while it holds every slot (it keeps
+        batches, as DataLoader lets it: a list of them, a loop a batch behind): the ring
+        grows by as many slots again, within the node's budget, so that the next batch
+        can be made; an error item (fatal) where the node has no room left. Called by a
+        waiting session, with no lock held; nothing to do for any other loader."""
+        ring, resizer = self.ring, self.resizer
+        if self.sizing is None or ring is None or resizer is None or not self.slots.starved():
+            return None
+        target = max(ring.nslots, resizer.target) + self.nslots
+        try:
+            self.sizing.admit(self.config, target * ring.slot_bytes, self.node_workers)
+        except PinfeedError as exc:
+            held = self.slots.leased()
+            too_many = InsufficientMemory(
+                f"loader {self.config.name!r}: its trainer holds {held} batches (their "
+                "tensors are still referenced) and the node has no room for more: "
+                f"{exc.detail}. Keep fewer batches, or clone the ones you keep "
+                "(batch.clone()), or give the loader copy=True",
+            )
+            return ErrorItem(-1, -1, -1, too_many.info())
+        with self._reconfigure:
+            resizer.retarget(target)
+            self._grown = True
+        self.upkeep()
+        log.info(
+            "loader %s: its trainer holds every slot: the ring grows to %d",
+            self.config.name,
+            target,
+        )
+        return None
+
+    def _shrink(self) -> None:
+        """Back to the slots the config wants, once the trainer let go of what it held
+        (retired segments close as their slots come free)."""
+        if not self._reconfigure.acquire(blocking=False):
+            return  # a change in progress: the next release tries again
+        try:
+            if self.resizer is not None:
+                self.resizer.retarget(self._ring_slots(self.config))
+            self._grown = False
+        finally:
+            self._reconfigure.release()
 
     def position(self, member: int) -> tuple[int, int]:
         with self._cond:

@@ -301,6 +301,20 @@ class SlotTable:
             self.cond.notify_all()
             return True
 
+    def starved(self) -> bool:
+        """Whether nothing can be made: every usable slot is leased (a trainer holds
+        them all), none is being filled and none is ready."""
+        with self.cond:
+            usable = self.states[: self.usable]
+            busy = (SlotState.FILLING, SlotState.READY)
+            return all(s is SlotState.LEASED for s in usable) and not any(
+                s in busy for s in self.states
+            )
+
+    def leased(self) -> int:
+        with self.cond:
+            return self.states.count(SlotState.LEASED)
+
     def counts(self) -> dict[str, int]:
         """Read without the lock the per-batch path takes: one copy of the list (atomic
         under the GIL), so a scrape may see a slot one state early or late."""

@@ -249,6 +249,8 @@ class Session:
         once instead of wedging the loader. None: the connection is over."""
         while True:
             item = self.engine.next_item(self.member, self.stop, timeout=0.02)
+            if item is None:
+                item = self.engine.relieve()  # a trainer that holds every slot
             if item is not None:
                 return item
             if not self.poller.poll(0):
