@@ -482,8 +482,12 @@ class _Owned:
         message = p.Create(**{**request.__dict__, "digest": digest}).encode()
         shipper = self.shipper
         ensure_server(socket)
-        timeout = loader.timeout or None
-        transport = SocketTransport(socket, timeout, name or "pinfeed.DataLoader")
+        # DataLoader's timeout bounds the wait for a batch from its workers (none without
+        # workers), not the loader's making
+        self.timeout = loader.timeout if loader.timeout and loader.num_workers else None
+        transport = SocketTransport(
+            socket, self.timeout, name or "pinfeed.DataLoader", attach_timeout=False
+        )
         # The CREATE (sent again by a reconnect, with the objects as last shipped in one
         # payload) refers to nothing of this object's, so the connection, which the
         # finalizer below holds, does not keep it alive.
@@ -578,6 +582,10 @@ class _Owned:
         then in flight. Else a NEXT, SKIP or SEEK follows and hands them back.
         ``ahead``: ahead of the RNG states it is to be made on (a FEED of it with them
         follows)."""
+        if indices is not None and len(indices) > p.MAX_FEED_INDICES:
+            parts, indices = p.feed_parts(self.epoch, index, indices)
+            for part in parts:
+                self.conn.send_plain(part)
         if ahead:
             assert indices is not None and not rng_state
             message = p.encode_feed_ahead(self.epoch, index, indices)
@@ -623,10 +631,10 @@ class _Owned:
             if n is None:
                 if conn.holds_slots():
                     conn.send(p.RELEASE)
-                n = conn.recv()
+                n = self._recv()
         else:
             conn.send(_NEXT)
-            n = conn.recv()
+            n = self._recv()
         conn.wait_us = (time.perf_counter_ns() - asked) // 1000
         kind = conn.buf[0]
         if kind == _BATCH:
@@ -638,6 +646,15 @@ class _Owned:
         if info is None:
             raise conn.failure(n)
         raise error_from_info(info)
+
+    def _recv(self) -> int:
+        """The reply to the NEXT in flight; DataLoader's RuntimeError where its timeout
+        passed first (the NEXT stays in flight: the next call waits for its reply)."""
+        try:
+            return self.conn.recv()
+        except TimeoutError:
+            self.next_sent = True
+            raise RuntimeError(f"DataLoader timed out after {self.timeout} seconds") from None
 
     def ask_ahead(self) -> None:
         """Send the NEXT for the item after the one just received (its FEED sent first);

@@ -65,12 +65,18 @@ class SocketTransport:
     ``recv`` polls with the loader's timeout, then receives.
     """
 
-    def __init__(self, path: Path, timeout: float | None, loader: str) -> None:
+    def __init__(
+        self, path: Path, timeout: float | None, loader: str, *, attach_timeout: bool = True
+    ) -> None:
+        """``timeout``: the most a reply is waited for (None: no bound); with
+        ``attach_timeout`` false, the first reply (ATTACHED) is waited for unbounded
+        (a pinfeed.DataLoader: DataLoader's timeout is its batches')."""
         self.path = path
         self.buf = bytearray(p.MAX_MESSAGE)
         self._loader = loader
         self._timeout = timeout
         self._timeout_ms = -1 if timeout is None else max(0, math.ceil(timeout * 1000))
+        self._attach_ms = self._timeout_ms if attach_timeout else -1
         self._sock: socket.socket | None = None
         self._readable = select.poll()
         self._fds: list[int] = []
@@ -94,7 +100,7 @@ class SocketTransport:
                 self.send_fds(request, fds)
             else:
                 self.send(request)
-            self._wait()
+            self._wait(self._attach_ms)
             n, fds = p.recv_message(sock, self.buf)
         except OSError as exc:
             sock.close()
@@ -154,9 +160,9 @@ class SocketTransport:
         if self._sock is not None:
             self._sock.close()
 
-    def _wait(self) -> None:
+    def _wait(self, timeout_ms: int | None = None) -> None:
         try:
-            ready = self._readable.poll(self._timeout_ms)
+            ready = self._readable.poll(self._timeout_ms if timeout_ms is None else timeout_ms)
         except OSError as exc:
             raise lost(exc.strerror) from None
         if not ready:

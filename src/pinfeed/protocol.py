@@ -102,6 +102,10 @@ FEED_NEXT = 1  # flag: a NEXT follows the RNG states in the same message
 # flag: a batch fed ahead of the trainer's RNG states, to be made on the states the batch
 # before left; a FEED of the same batch with the states follows (``encode_feed_ahead``)
 FEED_AHEAD = 2
+# flag: the first indices of a batch too large for one message (MAX_FEED_INDICES), alone:
+# more parts may follow, then the FEED of that batch with the rest (``feed_parts``)
+FEED_PART = 4
+MAX_FEED_INDICES = 16384
 # kind, flags, epoch, index of the first batch, batches; then each batch's size (<I) and
 # all their indices (<q), in order
 FEEDS_HEAD = struct.Struct("<BB2xIII")
@@ -364,6 +368,28 @@ def encode_feed(epoch: int, index: int, indices: list[int] | None, rng: bytes = 
         return FEED_HEAD.pack(FEED, 0, epoch, index, FEED_END, 0)
     head = FEED_HEAD.pack(FEED, 0, epoch, index, len(indices), len(rng))
     return head + struct.pack(f"<{len(indices)}q", *indices) + rng
+
+
+def feed_parts(epoch: int, index: int, indices: list[int]) -> tuple[list[bytes], list[int]]:
+    """A batch of more than MAX_FEED_INDICES indices: the FEED_PART messages of its first
+    ones, and the rest, which its FEED carries (``struct.error`` if an index is no
+    integer). A batch that fits: none, and all of them."""
+    parts = []
+    while len(indices) > MAX_FEED_INDICES:
+        part, indices = indices[:MAX_FEED_INDICES], indices[MAX_FEED_INDICES:]
+        head = FEED_HEAD.pack(FEED, FEED_PART, epoch, index, len(part), 0)
+        parts.append(head + struct.pack(f"<{len(part)}q", *part))
+    return parts, indices
+
+
+def decode_feed_part(data: Buffer) -> tuple[int, int, list[int]] | None:
+    """(epoch, index, indices) of a FEED_PART; None for any other FEED."""
+    if len(data) < FEED_HEAD.size or not data[1] & FEED_PART:
+        return None
+    _, flags, epoch, index, count, nrng = FEED_HEAD.unpack_from(data)
+    if flags != FEED_PART or nrng or count == FEED_END or len(data) != FEED_HEAD.size + 8 * count:
+        raise ValueError("a FEED_PART carries indices alone")
+    return epoch, index, list(struct.unpack_from(f"<{count}q", data, FEED_HEAD.size))
 
 
 def encode_feed_ahead(epoch: int, index: int, indices: list[int]) -> bytes:

@@ -9,6 +9,8 @@ pinfeed's and compares what each ``next()`` gave, epoch by epoch, at 0 and 2 wor
 
 from __future__ import annotations
 
+import ctypes
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -208,3 +210,101 @@ def test_a_collate_fn_whose_batches_grow(server: Server, workers: int) -> None:
         server, dataset=Growing(), batch_size=5, collate_fn=padded, num_workers=workers
     )
     assert_same_outcomes(theirs, ours)
+
+
+class Slow(Dataset[Any]):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> Any:
+        if i >= 2:
+            time.sleep(3)
+        return torch.tensor([i])
+
+
+def test_a_timeout_is_dataloaders(server: Server) -> None:
+    """DataLoader's ``timeout`` bounds the wait for a batch from its workers: its own
+    RuntimeError, in its words, at the batch that comes too late."""
+    for cls, extra in ((TorchDataLoader, {}), (pinfeed.DataLoader, {"socket": server.socket})):
+        loader = cls(Slow(), batch_size=2, num_workers=1, timeout=1, **extra)
+        it = iter(loader)
+        assert next(it).tolist() == [[0], [1]]
+        with pytest.raises(RuntimeError, match=r"DataLoader timed out after 1 seconds"):
+            next(it)
+        del it
+        if isinstance(loader, pinfeed.DataLoader):
+            loader.close()
+
+
+class Index(Dataset[Any]):
+    def __len__(self) -> int:
+        return 100_000
+
+    def __getitem__(self, i: int) -> Any:
+        return i
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_batch_of_more_indices_than_a_message_holds(server: Server, workers: int) -> None:
+    kw: dict[str, Any] = {"batch_size": 40_960, "shuffle": True, "num_workers": workers}
+    torch.manual_seed(1)
+    theirs = next(iter(TorchDataLoader(Index(), **kw)))
+    torch.manual_seed(1)
+    loader = pinfeed.DataLoader(Index(), socket=server.socket, strict=True, **kw)
+    assert torch.equal(next(iter(loader)), theirs)
+    loader.close()
+
+
+class Tagged(Dataset[Any]):
+    """Its worker_init_fn is its own method: it sets up the copy its worker reads."""
+
+    def __init__(self) -> None:
+        self.worker = -1
+
+    def init(self, worker_id: int) -> None:
+        self.worker = worker_id
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> Any:
+        return torch.tensor([i, self.worker])
+
+
+def test_a_worker_init_fn_that_is_the_datasets_own_method(server: Server) -> None:
+    for persistent in (False, True):
+        kw: dict[str, Any] = {"batch_size": 2, "num_workers": 2, "persistent_workers": persistent}
+        ds = Tagged()
+        theirs = [
+            b.clone() for _ in range(2) for b in TorchDataLoader(ds, worker_init_fn=ds.init, **kw)
+        ]
+        ds = Tagged()
+        loader = pinfeed.DataLoader(ds, worker_init_fn=ds.init, socket=server.socket, **kw)
+        ours = [b.clone() for _ in range(2) for b in loader]
+        loader.close()
+        assert [b.tolist() for b in ours] == [b.tolist() for b in theirs]
+
+
+class Crashes(Dataset[Any]):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> Any:
+        if i == 5:
+            ctypes.string_at(0)  # a segmentation fault in the process that reads it
+        return torch.tensor([i])
+
+
+@pytest.mark.slow
+def test_a_sample_that_kills_its_worker(server: Server) -> None:
+    """DataLoader raises a RuntimeError naming the worker (and the signal, where it saw
+    one); so does pinfeed's (its pool tries the batch again twice, in new workers,
+    first)."""
+    for cls, extra in ((TorchDataLoader, {}), (pinfeed.DataLoader, {"socket": server.socket})):
+        loader = cls(Crashes(), batch_size=2, num_workers=2, **extra)
+        killed = r"DataLoader worker \(pid(\(s\))? \d+\) (is killed by signal|exited unexpectedly)"
+        with pytest.raises(RuntimeError, match=killed):
+            for _ in loader:
+                pass
+        if isinstance(loader, pinfeed.DataLoader):
+            loader.close()

@@ -279,6 +279,7 @@ class DataPlaneServer:
             self._replay(conn, memoryview(buf)[:n])
             return None
         owned: str | None = None
+        engine: LoaderEngine | None = None
         try:
             if buf[0] == p.CREATE:
                 engine = self._created(memoryview(buf)[:n], fds, peer)
@@ -289,7 +290,7 @@ class DataPlaneServer:
                 except ValueError as exc:
                     raise ProtocolError(f"the first message must be an ATTACH: {exc}") from None
                 self._check_version(request.version)
-                engine = self._lookup(request.loader)  # type: ignore[assignment]
+                engine = self._lookup(request.loader)
                 if engine is None:
                     raise LoaderNotFound(
                         f"no loader named {request.loader!r}; create it with POST /v1/loaders"
@@ -298,7 +299,7 @@ class DataPlaneServer:
             member = engine.attach(None if owned else request.member)
         except PinfeedError as exc:
             conn.send(exc.info().encode())
-            del engine  # as in _serve: nothing here holds the loader while it goes
+            engine = None  # as in _serve: nothing here holds the loader while it goes
             if owned is not None and self._owner_gone is not None:
                 self._owner_gone(owned)
             return None

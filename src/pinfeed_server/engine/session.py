@@ -20,6 +20,7 @@ from pinfeed_server.engine.ring import Ring
 
 # a pinfeed.DataLoader's objects, epoch and index batches
 _FED = (p.EPOCH, p.FEED, p.FEEDS, p.OBJECTS)
+MAX_BATCH_INDICES = 1 << 26  # a batch's indices, across FEED parts (512 MiB of them)
 
 
 class Session:
@@ -49,6 +50,8 @@ class Session:
         self.poller = select.poll()
         self.poller.register(conn, select.POLLIN | select.POLLRDHUP)
         self.fds: list[int] = []  # what the last message brought (an OBJECTS' payload)
+        # (epoch, index) -> the first indices of a batch too large for one FEED
+        self.parts: dict[tuple[int, int], list[int]] = {}
 
     def error(self, exc: DataPlaneError | InvalidRequest) -> None:
         self.conn.send(exc.info().encode())
@@ -206,7 +209,17 @@ class Session:
                 if ended:
                     self.engine.feed(epoch, index + len(batches), None, None)
                 return True, None
+            part = p.decode_feed_part(message)
+            if part is not None:  # a batch too large for one message: its first indices
+                first = self.parts.setdefault(part[:2], [])
+                first.extend(part[2])
+                if len(first) > MAX_BATCH_INDICES:
+                    raise ValueError(f"a batch of more than {MAX_BATCH_INDICES} indices")
+                return True, None
             epoch, index, indices, rng, ahead, then = p.decode_feed(message)
+            first = self.parts.pop((epoch, index), [])
+            if first and indices is not None:
+                indices = first + indices
             self.engine.feed(epoch, index, indices, rng or None, ahead)
         except ValueError as exc:
             self.error(ProtocolError(str(exc)))

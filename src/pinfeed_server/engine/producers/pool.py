@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing as mp
+import signal
 import threading
 import time
 from multiprocessing import reduction
@@ -321,9 +322,9 @@ class WorkerPool:
                         self.streams.forget(stream)
                 tasks = sorted(dead.outstanding.items())
             dead.conn.close()
-            self._resend(tasks, code)
+            self._resend(tasks, code, dead.process.pid)
 
-    def _resend(self, tasks: list[tuple[int, Task]], code: int | None) -> None:
+    def _resend(self, tasks: list[tuple[int, Task]], code: int | None, pid: int) -> None:
         for i, (seq, task) in enumerate(tasks):
             if i == 0:
                 # Workers take tasks in order: only the oldest was being made when it
@@ -342,7 +343,7 @@ class WorkerPool:
                 if tries > MAX_TASK_RETRIES:
                     with self._lock:
                         self.streams.poison(task.epoch, task.index)
-                    self._on_result(_worker_died(task, code, tries))
+                    self._on_result(_worker_died(task, code, tries, pid))
                     continue
             self._give(task)
 
@@ -372,11 +373,21 @@ class WorkerPool:
         self._retiring.clear()
 
 
-def _worker_died(task: Task, code: int | None, tries: int) -> Result:
+def _worker_died(task: Task, code: int | None, tries: int, pid: int) -> Result:
+    """The batch whose making killed its worker ``tries`` times, the last one ``pid``:
+    DataLoader's RuntimeError, in its words (a signal named), which a trainer catches as
+    ``RuntimeError`` (and as ``SampleError``)."""
     indices = (task.indices or [])[:8]
+    if code is not None and code < 0:
+        how = f"is killed by signal: {signal.strsignal(-code)}."
+    else:
+        how = f"exited unexpectedly (exit code {code})."
     died = SampleError(
-        f"worker died (exit code {code}) {tries} times producing the batch of indices {indices}...",
+        f"DataLoader worker (pid {pid}) {how} It died {tries} times making the batch of "
+        f"indices {indices}...: the sample (or collate_fn) crashes its process",
         index=None,
-        error_type="WorkerDied",
+        error_type="RuntimeError",
+        error_module="builtins",
+        reason="worker-died",
     )
     return Result(task.seq, error=died.info())

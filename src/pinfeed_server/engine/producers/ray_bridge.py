@@ -215,7 +215,9 @@ class Bridge:
             f"a Ray actor died {tries} times producing the batch of indices "
             f"{(task.indices or [])[:8]}...",
             index=None,
-            error_type="WorkerDied",
+            error_type="RuntimeError",
+            error_module="builtins",
+            reason="worker-died",
         )
         self._result(Result(seq, error=died.info()))
         return True
