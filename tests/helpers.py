@@ -40,12 +40,10 @@ def assert_same(got: Any, want: Any, where: str = "batch") -> None:
         assert isinstance(got, np.ndarray), f"{where}: {type(got)} is not a numpy array"
         assert got.dtype == want.dtype and np.array_equal(got, want), f"{where}: arrays differ"
         return
-    if isinstance(want, tuple) and hasattr(want, "_fields"):
-        assert type(got).__name__ == type(want).__name__, f"{where}: {type(got)} != {type(want)}"
-        assert got._fields == want._fields
-    else:
-        assert type(got) is type(want), f"{where}: {type(got).__name__} != {type(want).__name__}"
-    if isinstance(want, dict):
+    assert type(got) is type(want), (
+        f"{where}: {type(got).__qualname__} != {type(want).__qualname__}"
+    )
+    if isinstance(want, Mapping):
         assert list(got) == list(want), f"{where}: keys {list(got)} != {list(want)}"
         for k in want:
             assert_same(got[k], want[k], f"{where}[{k!r}]")

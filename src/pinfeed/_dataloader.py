@@ -833,14 +833,6 @@ def _index(i: Any) -> int:
     except TypeError:
         pass
     shown = repr(i) if len(repr(i)) < 60 else f"{repr(i)[:57]}..."
-    if isinstance(i, list | tuple):  # index lists from a sampler that is no BatchSampler
-        raise TypeError(
-            f"pinfeed.DataLoader: the sampler yielded {shown}; without automatic batching "
-            "(batch_size=None) the server reads an integer index per item, or an index "
-            "list where the sampler is a torch BatchSampler (dataset[indices]): make it "
-            "one (a subclass), or give it as batch_sampler= and define "
-            "__getitems__(indices) on the dataset"
-        )
     raise TypeError(
         f"pinfeed.DataLoader: the sampler yielded {shown} ({type(i).__name__}); the server "
         "reads a map-style dataset by integer index: make the sampler yield ints, and map "
@@ -1017,9 +1009,10 @@ class _Iter(_BaseDataLoaderIter):
         """``send`` the sampler's ``indices`` as the index batch the server reads: torch's
         batch samplers yield lists of ints, sent as they are (anything else DataLoader
         indexes with, numpy or tensor integers, as ints); without automatic batching the
-        sampler's one index is a batch of one. Returns the batch sent."""
+        sampler's one index is a batch of one, an index list it yields the batch after
+        ``ITEM_LIST`` (``dataset[indices]``, as DataLoader reads it). Returns the batch sent."""
         if self._owned.one_index:
-            indices = [indices]
+            indices = [p.ITEM_LIST, *indices] if isinstance(indices, list | tuple) else [indices]
         batch = indices if type(indices) is list else list(indices)
         try:
             send(batch)

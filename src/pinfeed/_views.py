@@ -18,7 +18,8 @@ import json
 import math
 import mmap
 import os
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -32,23 +33,72 @@ Builder = Callable[[list[Any]], Any]
 
 def builder(node: list[Any]) -> Builder:
     """Turn a treedef into a function from flat leaves to the nested batch."""
-    tag, body = node
+    tag, body = node[:2]
     if tag == "leaf":
         j = int(body)
+        if len(node) > 2:  # a "tuple" of strings
+            return lambda leaves: tuple(leaves[j])
         return lambda leaves: leaves[j]
     if tag == "dict":
         keys = [k for k, _ in body]
         subs = [builder(c) for _, c in body]
-        return lambda leaves: {k: f(leaves) for k, f in zip(keys, subs, strict=True)}
+        items = lambda leaves: {k: f(leaves) for k, f in zip(keys, subs, strict=True)}  # noqa: E731
+        mapping = find_class(node[2], Mapping) if len(node) > 2 else None
+        return items if mapping is None else _as_mapping(mapping, items)
     if tag == "namedtuple":
         typename, fields, children = body
-        cls = collections.namedtuple(typename, fields)  # type: ignore[misc]
+        found = find_class(node[2], tuple, tuple(fields)) if len(node) > 2 else None
+        cls = found or collections.namedtuple(typename, fields)
         nsubs = [builder(c) for c in children]
         return lambda leaves: cls(*(f(leaves) for f in nsubs))
     subs = [builder(c) for c in body]
     if tag == "list":
         return lambda leaves: [f(leaves) for f in subs]
     return lambda leaves: tuple(f(leaves) for f in subs)
+
+
+def find_class(spec: str, base: type, fields: tuple[str, ...] | None = None) -> type | None:
+    """The trainer's class a treedef node names (``module:qualname``), if its module is
+    imported here (nothing is imported for it) and it is a ``base`` (with these
+    ``_fields``, for a namedtuple); else None. ``collections.namedtuple`` made in a class
+    body keeps its bare name as its qualname, so a name not found by its path is looked
+    for among the module's classes' own attributes too."""
+    module_name, _, qualname = spec.partition(":")
+    module = sys.modules.get(module_name)
+    if module is None:
+        return None
+
+    def fits(obj: Any) -> bool:
+        return (
+            isinstance(obj, type)
+            and issubclass(obj, base)
+            and (fields is None or getattr(obj, "_fields", None) == fields)
+        )
+
+    obj: Any = module
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    if fits(obj):
+        return obj  # type: ignore[no-any-return]
+    name = qualname.rpartition(".")[2]
+    for holder in list(vars(module).values()):
+        if isinstance(holder, type) and fits(found := vars(holder).get(name)):
+            return found
+    return None
+
+
+def _as_mapping(cls: type, items: Builder) -> Builder:
+    """default_collate's mapping of the samples' class: ``cls(dict)``, or the dict where
+    the class is not made from one (its TypeError, as default_collate falls back)."""
+
+    def build(leaves: list[Any]) -> Any:
+        made = items(leaves)
+        try:
+            return cls(made)
+        except TypeError:
+            return made
+
+    return build
 
 
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -106,6 +106,9 @@ FEED_AHEAD = 2
 # more parts may follow, then the FEED of that batch with the rest (``feed_parts``)
 FEED_PART = 4
 MAX_FEED_INDICES = 16384
+# A fed batch of an unbatched loader (Unbatched) that begins with ITEM_LIST is one item
+# the sampler yielded as an index list: read as dataset[indices] (DataLoader's bulk read).
+ITEM_LIST = -(2**63)
 # kind, flags, epoch, index of the first batch, batches; then each batch's size (<I) and
 # all their indices (<q), in order
 FEEDS_HEAD = struct.Struct("<BB2xIII")
@@ -134,6 +137,12 @@ def default_socket_path() -> Path:
     """``PINFEED_SOCKET`` if set, else the server's default path."""
     env = os.environ.get("PINFEED_SOCKET")
     return Path(env) if env else default_run_dir() / DEFAULT_SOCKET_NAME
+
+
+def container(tag: str, body: list[Any], cls: type, builtin: type | None = None) -> list[Any]:
+    """A treedef node of a container of class ``cls``: ``[tag, body]`` where ``cls`` is
+    the ``builtin`` one, else ``[tag, body, "module:qualname"]``."""
+    return [tag, body] if cls is builtin else [tag, body, f"{cls.__module__}:{cls.__qualname__}"]
 
 
 def align(n: int, to: int = ALIGN) -> int:
@@ -185,7 +194,10 @@ class Leaf:
 class Layout:
     """A batch's structure: a treedef (``["leaf", j]``, ``["list" | "tuple", [..]]``,
     ``["dict", [[key, ..]]]``, ``["namedtuple", [name, fields, [..]]]``) over leaves,
-    each at a fixed offset in a slot."""
+    each at a fixed offset in a slot. A container node of a class other than the
+    builtin one (a namedtuple, an ``OrderedDict``, HF's ``BatchEncoding``) carries its
+    ``module:qualname`` third (``container``): the trainer rebuilds that class where it
+    finds it."""
 
     treedef: list[Any]
     leaves: tuple[Leaf, ...]

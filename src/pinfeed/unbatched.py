@@ -11,13 +11,17 @@ server's fetch reads the one sample as DataLoader's does where the collate is on
 
 The batched read DataLoader is tuned with (a ``BatchSampler`` given as ``sampler=``,
 ``batch_size=None``: ``dataset[indices]`` makes the whole batch in one call) is
-``by_list``: each index list is fed as it is, and read as ``dataset[indices]``.
+``by_list``: each index list is fed as it is, and read as ``dataset[indices]``. Any other
+sampler may yield an index list too, item by item: that one is fed after
+``protocol.ITEM_LIST`` and read as ``dataset[indices]`` the same way (``key``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from pinfeed.protocol import ITEM_LIST
 
 
 class Unbatched:
@@ -27,6 +31,16 @@ class Unbatched:
     def __init__(self, collate_fn: Callable[[Any], Any], by_list: bool = False) -> None:
         self.collate_fn = collate_fn
         self.by_list = by_list  # each fed batch is one index list: dataset[indices]
+
+    def key(self, indices: Sequence[int]) -> int | list[int]:
+        """What the dataset is indexed with for a fed batch: its one index, or the
+        index list the sampler yielded (``by_list``, or after ``ITEM_LIST``)."""
+        if self.by_list:
+            return list(indices)
+        if indices[0] == ITEM_LIST:
+            return list(indices[1:])
+        (index,) = indices
+        return index
 
     def __call__(self, samples: list[Any]) -> Any:
         (sample,) = samples

@@ -81,8 +81,9 @@ class Mixed(Dataset[Any]):
             "weight": i / 7.0,
             "flag": bool(i % 2),
             "name": f"sample-{i}",
-            "nested": (torch.tensor([i, -i]), [i * 2, {"deep": torch.ones(2) * i}]),
+            "nested": (torch.tensor([i, -i]), [i * 2, {"deep": torch.ones(2) * i}, f"n{i}"]),
             "pair": Pair(torch.tensor(i), float(i)),
+            "ordered": collections.OrderedDict(b=torch.tensor(i), a=f"{i}"),
         }
 
 
@@ -576,6 +577,54 @@ def test_a_lambda_collate_fn_and_a_plain_function(server: Server, workers: int) 
     )
 
 
+class InClassBody(Dataset[Any]):
+    """Namedtuples made in a class body, as torch's test_dataloader_with_namedtuple's: no
+    import finds them by name, so only num_workers=0 DataLoader can carry them (its
+    workers' queue pickles by name)."""
+
+    Batch = collections.namedtuple("Batch", ["data", "label", "random_tensor"])
+    Data = collections.namedtuple("Data", ["positive", "negative"])
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> Any:
+        return self.Batch(self.Data(i, -i), str(i), torch.arange(3) * i)
+
+
+def test_namedtuples_made_in_a_class_body(server: Server) -> None:
+    check(server, lambda cls, x: cls(InClassBody(), batch_size=2, **x), epochs=1)
+    check(server, lambda cls, x: cls(InClassBody(), batch_size=None, **x), epochs=1)
+
+
+class Encoding(collections.UserDict[str, Any]):
+    """A mapping that is not a dict, as HF's BatchEncoding is."""
+
+
+def encode(samples: list[Any]) -> Encoding:
+    return Encoding(default_collate([{"x": x, "i": i} for x, i in samples]))
+
+
+def test_a_collate_fns_mapping_and_namedtuple_classes(server: Server, workers: int) -> None:
+    # The batch is of the collate_fn's classes, as DataLoader gives it.
+    check(
+        server,
+        lambda cls, x: cls(Squares(), batch_size=4, num_workers=workers, collate_fn=encode, **x),
+        epochs=1,
+    )
+    check(
+        server,
+        lambda cls, x: cls(
+            Squares(),
+            batch_size=4,
+            num_workers=workers,
+            collate_fn=lambda s: Pair(*default_collate(s)),
+            **x,
+        ),
+        epochs=1,
+    )
+
+
 def test_a_module_of_the_scripts_own_goes_by_value(
     server: Server, workers: int, tmp_path: Path
 ) -> None:
@@ -703,6 +752,43 @@ class ReadsBatches(Dataset[Any]):
 
     def __getitem__(self, indices: list[int]) -> Any:
         return {"x": self.table[indices], "noise": torch.rand(len(indices))}
+
+
+class ListsThenInts(Sampler[Any]):
+    """A plain sampler (no BatchSampler) yielding index lists, one of one index, an empty
+    one and a bare index: DataLoader reads each item as it is, dataset[item]."""
+
+    def __init__(self, n: int, generator: torch.Generator) -> None:
+        self.n, self.generator = n, generator
+
+    def __iter__(self) -> Iterator[Any]:
+        order = torch.randperm(self.n, generator=self.generator)
+        yield from (x.tolist() for x in order[:-2].split(4))
+        yield [int(order[-2])]
+        yield []
+        yield int(order[-1])
+
+    def __len__(self) -> int:
+        return math.ceil((self.n - 2) / 4) + 3
+
+
+class TakesListsOrInts(ReadsBatches):
+    def __getitem__(self, key: Any) -> Any:
+        return super().__getitem__(key if isinstance(key, list) else [key, key])
+
+
+def test_a_plain_sampler_yielding_index_lists(server: Server, workers: int) -> None:
+    # torch's test_bulk_loading_nobatch: batch_size=None, a sampler of index lists
+    check(
+        server,
+        lambda cls, x: cls(
+            TakesListsOrInts(),
+            batch_size=None,
+            sampler=ListsThenInts(45, torch.Generator().manual_seed(4)),
+            num_workers=workers,
+            **x,
+        ),
+    )
 
 
 def test_batch_size_none_without_automatic_batching(server: Server, workers: int) -> None:

@@ -24,7 +24,14 @@ import numpy as np
 import torch
 
 from pinfeed.errors import BatchTooLarge
-from pinfeed.protocol import BATCH_HEAD, MAX_MESSAGE, Leaf, align, encode_batch_layout
+from pinfeed.protocol import (
+    BATCH_HEAD,
+    MAX_MESSAGE,
+    Leaf,
+    align,
+    container,
+    encode_batch_layout,
+)
 
 __all__ = ["OutputError", "OutputPlan", "output_leaves", "write_output"]
 
@@ -91,12 +98,13 @@ class _Walk:
                 if type(k) not in (str, int):
                     raise OutputError(f"{where}: dict keys must be str or int, got {k!r}")
                 items.append([k, self.walk(v, f"{where}[{k!r}]")])
-            return ["dict", items]
+            return container("dict", items, type(value), dict)
         if isinstance(value, tuple) and hasattr(value, "_fields"):
             children = [
                 self.walk(v, f"{where}.{f}") for f, v in zip(value._fields, value, strict=True)
             ]
-            return ["namedtuple", [type(value).__name__, list(value._fields), children]]
+            body = [type(value).__name__, list(value._fields), children]
+            return container("namedtuple", body, type(value))
         if isinstance(value, (tuple, list)):
             tag = "tuple" if isinstance(value, tuple) else "list"
             return [tag, [self.walk(v, f"{where}[{i}]") for i, v in enumerate(value)]]

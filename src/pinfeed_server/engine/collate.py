@@ -32,7 +32,7 @@ import torch
 from torch.utils.data import default_collate
 
 from pinfeed.errors import BatchTooLarge, SampleError
-from pinfeed.protocol import MAX_MESSAGE, Layout, Leaf, align
+from pinfeed.protocol import MAX_MESSAGE, Layout, Leaf, align, container
 from pinfeed.unbatched import Unbatched
 from pinfeed_server.datasets.base import Fetch, batch_fetch
 from pinfeed_server.engine.batchlayout import OutputError, OutputPlan, output_leaves
@@ -91,23 +91,28 @@ def probe(sample: Any, batch_size: int) -> Layout:
     """The layout of a batch of ``batch_size`` samples shaped like ``sample``."""
     specs: list[tuple[str, str, tuple[int, ...]]] = []
 
-    def walk(value: Any) -> TreeDef:
+    def walk(value: Any, zipped: bool = False) -> TreeDef:
         leaf = _leaf_of(value)
         if leaf is not None:
             specs.append(leaf)
-            return ["leaf", len(specs) - 1]
+            # default_collate's strings are the batch's as it transposed them: a sequence's
+            # or namedtuple's by zip (a tuple), a dict's or the batch's own (a list)
+            node: TreeDef = ["leaf", len(specs) - 1]
+            return [*node, "tuple"] if zipped and leaf[0] == "str" else node
         if isinstance(value, Mapping):
             for k in value:
                 if not isinstance(k, (str, int)):
                     raise LayoutError(f"dict keys must be str or int, got {type(k).__name__}")
-            return ["dict", [[k, walk(v)] for k, v in value.items()]]
+            items = [[k, walk(v)] for k, v in value.items()]
+            # default_collate keeps a mapping's class (a MutableMapping's by a copy)
+            return container("dict", items, type(value), dict)
         if isinstance(value, tuple) and hasattr(value, "_fields"):
-            # default_collate rebuilds namedtuples; the client rebuilds one of this name.
-            children = [walk(v) for v in value]
-            return ["namedtuple", [type(value).__name__, list(value._fields), children]]
+            # default_collate rebuilds namedtuples; the trainer rebuilds this class.
+            body = [type(value).__name__, list(value._fields), [walk(v, True) for v in value]]
+            return container("namedtuple", body, type(value))
         if isinstance(value, (tuple, list)):
             # default_collate returns a list for tuple samples too ("backwards compatibility").
-            return ["list", [walk(v) for v in value]]
+            return ["list", [walk(v, True) for v in value]]
         raise LayoutError(
             f"default_collate cannot batch {type(value).__name__}; samples must be tensors, "
             "numpy arrays, numbers or strings in tuples, lists or dicts"
@@ -132,7 +137,7 @@ def describe(layout: Layout) -> Any:
     sample's (a fixed layout), or the first batch's (a per-batch layout)."""
 
     def walk(node: list[Any]) -> Any:
-        tag, body = node
+        tag, body = node[:2]
         if tag == "leaf":
             leaf = layout.leaves[body]
             if leaf.kind in ("str", "obj"):
@@ -232,7 +237,7 @@ def loader_layout(
 
 def flatten(sample: Any, treedef: TreeDef, out: list[Any]) -> None:
     """Append ``sample``'s leaves in treedef order; LayoutError if its structure differs."""
-    tag, body = treedef
+    tag, body = treedef[:2]
     if tag == "leaf":
         out.append(sample)
     elif tag == "dict":
@@ -273,11 +278,11 @@ def fetch_samples(
     sampler's index as it yielded it: ``dataset[index]``, or ``dataset[indices]`` where
     it yields index lists."""
     if isinstance(collate_fn, Unbatched):
-        key: Any = list(indices) if collate_fn.by_list else indices[0]
+        key = collate_fn.key(indices)
         try:
             return [dataset[key]]
         except Exception as exc:
-            at = None if collate_fn.by_list else key
+            at = key if isinstance(key, int) else None
             raise dataset_error(
                 exc, f"sample {key} raised {type(exc).__name__}: {exc}", at
             ) from exc
