@@ -13,6 +13,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pinfeed.errors import Conflict
+from pinfeed_server.errors import DomainError
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS datasets (
     name TEXT PRIMARY KEY,
@@ -36,8 +39,10 @@ CREATE TABLE IF NOT EXISTS elastic (
 # record), so that its plan, and replays of its batches, survive a server restart.
 
 
-class DuplicateName(Exception):
-    pass
+class DuplicateName(DomainError):
+    """A name the registry holds already (a 409, naming it)."""
+
+    problem = Conflict
 
 
 class Registry:
@@ -58,7 +63,9 @@ class Registry:
         with self._lock:
             self._db.close()
 
-    def _write(self, sql: str, args: tuple[Any, ...]) -> int:
+    def _write(self, sql: str, args: tuple[Any, ...], taken: str = "") -> int:
+        """``sql`` in a transaction of its own; a name held already is a DuplicateName
+        saying ``taken``."""
         with self._lock:
             try:
                 self._db.execute("BEGIN IMMEDIATE")
@@ -67,7 +74,7 @@ class Registry:
                 return cur.rowcount
             except sqlite3.IntegrityError as exc:
                 self._db.execute("ROLLBACK")
-                raise DuplicateName(str(exc)) from None
+                raise DuplicateName(taken or str(exc)) from None
             except BaseException:
                 if self._db.in_transaction:
                     self._db.execute("ROLLBACK")
@@ -85,6 +92,7 @@ class Registry:
         self._write(
             "INSERT INTO datasets (name, kind, params, created_at, cache) VALUES (?, ?, ?, ?, ?)",
             (name, kind, json.dumps(params), now, None if cache is None else json.dumps(cache)),
+            f"dataset {name!r} exists",
         )
         return now
 
@@ -110,7 +118,9 @@ class Registry:
     def add_loader(self, name: str, dataset: str, config: dict[str, Any]) -> float:
         now = time.time()
         self._write(
-            "INSERT INTO loaders VALUES (?, ?, ?, ?)", (name, dataset, json.dumps(config), now)
+            "INSERT INTO loaders VALUES (?, ?, ?, ?)",
+            (name, dataset, json.dumps(config), now),
+            f"loader {name!r} exists",
         )
         return now
 

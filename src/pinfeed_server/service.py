@@ -30,15 +30,11 @@ from pydantic import ValidationError
 
 from pinfeed import errors, payload, protocol
 from pinfeed_server import cache
-from pinfeed_server.cache import CachedDataset, CacheSpec, NotCacheable
+from pinfeed_server.cache import CachedDataset, CacheSpec
 from pinfeed_server.cache.region import Region
 from pinfeed_server.cache.shipped import ShippedCaches
-from pinfeed_server.datasets import KINDS, DatasetContext, DatasetError, build_dataset, shipped
-from pinfeed_server.engine.collate import (
-    LayoutError,
-    describe,
-    probe,
-)
+from pinfeed_server.datasets import KINDS, DatasetContext, build_dataset, shipped
+from pinfeed_server.engine.collate import describe, probe
 from pinfeed_server.engine.config import (
     KEEP,
     NAME_PATTERN,
@@ -55,11 +51,12 @@ from pinfeed_server.engine.iterable import (
     is_iterable,
 )
 from pinfeed_server.engine.loader import LoaderEngine
-from pinfeed_server.engine.prepare import ConfigError, prepare
+from pinfeed_server.engine.prepare import prepare
 from pinfeed_server.engine.producers import Zygotes, configure_forkserver, executors
 from pinfeed_server.engine.producers.inline import GLOBAL_RNG
 from pinfeed_server.engine.stats import StatsSnapshot
 from pinfeed_server.engine.status import LoaderStatus
+from pinfeed_server.errors import DomainError, problem_of
 from pinfeed_server.malloc import return_big_buffers
 from pinfeed_server.node.arbiter import NodeArbiter
 from pinfeed_server.node.budget import NodeBudget
@@ -209,11 +206,8 @@ class Service:
                     row["dataset"], row["config"], self.registry.elastic(row["name"])
                 )
             except Exception as exc:  # one bad row must not keep the others from starting
-                detail = (
-                    exc.detail
-                    if isinstance(exc, errors.ProblemError)
-                    else (f"{type(exc).__name__}: {exc}")
-                )
+                problem = problem_of(exc)
+                detail = f"{type(exc).__name__}: {exc}" if problem is None else problem.detail
                 log.error("loader %s from the registry cannot start: %s", row["name"], detail)
                 self._unstarted[row["name"]] = row | {"detail": detail}
 
@@ -262,8 +256,8 @@ class Service:
         if DEMO_LOADER.name not in self.loaders and DEMO_LOADER.name not in self._unstarted:
             try:
                 self.create_loader(DEMO_LOADER)
-            except errors.ProblemError as exc:  # e.g. a budget too small: serve anyway
-                log.error("the demo loader cannot start: %s", exc.detail)
+            except (errors.ProblemError, DomainError) as exc:  # a budget too small: serve anyway
+                log.error("the demo loader cannot start: %s", exc)
 
     # -- datasets ----------------------------------------------------------------------
     def _open(
@@ -275,8 +269,8 @@ class Service:
             if name not in self._datasets:
                 try:
                     ds = build_dataset(kind, params, self.context)
-                except DatasetError as exc:
-                    raise errors.InvalidRequest(str(exc)) from None
+                except DomainError:
+                    raise
                 except Exception as exc:  # a corrupt file is the caller's problem, not a 500
                     log.warning("dataset %s cannot open", name, exc_info=True)
                     raise errors.InvalidRequest(
@@ -292,11 +286,8 @@ class Service:
     ) -> CachedDataset:
         """``ds`` behind a cache: checked (a 422 naming what moved), admitted by the
         node's budget (507), mapped (a persisted file reopened or rebuilt)."""
-        try:
-            with GLOBAL_RNG:  # the check watches the process's RNGs
-                probe = cache.check(f"dataset {name!r}", ds)
-        except NotCacheable as exc:
-            raise errors.InvalidRequest(str(exc)) from None
+        with GLOBAL_RNG:  # the check watches the process's RNGs
+            probe = cache.check(f"dataset {name!r}", ds)
         nbytes = cache.reservation(spec, probe, len(ds))
         self.budget.admit_cache(name, nbytes)
         return cache.build(
@@ -332,10 +323,7 @@ class Service:
             params = body.params
             spec = None if body.cache is None else body.cache.model_dump()
             self._open(body.name, body.kind, params, spec)
-            try:
-                self.registry.add_dataset(body.name, body.kind, params, spec)
-            except DuplicateName:
-                raise errors.Conflict(f"dataset {body.name!r} exists") from None
+            self.registry.add_dataset(body.name, body.kind, params, spec)
             return self.describe_dataset(body.name)
 
     def list_datasets(self) -> list[dict[str, Any]]:
@@ -346,13 +334,17 @@ class Service:
         spec = row.pop("cache")
         try:
             ds = self._open(name, row["kind"], row["params"], spec)
+        except Exception as exc:  # refused as a request would be: shown as that problem
+            shown = problem_of(exc) or exc
+            return row | {"error": f"{type(shown).__name__}: {shown}"}
+        try:
             if isinstance(ds, CachedDataset):
                 row["cache"] = ds.cache.stats()
                 ds = ds.base  # sample 0 as the dataset reads it: no hit or miss counted
             with GLOBAL_RNG:  # not while an inline loader has its RNGs swapped in
                 sample = first_samples(ds)[0] if is_iterable(ds) else ds[0]
                 row |= {"length": dataset_len(ds), "sample": describe(probe(sample, 1))}
-        except (errors.ProblemError, LayoutError, Exception) as exc:
+        except Exception as exc:  # its first sample, shown as it raised
             row |= {"error": f"{type(exc).__name__}: {exc}"}
         return row
 
@@ -418,7 +410,7 @@ class Service:
             except DuplicateName:
                 self.loaders.pop(body.name)
                 engine.close()
-                raise errors.Conflict(f"loader {body.name!r} exists") from None
+                raise
             return self.describe_loader(body.name)
 
     def _start_loader(
@@ -431,10 +423,7 @@ class Service:
         # Without max_batch_bytes, a collate_fn loader's ring takes at most a quarter of
         # the budget left (collate.loader_layout).
         cap = max(0, self.settings.max_shm_bytes - self.shm_used()) // (4 * ring_slots(cfg))
-        try:
-            ready = prepare(cfg, ds, kind, self.executors, self.context.allowed_plugins, cap)
-        except ConfigError as exc:
-            raise errors.InvalidRequest(str(exc)) from None
+        ready = prepare(cfg, ds, kind, self.executors, self.context.allowed_plugins, cap)
         workers = cfg.num_workers if ready.executor.counts_workers else 0
         self._admit(cfg, ring_slots(cfg) * ready.layout.slot_bytes, workers)
         # The dataset's zygote starts with the first local worker process, in the
@@ -542,11 +531,8 @@ class Service:
         return engine
 
     def _start_owned(self, name: str, request: protocol.Create, fd: int) -> LoaderEngine:
-        try:
-            with GLOBAL_RNG:  # the trainer's code runs here: not on a loader's RNGs
-                objects = shipped.load(fd)
-        except DatasetError as exc:
-            raise errors.InvalidRequest(str(exc)) from None
+        with GLOBAL_RNG:  # the trainer's code runs here: not on a loader's RNGs
+            objects = shipped.load(fd)
         if not request.cache:
             return self._start_shipped(name, request, fd, objects, None)
         name_ok = request.cache_name is None or re.fullmatch(NAME_PATTERN, request.cache_name)
@@ -555,13 +541,10 @@ class Service:
                 f"pinfeed.DataLoader: cache={request.cache_name!r}: a cache's name is "
                 "letters, digits, '.', '_' and '-', 1-63 characters"
             )
-        try:
-            with GLOBAL_RNG:  # the check reads the trainer's dataset
-                objects.dataset, region = self.shipped_caches.attach(
-                    request.cache_name, name, objects.dataset, request.cache_max_bytes
-                )
-        except NotCacheable as exc:
-            raise errors.InvalidRequest(str(exc)) from None
+        with GLOBAL_RNG:  # the check reads the trainer's dataset
+            objects.dataset, region = self.shipped_caches.attach(
+                request.cache_name, name, objects.dataset, request.cache_max_bytes
+            )
         try:
             return self._start_shipped(name, request, fd, objects, region)
         except BaseException:
@@ -607,19 +590,16 @@ class Service:
         code = LoaderCode(objects.collate_fn, objects.worker_init_fn)
         params = shipped.params(objects)
         cap = max(0, self.settings.max_shm_bytes - self.shm_used()) // (4 * ring_slots(cfg))
-        try:
-            ready = prepare(
-                cfg,
-                objects.dataset,
-                shipped.KIND,
-                self.executors,
-                self.context.allowed_plugins,
-                cap,
-                code=code,
-                plan=plan,
-            )
-        except ConfigError as exc:
-            raise errors.InvalidRequest(str(exc)) from None
+        ready = prepare(
+            cfg,
+            objects.dataset,
+            shipped.KIND,
+            self.executors,
+            self.context.allowed_plugins,
+            cap,
+            code=code,
+            plan=plan,
+        )
         workers = cfg.num_workers if ready.executor.counts_workers else 0
         self._admit(cfg, ring_slots(cfg) * ready.layout.slot_bytes, workers)
         zygote = functools.partial(

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from pinfeed_server.cache import record
+from pinfeed_server.errors import DomainError
 
 PROBES = 8
 FIX = (
@@ -33,7 +34,7 @@ KEEPS = (
 )
 
 
-class NotCacheable(ValueError):
+class NotCacheable(DomainError, ValueError):
     """A dataset the cache cannot keep; the message says why and what to do."""
 
 

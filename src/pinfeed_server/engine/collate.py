@@ -37,6 +37,7 @@ from pinfeed.unbatched import Unbatched
 from pinfeed_server.datasets.base import Fetch, batch_fetch
 from pinfeed_server.engine.batchlayout import OutputError, output_leaves, write_output
 from pinfeed_server.engine.ring import SlotSpace  # a ring of several segments
+from pinfeed_server.errors import DomainError
 
 __all__ = [
     "Layout",
@@ -58,7 +59,7 @@ MARGIN = 4
 MIN_SLOT_BYTES = 1 << 20
 
 
-class LayoutError(ValueError):
+class LayoutError(DomainError, ValueError):
     """A sample's structure cannot be batched the way the first sample was."""
 
 
