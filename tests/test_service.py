@@ -17,8 +17,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from pydantic import BaseModel, ValidationError
 
 from pinfeed import errors
+from pinfeed_server import schemas
+from pinfeed_server.engine import config
+from pinfeed_server.engine.config import LiveChange
 from pinfeed_server.schemas import DatasetCreate, LoaderCreate, LoaderPatch
 from pinfeed_server.service import Service
 from pinfeed_server.settings import Settings
@@ -331,3 +335,37 @@ def test_a_live_change_is_in_the_registry_and_survives_a_restart(
     back = service.describe_loader("a")
     assert (back["num_workers"], back["prefetch_factor"], back["autotune"]) == (2, 3, AUTOTUNE)
     assert (back["seed"], back["executor"]) == (5, "thread")
+
+
+# -- a live field, declared once -----------------------------------------------------------------
+@pytest.fixture()
+def live_group_timeout(monkeypatch: pytest.MonkeyPatch) -> type[BaseModel]:
+    """``group_timeout_s`` made live as any new live field is: one line of ``LIVE`` (and
+    no apply step: the engine reads it at each use). Returns the PATCH body derived."""
+    monkeypatch.setitem(config.LIVE, "group_timeout_s", "how long a group waits (live)")
+    return schemas.live_patch()
+
+
+def test_a_new_live_field_is_one_line_seen_by_patch_autotune_and_the_arbiter(
+    make_service: MakeService, live_group_timeout: type[BaseModel]
+) -> None:
+    service = make_service(max_workers=3)
+    dataset(service)
+    loader(service, "a", batch_size=4, num_workers=2, executor="thread", autotune=AUTOTUNE)
+    with pytest.raises(ValidationError):  # LoaderFields' bounds
+        live_group_timeout.model_validate({"group_timeout_s": 0})
+    body = live_group_timeout.model_validate({"group_timeout_s": 7.5})
+    out = service.patch_loader("a", body)
+    assert (out["group_timeout_s"], out["num_workers"], out["autotune"]) == (7.5, 2, AUTOTUNE)
+    assert registered(service, "a")["group_timeout_s"] == 7.5
+    # autotune's decision, applied as the arbiter applies it (node/arbiter.py _tune_alone)
+    service.reconfigure("a", LiveChange(num_workers=3, prefetch_factor=4))
+    # the arbiter makes room for a new loader: a worker of "a", which has no trainer
+    loader(service, "b", batch_size=4, num_workers=1, executor="thread")
+    a = service.describe_loader("a")
+    assert (a["group_timeout_s"], a["num_workers"], a["prefetch_factor"]) == (7.5, 2, 4)
+    row = registered(service, "a")
+    assert (row["group_timeout_s"], row["num_workers"], row["prefetch_factor"]) == (7.5, 2, 4)
+    service = restart(service, make_service, max_workers=3)
+    back = service.describe_loader("a")
+    assert (back["group_timeout_s"], back["num_workers"], back["autotune"]) == (7.5, 2, AUTOTUNE)

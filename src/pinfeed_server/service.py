@@ -36,11 +36,12 @@ from pinfeed_server.cache.shipped import ShippedCaches
 from pinfeed_server.datasets import KINDS, DatasetContext, build_dataset, shipped
 from pinfeed_server.engine.collate import describe, probe
 from pinfeed_server.engine.config import (
-    KEEP,
+    LIVE,
     NAME_PATTERN,
     LiveChange,
     LoaderCode,
     LoaderConfig,
+    nullable,
     ring_slots,
 )
 from pinfeed_server.engine.dataplane import DataPlaneServer, Peer
@@ -79,8 +80,6 @@ DEMO_DATASET = DatasetCreate.model_validate(
     {"name": "demo", "kind": "synthetic", "params": DEMO_PARAMS}
 )
 DEMO_LOADER = LoaderCreate(name="demo", dataset="demo", batch_size=10)
-# What a live change may change, recorded in the registry's row.
-LIVE_FIELDS = {"num_workers", "prefetch_factor", "autotune", "priority", "min_workers"}
 # A trainer-made loader's zygote, apart from the registered datasets' ('~' is in no name).
 OWNED_ZYGOTE = "~"
 
@@ -778,17 +777,13 @@ class Service:
     def patch_loader(self, name: str, body: LoaderPatch) -> dict[str, Any]:
         """Change num_workers/prefetch_factor live: position and batches are kept; the
         ring grows or shrinks to fit (only the node's limits refuse). Explicit values
-        turn autotune off; ``autotune`` turns it on (or, null, off)."""
-        if "autotune" in body.model_fields_set:
-            autotune = body.autotune
-        elif body.num_workers is not None or body.prefetch_factor is not None:
-            autotune = None
-        else:
-            autotune = KEEP
-        change = LiveChange(
-            body.num_workers, body.prefetch_factor, autotune, body.priority, body.min_workers
-        )
-        self.reconfigure(name, change, make_room=True)
+        turn autotune off; ``autotune`` turns it on (or, null, off). A field given as
+        null, or not at all, stays (but ``autotune``: null is off)."""
+        given = {k: getattr(body, k) for k in body.model_fields_set}
+        values = {k: v for k, v in given.items() if v is not None or nullable(k)}
+        if "autotune" not in values and values.keys() & {"num_workers", "prefetch_factor"}:
+            values["autotune"] = None  # what autotune sets, set by hand: autotune is off
+        self.reconfigure(name, LiveChange(**values), make_room=True)
         return self.describe_loader(name)
 
     def reconfigure(self, name: str, change: LiveChange, make_room: bool = False) -> LoaderConfig:
@@ -807,7 +802,7 @@ class Service:
             config = engine.reconfigure(change, admit)
             row = next((r for r in self.registry.loaders() if r["name"] == name), None)
             if row is not None:  # a trainer's own loader is not in the registry
-                live = config.model_dump(include=LIVE_FIELDS)
+                live = config.model_dump(include=set(LIVE))
                 self.registry.update_loader(name, row["config"] | live)
             return config
 
