@@ -28,36 +28,38 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
+import pinfeed_server.engine
 from pinfeed import errors, payload, protocol
 from pinfeed_server import cache
 from pinfeed_server.cache import CachedDataset, CacheSpec
 from pinfeed_server.cache.region import Region
 from pinfeed_server.cache.shipped import ShippedCaches
 from pinfeed_server.datasets import KINDS, DatasetContext, build_dataset, shipped
-from pinfeed_server.engine.collate import describe, probe
-from pinfeed_server.engine.config import (
+from pinfeed_server.engine import (
     LIVE,
     NAME_PATTERN,
+    DataPlaneServer,
+    FedPlan,
     LiveChange,
     LoaderCode,
     LoaderConfig,
-    nullable,
-    ring_slots,
-)
-from pinfeed_server.engine.dataplane import DataPlaneServer, Peer
-from pinfeed_server.engine.fed_plan import FedPlan
-from pinfeed_server.engine.iterable import (
+    LoaderEngine,
+    LoaderStatus,
+    Peer,
+    StatsSnapshot,
+    Zygotes,
+    configure_forkserver,
     dataset_len,
+    describe,
+    executors,
     first_samples,
     is_iterable,
+    nullable,
+    probe,
+    ring_slots,
 )
-from pinfeed_server.engine.loader import LoaderEngine
-from pinfeed_server.engine.prepare import prepare
-from pinfeed_server.engine.producers import Zygotes, configure_forkserver, executors
-from pinfeed_server.engine.producers.inline import GLOBAL_RNG
-from pinfeed_server.engine.stats import StatsSnapshot
-from pinfeed_server.engine.status import LoaderStatus
 from pinfeed_server.errors import DomainError, problem_of
+from pinfeed_server.global_rng import GLOBAL_RNG
 from pinfeed_server.malloc import return_big_buffers
 from pinfeed_server.node.arbiter import NodeArbiter
 from pinfeed_server.node.budget import NodeBudget
@@ -422,7 +424,9 @@ class Service:
         # Without max_batch_bytes, a collate_fn loader's ring takes at most a quarter of
         # the budget left (collate.loader_layout).
         cap = max(0, self.settings.max_shm_bytes - self.shm_used()) // (4 * ring_slots(cfg))
-        ready = prepare(cfg, ds, kind, self.executors, self.context.allowed_plugins, cap)
+        ready = pinfeed_server.engine.prepare(
+            cfg, ds, kind, self.executors, self.context.allowed_plugins, cap
+        )
         workers = cfg.num_workers if ready.executor.counts_workers else 0
         self._admit(cfg, ring_slots(cfg) * ready.layout.slot_bytes, workers)
         # The dataset's zygote starts with the first local worker process, in the
@@ -589,7 +593,7 @@ class Service:
         code = LoaderCode(objects.collate_fn, objects.worker_init_fn)
         params = shipped.params(objects)
         cap = max(0, self.settings.max_shm_bytes - self.shm_used()) // (4 * ring_slots(cfg))
-        ready = prepare(
+        ready = pinfeed_server.engine.prepare(
             cfg,
             objects.dataset,
             shipped.KIND,
