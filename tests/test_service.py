@@ -89,7 +89,7 @@ def patch(service: Service, name: str, **fields: Any) -> dict[str, Any]:
 
 def registered(service: Service, name: str) -> dict[str, Any]:
     """Loader ``name``'s config as the registry holds it."""
-    return next(r["config"] for r in service.registry.loaders() if r["name"] == name)
+    return next(r.config for r in service.registry.loaders() if r.name == name)
 
 
 # -- names ------------------------------------------------------------------------------
@@ -176,7 +176,7 @@ def test_worker_cap_counts_every_loaders_workers(make_service: MakeService) -> N
     assert (info.value.max_workers, info.value.free_workers) == (3, 1)
     assert isinstance(info.value, errors.Conflict)  # a 409, for callers that catch that
     assert "more" not in service.loaders and "more" not in {
-        r["name"] for r in service.registry.loaders()
+        r.name for r in service.registry.loaders()
     }
     loader(service, "one", batch_size=4, num_workers=1, executor="thread")  # the bound
     loader(service, "inline", batch_size=4)  # num_workers=0 takes no worker
@@ -277,7 +277,7 @@ def test_loaders_that_cannot_start_after_a_restart_are_listed_as_failed(
         patch(service, "big", num_workers=1)
     # deleted like any loader, from the registry too
     service.delete_loader("big")
-    assert {r["name"] for r in service.registry.loaders()} == {"gone", "ok"}
+    assert {r.name for r in service.registry.loaders()} == {"gone", "ok"}
     assert "big" not in {lo["name"] for lo in service.list_loaders()}
 
 

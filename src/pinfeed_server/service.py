@@ -63,7 +63,7 @@ from pinfeed_server.global_rng import GLOBAL_RNG
 from pinfeed_server.malloc import return_big_buffers
 from pinfeed_server.node.arbiter import NodeArbiter
 from pinfeed_server.node.budget import NodeBudget
-from pinfeed_server.registry import DuplicateName, Registry
+from pinfeed_server.registry import DatasetRow, DuplicateName, LoaderRow, Registry
 from pinfeed_server.schemas import (
     DEMO_PARAMS,
     ArbiterPublic,
@@ -137,7 +137,7 @@ class Service:
         self.loaders: dict[str, LoaderEngine] = {}
         # Registered loaders that could not start after a restart (dataset file gone,
         # budget lowered): listed as failed so they can be seen and deleted.
-        self._unstarted: dict[str, dict[str, Any]] = {}
+        self._unstarted: dict[str, tuple[LoaderRow, str]] = {}
         self._datasets: dict[str, Any] = {}  # name -> built dataset, shared by its loaders
         # the processes the workers of each dataset's loaders are forked from (started
         # with its first loader with workers, stopped with the dataset)
@@ -203,14 +203,12 @@ class Service:
         cannot start is listed failed with the reason, and the others start."""
         for row in self.registry.loaders():
             try:
-                self._start_loader(
-                    row["dataset"], row["config"], self.registry.elastic(row["name"])
-                )
+                self._start_loader(row.dataset, row.config, self.registry.elastic(row.name))
             except Exception as exc:  # one bad row must not keep the others from starting
                 problem = problem_of(exc)
                 detail = f"{type(exc).__name__}: {exc}" if problem is None else problem.detail
-                log.error("loader %s from the registry cannot start: %s", row["name"], detail)
-                self._unstarted[row["name"]] = row | {"detail": detail}
+                log.error("loader %s from the registry cannot start: %s", row.name, detail)
+                self._unstarted[row.name] = (row, detail)
 
     def _exit_when_idle(self) -> None:
         """PINFEED_IDLE_EXIT_S (a server pinfeed.DataLoader started): stop once no loader
@@ -251,8 +249,7 @@ class Service:
         self.registry.close()
 
     def _ensure_demo(self) -> None:
-        names = {d["name"] for d in self.registry.datasets()}
-        if DEMO_DATASET.name not in names:
+        if self.registry.dataset(DEMO_DATASET.name) is None:
             self.create_dataset(DEMO_DATASET)
         if DEMO_LOADER.name not in self.loaders and DEMO_LOADER.name not in self._unstarted:
             try:
@@ -310,15 +307,15 @@ class Service:
             if isinstance(ds, CachedDataset)
         } | self.shipped_caches.reservations()
 
-    def _dataset_row(self, name: str) -> dict[str, Any]:
-        for row in self.registry.datasets():
-            if row["name"] == name:
-                return row
-        raise errors.NotFound(f"no dataset named {name!r}")
+    def _dataset_row(self, name: str) -> DatasetRow:
+        row = self.registry.dataset(name)
+        if row is None:
+            raise errors.NotFound(f"no dataset named {name!r}")
+        return row
 
     def create_dataset(self, body: DatasetCreate) -> dict[str, Any]:
         with self._lock:
-            if any(d["name"] == body.name for d in self.registry.datasets()):
+            if self.registry.dataset(body.name) is not None:
                 raise errors.Conflict(f"dataset {body.name!r} exists; delete it first")
             self._forget(body.name)
             params = body.params
@@ -328,13 +325,14 @@ class Service:
             return self.describe_dataset(body.name)
 
     def list_datasets(self) -> list[dict[str, Any]]:
-        return [self.describe_dataset(row["name"]) for row in self.registry.datasets()]
+        return [self.describe_dataset(row.name) for row in self.registry.datasets()]
 
     def describe_dataset(self, name: str) -> dict[str, Any]:
-        row = self._dataset_row(name)
-        spec = row.pop("cache")
+        found = self._dataset_row(name)
+        row: dict[str, Any] = {"name": name, "kind": found.kind, "params": found.params}
+        row["created_at"] = found.created_at
         try:
-            ds = self._open(name, row["kind"], row["params"], spec)
+            ds = self._open(name, found.kind, found.params, found.cache)
         except Exception as exc:  # refused as a request would be: shown as that problem
             shown = problem_of(exc) or exc
             return row | {"error": f"{type(shown).__name__}: {shown}"}
@@ -362,14 +360,14 @@ class Service:
         uses the dataset (its workers may hold views of the cache)."""
         with self._lock:
             row = self._dataset_row(name)
-            if row["cache"] is None:
+            if row.cache is None:
                 raise errors.NotFound(f"dataset {name!r} has no cache")
             users = sorted(n for n, e in self.loaders.items() if e.config.dataset == name)
             if users:
                 raise errors.Conflict(
                     f"the cache of dataset {name!r} is read by loaders {users}; delete them first"
                 )
-            ds = self._open(name, row["kind"], row["params"], row["cache"])
+            ds = self._open(name, row.kind, row.params, row.cache)
             assert isinstance(ds, CachedDataset)
             ds.cache.clear()
         return self.describe_dataset(name)
@@ -384,7 +382,7 @@ class Service:
         with self._lock:
             row = self._dataset_row(name)
             users = [n for n, e in self.loaders.items() if e.config.dataset == name]
-            users += [r["name"] for r in self.registry.loaders() if r["dataset"] == name]
+            users += [r.name for r in self.registry.loaders() if r.dataset == name]
             if users:
                 raise errors.Conflict(
                     f"dataset {name!r} is used by loaders {sorted(set(users))}; delete them first"
@@ -392,15 +390,13 @@ class Service:
             self.registry.delete_dataset(name)
             self._forget(name)  # the cache's memory goes once its zygote has unmapped it too
         self.zygotes.discard(name)
-        if row["cache"] is not None and row["cache"].get("persist"):
+        if row.cache is not None and row.cache.get("persist"):
             cache.cache_path(self.settings.cache_path, name).unlink(missing_ok=True)
 
     # -- loaders -----------------------------------------------------------------------
     def create_loader(self, body: LoaderCreate) -> dict[str, Any]:
         with self._lock:
-            if body.name in self.loaders or any(
-                r["name"] == body.name for r in self.registry.loaders()
-            ):
+            if body.name in self.loaders or self.registry.loader(body.name) is not None:
                 raise errors.Conflict(f"loader {body.name!r} exists; delete it first")
             config = body.model_dump(exclude={"dataset"})
             if config["seed"] is None:
@@ -418,8 +414,8 @@ class Service:
         self, dataset_name: str, config: dict[str, Any], resumed: dict[str, Any] | None = None
     ) -> LoaderEngine:
         row = self._dataset_row(dataset_name)
-        kind, params = KINDS[row["kind"]], row["params"]
-        ds = self._open(dataset_name, kind.name, params, row["cache"])
+        kind, params = KINDS[row.kind], row.params
+        ds = self._open(dataset_name, kind.name, params, row.cache)
         cfg = LoaderConfig.model_validate({**config, "dataset": dataset_name})
         # Without max_batch_bytes, a collate_fn loader's ring takes at most a quarter of
         # the budget left (collate.loader_layout).
@@ -674,18 +670,18 @@ class Service:
     def shm_used(self) -> int:
         return self.budget.shm_used()
 
-    def _describe_unstarted(self, row: dict[str, Any]) -> dict[str, Any]:
+    def _describe_unstarted(self, row: LoaderRow, detail: str) -> dict[str, Any]:
         return {
-            **row["config"],
-            "dataset": row["dataset"],
-            "created_at": row["created_at"],
+            **row.config,
+            "dataset": row.dataset,
+            "created_at": row.created_at,
             "batch": None,
-            **LoaderStatus.unstarted(row["detail"]).model_dump(),
+            **LoaderStatus.unstarted(detail).model_dump(),
         }
 
     def describe_loader(self, name: str) -> dict[str, Any]:
         if name in self._unstarted:
-            return self._describe_unstarted(self._unstarted[name])
+            return self._describe_unstarted(*self._unstarted[name])
         engine = self._engine(name)
         owned = self._owned.get(name)
         if owned is not None:
@@ -698,8 +694,8 @@ class Service:
                 "cache": owned.cache,
             }
         else:
-            rows = self.registry.loaders()
-            created = next((r["created_at"] for r in rows if r["name"] == name), 0.0)
+            registered = self.registry.loader(name)
+            created = 0.0 if registered is None else registered.created_at
             owner = None
         return {
             **engine.config.model_dump(),
@@ -763,7 +759,7 @@ class Service:
 
     def loader_stats(self, name: str) -> StatsSnapshot:
         if name in self._unstarted:
-            return StatsSnapshot.zeros(name, self._unstarted[name]["config"]["num_workers"])
+            return StatsSnapshot.zeros(name, self._unstarted[name][0].config["num_workers"])
         return self._engine(name).stats_snapshot()
 
     def unstarted(self) -> list[tuple[dict[str, Any], LoaderStatus, StatsSnapshot]]:
@@ -771,11 +767,11 @@ class Service:
         config with its dataset, its status (failed) and its stats (zeros)."""
         return [
             (
-                {**row["config"], "name": name, "dataset": row["dataset"]},
-                LoaderStatus.unstarted(row["detail"]),
-                StatsSnapshot.zeros(name, row["config"]["num_workers"]),
+                {**row.config, "name": name, "dataset": row.dataset},
+                LoaderStatus.unstarted(detail),
+                StatsSnapshot.zeros(name, row.config["num_workers"]),
             )
-            for name, row in sorted(self._unstarted.items())
+            for name, (row, detail) in sorted(self._unstarted.items())
         ]
 
     def patch_loader(self, name: str, body: LoaderPatch) -> dict[str, Any]:
@@ -804,10 +800,10 @@ class Service:
             else:
                 admit = functools.partial(self.budget.admit, replaces=name)
             config = engine.reconfigure(change, admit)
-            row = next((r for r in self.registry.loaders() if r["name"] == name), None)
+            row = self.registry.loader(name)
             if row is not None:  # a trainer's own loader is not in the registry
                 live = config.model_dump(include=set(LIVE))
-                self.registry.update_loader(name, row["config"] | live)
+                self.registry.update_loader(name, row.config | live)
             return config
 
     def delete_loader(self, name: str) -> None:
