@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 
 from pinfeed_server.api.routes.metrics import render
-from pinfeed_server.registry import LoaderRow
 from pinfeed_server.schemas import DatasetCreate, LoaderCreate
 from pinfeed_server.service import Service
+from pinfeed_server.service.table import LoaderRecord, Unstarted
 from pinfeed_server.settings import Settings
 
 WAITS_S = (0.00001, 0.0004, 0.002, 0.003, 0.03)
@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
                     engine.stats.consumer_wait(wait_s)
             # As after a restart whose budget no longer fits it: listed, failed, zeros.
             config = {"name": "unstarted", "batch_size": 4, "num_workers": 0}
-            row = LoaderRow("unstarted", "d", config, 0.0)
-            service._unstarted["unstarted"] = (row, "benchmark")
+            failed = Unstarted(config, "benchmark")
+            service.table.add(LoaderRecord("unstarted", "d", 0.0, None, unstarted=failed))
             for _ in range(20):  # warm up
                 render(service)
             cpu, wall = [], []

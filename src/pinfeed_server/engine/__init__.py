@@ -36,14 +36,23 @@ from pinfeed_server.engine.fed_plan import FedPlan
 from pinfeed_server.engine.iterable import dataset_len, first_samples, is_iterable
 from pinfeed_server.engine.loader import LoaderEngine
 from pinfeed_server.engine.prepare import prepare
-from pinfeed_server.engine.producers import Zygotes, configure_forkserver, executors
+from pinfeed_server.engine.producers import (
+    Executor,
+    ProcessFactory,
+    Zygotes,
+    configure_forkserver,
+    executors,
+)
+from pinfeed_server.engine.sampler import BatchPlan
 from pinfeed_server.engine.stats import StatsSnapshot
 from pinfeed_server.engine.status import LoaderStatus
 
 __all__ = [
     "LIVE",
     "NAME_PATTERN",
+    "BatchPlan",
     "DataPlaneServer",
+    "Executor",
     "FedPlan",
     "LiveChange",
     "LoaderCode",
@@ -51,6 +60,7 @@ __all__ = [
     "LoaderEngine",
     "LoaderStatus",
     "Peer",
+    "ProcessFactory",
     "StatsSnapshot",
     "Zygotes",
     "configure_forkserver",
