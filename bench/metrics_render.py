@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pinfeed_server.api.routes.metrics import render
+from pinfeed_server.api.prometheus import render
 from pinfeed_server.schemas import DatasetCreate, LoaderCreate
 from pinfeed_server.service import Service
 from pinfeed_server.service.table import LoaderRecord, Unstarted

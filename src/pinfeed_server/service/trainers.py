@@ -135,12 +135,15 @@ class TrainerLoaders:
         cache_region: Region | None,
     ) -> LoaderEngine:
         """Loader ``name`` over a trainer's ``objects`` (its dataset behind the node's
-        cache, whose region is ``cache_region``, where it asked for one)."""
+        cache, whose region is ``cache_region``, where it asked for one). Its
+        ``batch_size`` is the rows a slot holds (the CREATE's ``max_rows``): DataLoader's
+        ``batch_size``, or its batch_sampler's largest batch, which its plan feeds."""
+        rows = request.max_rows
         try:
             cfg = LoaderConfig(
                 name=name,
                 dataset=name,  # a label: its dataset is its own, never registered
-                batch_size=request.max_rows,
+                batch_size=rows,
                 seed=0,  # its trainer draws the seeds
                 drop_last=request.drop_last,
                 num_workers=request.num_workers,
@@ -156,7 +159,7 @@ class TrainerLoaders:
             raise errors.InvalidRequest(f"pinfeed.DataLoader: {problems}") from None
         plan = FedPlan(
             request.length or 0,
-            request.max_rows,
+            rows,
             iterable=is_iterable(objects.dataset),
             reported=request.batches_per_epoch,
             samples=request.samples,
