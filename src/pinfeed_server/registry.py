@@ -125,8 +125,7 @@ class Registry:
         return self._datasets("")
 
     def dataset(self, name: str) -> DatasetRow | None:
-        rows = self._datasets("WHERE name = ?", name)
-        return rows[0] if rows else None
+        return next(iter(self._datasets("WHERE name = ?", name)), None)
 
     def _datasets(self, where: str, *args: Any) -> list[DatasetRow]:
         rows = self._read(
@@ -158,8 +157,7 @@ class Registry:
         return self._loaders("")
 
     def loader(self, name: str) -> LoaderRow | None:
-        rows = self._loaders("WHERE name = ?", name)
-        return rows[0] if rows else None
+        return next(iter(self._loaders("WHERE name = ?", name)), None)
 
     def _loaders(self, where: str, *args: Any) -> list[LoaderRow]:
         rows = self._read(
