@@ -54,7 +54,7 @@ from pinfeed_server.errors import DomainError, problem_of
 from pinfeed_server.malloc import return_big_buffers
 from pinfeed_server.node.arbiter import NodeArbiter
 from pinfeed_server.node.budget import NodeBudget
-from pinfeed_server.registry import LoaderRow, Registry
+from pinfeed_server.registry import Registry
 from pinfeed_server.schemas import (
     DEMO_PARAMS,
     ArbiterPublic,
@@ -161,7 +161,8 @@ class Service:
         cannot start is listed failed with the reason, and the others start."""
         for row in self.registry.loaders():
             try:
-                engine = self._start_registered(row, self.registry.elastic(row.name))
+                resumed = self.registry.elastic(row.name)
+                engine = self._start_registered(row.dataset, row.config, resumed)
                 self.table.add(LoaderRecord(row.name, row.dataset, row.created_at, engine))
             except Exception as exc:  # one bad row must not keep the others from starting
                 problem = problem_of(exc)
@@ -264,7 +265,7 @@ class Service:
             config = body.model_dump(exclude={"dataset"})
             if config["seed"] is None:
                 config["seed"] = secrets.randbelow(2**31)
-            engine = self._start_registered(LoaderRow(body.name, body.dataset, config, 0.0))
+            engine = self._start_registered(body.dataset, config)
             try:
                 created = self.registry.add_loader(body.name, body.dataset, config)
             except BaseException:
@@ -274,18 +275,19 @@ class Service:
             return self.describe_loader(body.name)
 
     def _start_registered(
-        self, row: LoaderRow, resumed: dict[str, Any] | None = None
+        self, dataset_name: str, fields: dict[str, Any], resumed: dict[str, Any] | None = None
     ) -> LoaderEngine:
-        """Registered loader ``row`` over its dataset, built and started (``resumed``:
-        the elastic epoch the registry kept for it)."""
-        found = self.datasets.row(row.dataset)
+        """A registered loader (its ``fields`` as the registry keeps them) over dataset
+        ``dataset_name``, built and started; ``resumed``: the elastic epoch the registry
+        kept for it."""
+        found = self.datasets.row(dataset_name)
         kind = KINDS[found.kind]
-        dataset = self.datasets.open(row.dataset, kind.name, found.params, found.cache)
-        config = LoaderConfig.model_validate({**row.config, "dataset": row.dataset})
+        dataset = self.datasets.open(dataset_name, kind.name, found.params, found.cache)
+        config = LoaderConfig.model_validate({**fields, "dataset": dataset_name})
         # The dataset's zygote starts with the first local worker process, in the
         # loader's boot thread (state "starting"); one that cannot start fails the
         # loader with the reason.
-        zygote = functools.partial(self.zygotes.get, row.dataset, dataset, kind.name, found.params)
+        zygote = functools.partial(self.zygotes.get, dataset_name, dataset, kind.name, found.params)
         spec = LoaderSpec(
             config,
             dataset,
@@ -293,7 +295,7 @@ class Service:
             found.params,
             spawn=lambda: zygote().process_factory,
             resumed=resumed,
-            keep=functools.partial(self._keep_elastic, row.name),
+            keep=functools.partial(self._keep_elastic, config.name),
         )
         return self.builder.build(spec)
 
