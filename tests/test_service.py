@@ -11,6 +11,8 @@ restart listed as failed; PATCH semantics; the registry after a live change.
 
 from __future__ import annotations
 
+import socket
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from pinfeed_server.engine.config import LiveChange
 from pinfeed_server.schemas import DatasetCreate, LoaderCreate, LoaderPatch
 from pinfeed_server.service import Service
 from pinfeed_server.settings import Settings
+from tests.reliability.procs import wait_for
 
 MiB = 1 << 20
 SAMPLE_BYTES = 64 * 1024 * 4  # one float32 field of 64 Ki elements: 256 KiB a sample
@@ -335,6 +338,43 @@ def test_a_live_change_is_in_the_registry_and_survives_a_restart(
     back = service.describe_loader("a")
     assert (back["num_workers"], back["prefetch_factor"], back["autotune"]) == (2, 3, AUTOTUNE)
     assert (back["seed"], back["executor"]) == (5, "thread")
+
+
+# -- a script's server ------------------------------------------------------------------
+def test_a_scripts_server_keeps_a_registry_of_its_own(make_service: MakeService) -> None:
+    """What ``pinfeed serve`` registered is not restored by a server a script started
+    (PINFEED_STARTED_BY=script), and what is made on that one stays out of the file."""
+    serve = make_service()
+    dataset(serve)
+    loader(serve, "theirs", batch_size=4)
+    script = restart(serve, make_service, started_by="script")
+    assert script.list_loaders() == [] and script.list_datasets() == []
+    assert script.node().lifetime.started_by == "script"
+    dataset(script, "mine")
+    loader(script, "mine", "mine", batch_size=4)
+    serve = restart(script, make_service)
+    assert [lo["name"] for lo in serve.list_loaders()] == ["theirs"]
+    assert [d["name"] for d in serve.list_datasets()] == ["d"]
+    assert serve.node().lifetime.started_by == "serve"
+
+
+def test_only_a_trainer_holds_off_the_idle_exit(make_service: MakeService) -> None:
+    """PINFEED_IDLE_EXIT_S counts from the last trainer's connection: a loader with no
+    trainer does not hold it off; GET /v1/node says how long is left."""
+    service = make_service(idle_exit_s=30)
+    dataset(service)
+    loader(service, "idle", batch_size=4)
+    service.dataplane.start()
+    life = service.node().lifetime
+    assert (life.started_by, life.idle_exit_s) == ("serve", 30)
+    assert life.exits_in_s is not None and 29 < life.exits_in_s <= 30
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as trainer:
+        trainer.connect(str(service.settings.socket_path))
+        wait_for(lambda: service.node().lifetime.exits_in_s is None, "the trainer counted")
+        time.sleep(0.3)  # the clock restarts when it leaves, not when it came
+    left = wait_for(lambda: service.node().lifetime.exits_in_s, "the trainer gone")
+    assert 29 < left <= 30
+    assert make_service().node().lifetime.exits_in_s is None  # no PINFEED_IDLE_EXIT_S
 
 
 # -- a live field, declared once -----------------------------------------------------------------

@@ -6,7 +6,7 @@ transform, the reference of a cached dataset's loader); the errors of ``errors``
 tree both sides raise."""
 
 from pinfeed._admin import Client
-from pinfeed._dataloader import DataLoader
+from pinfeed._dataloader import DataLoader, FallbackWarning
 from pinfeed._loader import Loader
 from pinfeed.elastic import merge_states
 from pinfeed.errors import (
@@ -47,6 +47,7 @@ __all__ = [
     "Conflict",
     "DataLoader",
     "DataPlaneError",
+    "FallbackWarning",
     "GroupMemberLost",
     "InsufficientMemory",
     "InternalError",

@@ -3,14 +3,18 @@ where that leaves every process the whole epoch.
 
 Accelerate's ``prepare_data_loader`` hands back as it is a loader whose
 ``_is_accelerate_prepared`` is true, and tracks it (with ``use_stateful_dataloader``,
-its ``state_dict`` goes into ``save_state``). Any other DataLoader it makes anew, as a
-torch DataLoader of its own over the loader's dataset and batch sampler: the batches
-would no longer be pinfeed's. A DataLoader it prepares for several processes it also
-shards (``BatchSamplerShard``: each process every n-th batch); a pinfeed loader handed
-back is sharded only by its own sampler (``DistributedSampler``) or, a named loader,
-by its ``world_size``. Where neither is, every process would iterate the whole
-dataset, silently: so the moment Accelerate reads the mark, the one moment that shows
-a loader is being prepared, warns, once a loader, naming the fix.
+its ``state_dict`` goes into ``save_state``). What Accelerate's own prepared loader
+(``DataLoaderShard``) does each epoch, the pinfeed loader then does itself: it calls
+``set_epoch(iteration)`` as each epoch begins and counts ``iteration`` on after each
+whole one, so a Hugging Face ``IterableDataset`` reshuffles per epoch as under
+Accelerate. Any other DataLoader it makes anew, as a torch DataLoader of its own over
+the loader's dataset and batch sampler: the batches would no longer be pinfeed's. A
+DataLoader it prepares for several processes it also shards (``BatchSamplerShard``:
+each process every n-th batch); a pinfeed loader handed back is sharded only by its own
+sampler (``DistributedSampler``) or, a named loader, by its ``world_size``. Where
+neither is, every process would iterate the whole dataset, silently: so the moment
+Accelerate reads the mark, the one moment that shows a loader is being prepared, warns,
+once a loader, naming the fix.
 """
 
 from __future__ import annotations
@@ -56,4 +60,8 @@ class PreparedAsIs:
         return True
 
     def __set__(self, loader: Any, value: Any) -> None:
-        """Accelerate marks what ``prepare()`` returned: a pinfeed loader already is."""
+        """Accelerate marks what ``prepare()`` returned: a pinfeed loader already is; from
+        now on it moves its epochs on as Accelerate's own prepared loader does
+        (``DataLoader.__iter__``)."""
+        if value:
+            loader.__dict__["_prepared"] = True

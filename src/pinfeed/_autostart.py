@@ -1,6 +1,11 @@
 """A pinfeed server for this user when none answers (``pinfeed.DataLoader``'s embedded
 default): started in the background from the trainer's own Python environment, it
-exits by itself after ``PINFEED_IDLE_EXIT_S`` (default 600) with no loader left.
+exits by itself ``PINFEED_IDLE_EXIT_S`` (default 600) after its last trainer left.
+
+It is the script's plumbing, not the node's service: it says so
+(``PINFEED_STARTED_BY=script``), and so keeps a registry of its own, in memory, instead
+of restoring the named loaders (their workers, their rings) that a ``pinfeed serve`` of
+this user registered under ``PINFEED_STATE_DIR``.
 
 Two trainers starting at once start one server: a lock file beside the socket is held
 while one is started (``flock``), and the second finds it answering. With
@@ -18,12 +23,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 from pinfeed import protocol as p
 from pinfeed.errors import ServerUnavailable
 
 START_TIMEOUT_S = 60.0
 IDLE_EXIT_S = "600"
+# How a server came to run (PINFEED_STARTED_BY; GET /v1/node's ``lifetime``): by
+# ``pinfeed serve``, or by a script's pinfeed.DataLoader, here.
+StartedBy = Literal["serve", "script"]
+SCRIPT: StartedBy = "script"
 
 
 def answers(path: Path) -> bool:
@@ -66,6 +76,7 @@ def _start(path: Path) -> None:
     env = dict(os.environ)
     env.update(
         PINFEED_SOCKET=str(path),
+        PINFEED_STARTED_BY=SCRIPT,
         PINFEED_IDLE_EXIT_S=env.get("PINFEED_IDLE_EXIT_S", IDLE_EXIT_S),
         # Any free port: a node's users each have a server of their own.
         PINFEED_PORT=env.get("PINFEED_PORT", "0"),

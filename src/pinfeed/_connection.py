@@ -14,6 +14,7 @@ import contextlib
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -38,7 +39,7 @@ PIN_WARNING = (
 )
 
 _SEGMENT = p.SEGMENT
-_AHEAD = (p.SEGMENT, p.RNG)  # messages that come ahead of the item they are about
+_AHEAD = (p.SEGMENT, p.RNG, p.RING)  # messages that come ahead of the item they are about
 
 
 class Connection:
@@ -48,7 +49,9 @@ class Connection:
 
     # Set by each attach; one attach's ring, views and delivery go together.
     info: p.Attached
-    ring: RingMapping | None  # segment 0; None once the connection is dropped
+    # segment 0; None once the connection is dropped, or until a RING brings it (a
+    # pinfeed.DataLoader's loader is attached before its ring is sized)
+    ring: RingMapping | None
     segments: RingSegments
     views: BatchViews
     delivery: Delivery
@@ -61,9 +64,13 @@ class Connection:
         device: torch.device | None,
         copy: bool,
         request: Callable[[], tuple[bytes, Sequence[int]]] | None = None,
+        keep: bool = False,
     ) -> None:
         """``request()``: the first message and the fds that go with it (default: an
-        ATTACH of ``name`` as ``member``; ``pinfeed.DataLoader``'s is a CREATE)."""
+        ATTACH of ``name`` as ``member``; ``pinfeed.DataLoader``'s is a CREATE).
+        ``keep``: a batch's slot goes back once the trainer no longer holds the batch
+        (``pinfeed.DataLoader``'s: DataLoader's batches live as long as they are held),
+        not with the next message (``pinfeed.Loader``'s views)."""
         self.name = name
         self.member = member
         self._request = request or (lambda: (p.Attach(self.name, self.member).encode(), ()))
@@ -71,6 +78,7 @@ class Connection:
         self.copy = copy
         self.buf = transport.buf  # every reply lands here
         self.wait_us = 0  # the trainer's last wait for a batch, not yet reported
+        self.keep = keep
         self.rng_after = b""  # the RNG states the server sent last (a RNG message)
         self._t = transport
         self.ring = None
@@ -85,23 +93,33 @@ class Connection:
         points, counted from here."""
         t, buf = self._t, self.buf
         n, fds = t.attach(*self._request())
-        if buf[0] != p.ATTACHED or len(fds) != 1:
+        info = None
+        if buf[0] == p.ATTACHED:
+            info = p.Attached.decode(memoryview(buf)[:n])
+        if info is None or len(fds) != (1 if info.ring_bytes else 0):
             close_fds(fds)
             t.close()
             raise self.failure(n)
-        info = self.info = p.Attached.decode(memoryview(buf)[:n])
+        self.info = info
         self.name, self.member = info.loader, info.member
-        ring = self.ring = RingMapping(fds[0], info.ring_bytes)
-        self.segments = RingSegments(ring, info.nslots, info.slot_bytes)
-        self.views = BatchViews(self.segments, info.layout, info.nslots, info.slot_bytes)
-        self.delivery = Delivery(self.device, self.copy, info.nslots)
-        if info.config.pin_memory:
-            if torch.cuda.is_available():
-                ring.register_cuda()
-                self.segments.cuda = True
-                t.send(bytes([p.CUDA]))
-            else:
-                warnings.warn(PIN_WARNING, stacklevel=stacklevel)
+        self.views = BatchViews(None, None, 0, t.take_fds)
+        self.delivery = Delivery(self.device, self.copy, info.nslots, self.keep)
+        self.ring = None
+        if info.layout is not None:  # else a RING brings the ring, once it is sized
+            self._map_ring(fds[0], info.nslots, info.slot_bytes, info.layout)
+        if info.config.pin_memory and not torch.cuda.is_available():
+            warnings.warn(PIN_WARNING, stacklevel=stacklevel)
+
+    def _map_ring(self, fd: int, nslots: int, slot_bytes: int, layout: p.Layout) -> None:
+        """Map the ring (segment 0's memfd ``fd``), page-locked for CUDA where the loader
+        pins memory and a GPU is here."""
+        ring = self.ring = RingMapping(fd, nslots * slot_bytes)
+        self.segments = RingSegments(ring, nslots, slot_bytes)
+        self.views.set_ring(self.segments, layout, slot_bytes)
+        if self.info.config.pin_memory and torch.cuda.is_available():
+            ring.register_cuda()
+            self.segments.cuda = True
+            self._t.send(bytes([p.CUDA]))
 
     def reconnect(self, timeout: float) -> None:
         """Attach again after the server restarted, retrying for up to ``timeout`` s;
@@ -125,10 +143,11 @@ class Connection:
 
     # -- receiving: SEGMENT messages come ahead of the item that may use them -----------
     def recv(self) -> int:
-        """Wait for the next reply (not a SEGMENT or RNG: those are applied on the way)."""
+        """Wait for the next reply (not a SEGMENT, RING or RNG: those are applied on the
+        way)."""
         n = self._t.recv()
         while self.buf[0] in _AHEAD:
-            self._ahead()
+            self._ahead(n)
             n = self._t.recv()
         return n
 
@@ -136,13 +155,21 @@ class Connection:
         """The next reply if one is here already, else None (never waits)."""
         n = self._t.try_recv()
         if n is not None and self.buf[0] in _AHEAD:
-            self._ahead()
+            self._ahead(n)
             return self.recv()  # the item it came ahead of is right behind it
         return n
 
-    def _ahead(self) -> None:
+    def _ahead(self, n: int) -> None:
         if self.buf[0] == _SEGMENT:
             self._segment()
+            return
+        if self.buf[0] == p.RING:  # the ring, sized from the first batches
+            info = p.RingInfo.decode(memoryview(self.buf)[:n])
+            fds = self._t.take_fds()
+            if len(fds) != 1 or self.ring is not None:
+                close_fds(fds)
+                raise DataPlaneError("a RING carries one memfd, to a loader without a ring")
+            self._map_ring(fds[0], info.nslots, info.slot_bytes, info.layout)
             return
         # RNG: the trainer's RNG states after the batch that follows, made on them in
         # the server (a pinfeed.DataLoader without workers: DataLoader makes its batches
@@ -182,6 +209,8 @@ class Connection:
         delivery = self.delivery
         if delivery.pending:
             delivery.collect_copies()
+        if delivery.held:
+            delivery.collect_held()
         release = delivery.release
         message = p.encode_release(kind, release, self.wait_us)
         self.wait_us = 0
@@ -193,11 +222,18 @@ class Connection:
         delivery = self.delivery
         if delivery.pending:
             delivery.collect_copies()
+        if delivery.held:
+            delivery.collect_held()
         release = delivery.release
         if release:
             self._t.send(p.encode_release(p.RELEASE, release))
         self._t.send(message)
         release.clear()
+
+    def send_objects(self, epoch: int, fds: list[int]) -> None:
+        """The objects from ``epoch`` on (an OBJECTS): the payload's memfd, then the
+        shared memory its objects map."""
+        self._t.send_fds(p.encode_objects(epoch), fds)
 
     def send_plain(self, message: bytes) -> None:
         """A message that hands nothing back (a FEED: the slots wait for the NEXT, SKIP
@@ -209,8 +245,20 @@ class Connection:
         self.delivery.release.append(slot)
 
     def holds_slots(self) -> bool:
-        """True if slots wait to go back (or for their device copy to finish)."""
-        return bool(self.delivery.release or self.delivery.pending)
+        """True if slots wait to go back (or for their device copy to finish, or for the
+        trainer to let go of a kept batch it no longer holds)."""
+        delivery = self.delivery
+        if delivery.held:
+            delivery.collect_held()
+        return bool(delivery.release or delivery.pending)
+
+    def deliver(self, slot: int, nstr: int) -> Any:
+        """The BATCH just received (its head read: ``slot``, ``nstr``), as the trainer
+        gets it (views, copies, or on the device)."""
+        views = self.views
+        batch = views.batch(self.buf, slot, nstr)
+        held, views.held = views.held, None
+        return self.delivery.deliver(slot, batch, held)
 
     # -- the ring --------------------------------------------------------------------------
     @property

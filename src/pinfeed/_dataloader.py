@@ -60,10 +60,11 @@ import os
 import struct
 import time
 import types
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.utils.data import (
@@ -83,9 +84,19 @@ from pinfeed import rng
 from pinfeed._accelerate import PreparedAsIs
 from pinfeed._autostart import ensure_server
 from pinfeed._connection import Connection
-from pinfeed._shipping import ship
+from pinfeed._shipping import Shipper
 from pinfeed._transport import SocketTransport
-from pinfeed.errors import PinfeedError, ServerUnavailable, error_from_info
+from pinfeed.errors import (
+    InsufficientMemory,
+    InvalidRequest,
+    LoaderFailed,
+    PinfeedError,
+    ProtocolError,
+    ServerUnavailable,
+    Unshippable,
+    WorkerLimit,
+    error_from_info,
+)
 from pinfeed.unbatched import Unbatched
 
 _NEXT, _BATCH, _END, _ERROR = p.NEXT, p.BATCH, p.END, p.ERROR
@@ -108,7 +119,26 @@ _QUIET_SAMPLERS = (
 _BATCH_HEAD = p.BATCH_HEAD
 
 
-class DataLoader(TorchDataLoader):  # type: ignore[type-arg]
+_T_co = TypeVar("_T_co", covariant=True)
+# What a loader falls back to torch's own DataLoader for (where not ``strict``): what
+# pinfeed cannot serve with DataLoader's semantics, or cannot serve here and now.
+_FALLBACK = (
+    Unshippable,
+    ServerUnavailable,
+    InvalidRequest,
+    LoaderFailed,
+    WorkerLimit,
+    InsufficientMemory,
+    ProtocolError,
+)
+
+
+class FallbackWarning(UserWarning):
+    """A ``pinfeed.DataLoader`` runs torch's own DataLoader in the trainer (``fell_back``
+    says why); ``strict=True`` (or ``PINFEED_STRICT=1``) makes that an error."""
+
+
+class DataLoader(TorchDataLoader[_T_co]):
     """torch's ``DataLoader(dataset, batch_size, shuffle, sampler, batch_sampler,
     num_workers, collate_fn, pin_memory, drop_last, timeout, worker_init_fn,
     multiprocessing_context, generator, *, prefetch_factor, persistent_workers,
@@ -117,11 +147,15 @@ class DataLoader(TorchDataLoader):  # type: ignore[type-arg]
     ``name``: a named loader on the server, kept warm after this trainer for the next
     one that asks for it with an equal configuration and objects (another: an error).
     ``device``: copy each batch there (``non_blocking``). ``copy``: yield owned CPU
-    tensors, not views into the ring (a view is valid until the next batch).
+    tensors, not views into the ring. A view is the trainer's for as long as it holds
+    it, as DataLoader's batches are: its slot goes back to the server once no tensor
+    holds it (where the trainer holds every slot, the ring grows, within the node's
+    budget).
     ``reconnect``: if the server restarts, ship again and go on from where the epoch
     was. ``socket``: the server's data-plane socket (default ``PINFEED_SOCKET``, then
-    the default path). ``max_batch_size``: the largest batch a ``batch_sampler``
-    without a ``batch_size`` makes (the ring's slots hold that many samples).
+    the default path). ``max_batch_size``: a hint, the largest batch a ``batch_sampler``
+    without a ``batch_size`` makes (the ring's slots are sized for it; a larger batch
+    is served from memory of its own, as the first batches are).
     ``cache``: keep the dataset's samples in the node's cache after their first read, so
     later epochs (and other jobs) do not read and decode them again: ``"a-name"``, one
     cache shared by every ``pinfeed.DataLoader`` on the node that names it, in any job;
@@ -130,6 +164,14 @@ class DataLoader(TorchDataLoader):  # type: ignore[type-arg]
     ``dataset`` part is cached and whose ``transform`` runs per sample after the cache,
     giving DataLoader's batches. ``cache_max_bytes``: its memory (default: the whole
     dataset; smaller, a fixed subset is kept).
+
+    Where pinfeed cannot serve the loader with DataLoader's semantics (an object that
+    cannot leave the trainer's process, a module the server cannot import, no server,
+    the node's budget), it runs torch's own DataLoader in the trainer instead, with one
+    ``FallbackWarning`` that names the reason and what to do; ``fell_back`` is that
+    reason (None: the server makes the batches). ``strict=True`` (default: the
+    ``PINFEED_STRICT`` environment variable) makes it the error instead; so do
+    ``device=``, ``copy=`` and ``cache=``, pinfeed's own options.
     """
 
     # Accelerate hands a prepared loader back as it is (it shards nothing: the sampler
@@ -166,6 +208,7 @@ class DataLoader(TorchDataLoader):  # type: ignore[type-arg]
         max_batch_size: int | None = None,
         cache: bool | str | None = None,
         cache_max_bytes: int | None = None,
+        strict: bool | None = None,
     ) -> None:
         # By keyword: tools that record and replay a DataLoader's init arguments
         # (Lightning) see one call's arguments, each once.
@@ -193,6 +236,9 @@ class DataLoader(TorchDataLoader):  # type: ignore[type-arg]
         self.name, self.device, self.copy, self.reconnect = name, device, copy, reconnect
         self.socket, self.max_batch_size = socket, max_batch_size
         self.cache, self.cache_max_bytes = cache, cache_max_bytes
+        self.strict = _strict() if strict is None else strict
+        self.fell_back: str | None = None
+        self.iteration = 0  # the epochs done, as Accelerate's prepared loader counts them
         _check_cache(dataset, cache, cache_max_bytes)
         target = torch.device(device) if device is not None else None
         if target is not None and target.type == "cuda" and not torch.cuda.is_available():
@@ -203,31 +249,65 @@ class DataLoader(TorchDataLoader):  # type: ignore[type-arg]
         rows = max_batch_size or self.batch_size or getattr(batches, "batch_size", None)
         if _one_index_a_batch(self):
             rows = 1
-        if not rows:
-            raise ValueError(
-                "pinfeed.DataLoader: this batch_sampler has no batch_size; give "
-                "max_batch_size=, the largest batch it makes (the ring's slots hold it)"
+        self._owned: _Owned | None = None
+        try:
+            self._owned = _Owned(
+                self,
+                name=name,
+                device=target,
+                copy=copy,
+                reconnect=reconnect,
+                socket=Path(socket) if socket is not None else p.default_socket_path(),
+                max_rows=int(rows) if isinstance(rows, int) and rows > 0 else None,
+                cache=cache,
+                cache_max_bytes=cache_max_bytes,
             )
-        self._owned = _Owned(
-            self,
-            name=name,
-            device=target,
-            copy=copy,
-            reconnect=reconnect,
-            socket=Path(socket) if socket is not None else p.default_socket_path(),
-            max_rows=int(rows),
-            cache=cache,
-            cache_max_bytes=cache_max_bytes,
-        )
+        except _FALLBACK as exc:
+            self._fall_back(exc)
 
     def _get_iterator(self) -> _BaseDataLoaderIter:
-        return _Iter(self)
+        if self.num_workers > 0:
+            self.check_worker_number_rationality()  # as DataLoader warns at each iter()
+        if self._owned is not None:
+            try:
+                return _Iter(self)
+            except Unshippable as exc:  # the objects changed into what cannot be shipped
+                self._fall_back(exc)
+        return super()._get_iterator()
+
+    def _fall_back(self, exc: PinfeedError) -> None:
+        """Run torch's own DataLoader in this process from now on, with one warning that
+        says why and what to do (``strict``: raise ``exc`` instead)."""
+        if self.strict or self.device is not None or self.copy or self.cache not in (None, False):
+            raise exc
+        if self._owned is not None:
+            self._owned.close()
+            self._owned = None
+        self.fell_back = f"{type(exc).__name__}: {exc}"
+        self.use_stateful_dataloader = False  # Accelerate: no pinfeed state to save
+        warnings.warn(
+            f"pinfeed.DataLoader runs torch's own DataLoader in this process for this "
+            f"loader (the same batches, made here, not by the node's server), because "
+            f"{self.fell_back}. {_REMEDY.get(type(exc), '')}Give strict=True (or set "
+            "PINFEED_STRICT=1) to make this an error.",
+            FallbackWarning,
+            stacklevel=3,
+        )
 
     # -- pinfeed's side --------------------------------------------------------------------
     @property
-    def pinfeed_name(self) -> str:
-        """The loader's name on the server (GET /v1/loaders/{name}, pinfeed status)."""
-        return self._owned.conn.name
+    def pinfeed_name(self) -> str | None:
+        """The loader's name on the server (GET /v1/loaders/{name}, pinfeed status);
+        None where it fell back to torch's DataLoader."""
+        return None if self._owned is None else self._owned.conn.name
+
+    def _served(self) -> _Owned:
+        if self._owned is None:
+            raise RuntimeError(
+                f"this pinfeed.DataLoader runs torch's own DataLoader ({self.fell_back}): it "
+                "has no pinfeed state"
+            )
+        return self._owned
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader is, as StatefulDataLoader's means it: a loader (in a new
@@ -235,7 +315,7 @@ class DataLoader(TorchDataLoader):  # type: ignore[type-arg]
         the next ``iter()`` on. It holds the epoch's base seed and what its sampler drew
         from (the generator's state, or the global RNG's where it has none, and a
         stateful sampler's ``state_dict``) as the epoch began."""
-        owned = self._owned
+        owned = self._served()
         if not owned.in_epoch:
             return {"version": 1, "epoch": owned.epoch + 1, "index": 0}
         return {
@@ -250,20 +330,38 @@ class DataLoader(TorchDataLoader):  # type: ignore[type-arg]
         """Go on from ``state`` (``state_dict``'s) at the next ``iter()``."""
         if state.get("version") != 1:
             raise ValueError(f"not a pinfeed.DataLoader state: {sorted(state)}")
-        self._owned.resume = dict(state)
+        self._served().resume = dict(state)
+
+    def __iter__(self) -> Any:  # an iterator; under Accelerate a generator, as its own
+        if not self.__dict__.get("_prepared"):
+            return super().__iter__()
+        return self._prepared_epoch()
+
+    def _prepared_epoch(self) -> Iterator[Any]:
+        """An epoch as Accelerate's prepared loader (``DataLoaderShard``) iterates one:
+        ``set_epoch(iteration)`` first, ``iteration`` counted on once it is whole."""
+        self.set_epoch(self.iteration)
+        yield from super().__iter__()
+        self.iteration += 1
 
     def set_epoch(self, epoch: int) -> None:
-        """The sampler's ``set_epoch`` (a ``DistributedSampler``'s), as Lightning calls it."""
-        for s in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
-            set_epoch = getattr(s, "set_epoch", None)
-            if callable(set_epoch):
-                set_epoch(epoch)
-                return
+        """What Accelerate's prepared loader (``DataLoaderShard``) does, which Hugging
+        Face's Trainer calls each epoch: the batch sampler's ``set_epoch`` and its
+        sampler's (a ``DistributedSampler``'s), or, where the sampler has none, the
+        dataset's (a Hugging Face ``IterableDataset``'s)."""
+        self.iteration = epoch
+        batches: Any = self.batch_sampler if self.batch_sampler is not None else self.sampler
+        if hasattr(batches, "set_epoch"):
+            batches.set_epoch(epoch)
+        if hasattr(batches, "sampler") and hasattr(batches.sampler, "set_epoch"):
+            batches.sampler.set_epoch(epoch)
+        elif hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
 
     def _unsharded(self) -> str:
         """What to do where nothing shards this loader across processes ("": a
         ``DistributedSampler`` does, or an ``IterableDataset``, which may itself)."""
-        if self._owned.iterable:
+        if isinstance(self.dataset, IterableDataset):
             return ""
         held = (self.sampler, self.batch_sampler)  # a BatchSampler's own, as sampler= too
         if any(isinstance(getattr(s, "sampler", s), DistributedSampler) for s in held):
@@ -277,9 +375,10 @@ class DataLoader(TorchDataLoader):  # type: ignore[type-arg]
 
     def close(self) -> None:
         """Let the server's loader go (it goes anyway when this object does)."""
-        self._owned.close()
+        if self._owned is not None:
+            self._owned.close()
 
-    def __enter__(self) -> DataLoader:
+    def __enter__(self) -> DataLoader[_T_co]:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -292,33 +391,30 @@ class _Owned:
 
     def __init__(
         self,
-        loader: DataLoader,
+        loader: DataLoader[Any],
         *,
         name: str | None,
         device: torch.device | None,
         copy: bool,
         reconnect: bool,
         socket: Path,
-        max_rows: int,
+        max_rows: int | None,
         cache: bool | str | None = None,
         cache_max_bytes: int | None = None,
     ) -> None:
         dataset = loader.dataset
         iterable = isinstance(dataset, IterableDataset)
-        collate: Any = loader.collate_fn
-        if not loader._auto_collation:  # batch_size=None
-            collate = Unbatched(collate, by_list=not _one_index_a_batch(loader))
-        elif collate is torch.utils.data.default_collate:
-            collate = None  # the server writes default-collated batches itself
         self.one_index = _one_index_a_batch(loader)  # each index fed as a batch of one
-        self.payload = ship(
-            {
-                "dataset": dataset,
-                "collate_fn": collate,
-                "worker_init_fn": loader.worker_init_fn,
-            }
-        )
-        self._finalize = weakref.finalize(self, os.close, self.payload)
+        # The objects as shipped, and as they change (follow): the shipper holds the
+        # payloads a server needs for them (a reconnect sends them again, in order).
+        self.shipper = Shipper()
+        objects = _objects(loader)
+        collate = objects["collate_fn"]
+        first = self.shipper.ship(objects)
+        assert first is not None
+        self.payload = first
+        self._finalize = weakref.finalize(self, self.shipper.close)
+        self.cache = cache
         self.iterable = iterable
         self.num_workers = loader.num_workers
         # Index batches fed ahead with workers: DataLoader's num_workers * prefetch_factor;
@@ -379,28 +475,59 @@ class _Owned:
             cache=cache is not None and cache is not False,
             cache_name=cache if isinstance(cache, str) else None,
             cache_max_bytes=cache_max_bytes,
+            draws=not rng.draws_nothing(dataset, collate, loader.worker_init_fn),
         )
         # A named loader's "equal configuration and objects": unnamed, nothing to compare.
         digest = "" if name is None else _digest(self.payload, request.encode())
-        message, fds = p.Create(**{**request.__dict__, "digest": digest}).encode(), (self.payload,)
+        message = p.Create(**{**request.__dict__, "digest": digest}).encode()
+        shipper = self.shipper
         ensure_server(socket)
-        timeout = loader.timeout or None
-        transport = SocketTransport(socket, timeout, name or "pinfeed.DataLoader")
-        # The CREATE (sent again by a reconnect) refers to nothing of this object's, so
-        # the connection, which the finalizer below holds, does not keep it alive.
+        # DataLoader's timeout bounds the wait for a batch from its workers (none without
+        # workers), not the loader's making
+        self.timeout = loader.timeout if loader.timeout and loader.num_workers else None
+        transport = SocketTransport(
+            socket, self.timeout, name or "pinfeed.DataLoader", attach_timeout=False
+        )
+        # The CREATE (sent again by a reconnect, with the objects as last shipped in one
+        # payload) refers to nothing of this object's, so the connection, which the
+        # finalizer below holds, does not keep it alive.
         self.conn = Connection(
-            transport, name or "", None, device, copy, request=lambda: (message, fds)
+            transport,
+            name or "",
+            None,
+            device,
+            copy,
+            request=lambda: (message, (shipper.whole(), *shipper.shared)),
+            keep=True,  # DataLoader's batches are the trainer's as long as it holds them
         )
         # The connection (and so the server's loader) goes with this object.
         self._closing = weakref.finalize(self, self.conn.close)
 
+    # -- the objects ----------------------------------------------------------------------
+    def follow(self, loader: DataLoader[Any]) -> int | None:
+        """The loader's objects as they are now, where they changed since last shipped:
+        the payload to send (the shipper owns it); None: unchanged."""
+        fd = self.shipper.ship(_objects(loader))
+        if fd is not None and self.cache not in (None, False):
+            raise InvalidRequest(
+                "pinfeed.DataLoader(cache=...): the dataset, collate_fn or worker_init_fn "
+                "changed since the loader was made (set_epoch, an attribute); a cached "
+                "loader serves its objects as shipped: keep what changes out of it, or "
+                "make a new loader"
+            )
+        return fd
+
     # -- an epoch -----------------------------------------------------------------------
-    def begin(self, base_seed: int) -> int:
-        """A new epoch of this loader (the last one, unfinished, is dropped first)."""
+    def begin(self, base_seed: int, objects: int | None = None) -> int:
+        """A new epoch of this loader (the last one, unfinished, is dropped first), with
+        the trainer's objects as they are now where they changed (``objects``: their
+        payload, ``follow``'s)."""
         conn = self.conn
         if self.in_epoch:
             self.skip()
         self.epoch += 1
+        if objects is not None:
+            conn.send_objects(self.epoch, [objects, *self.shipper.shared])
         conn.send_message(p.encode_epoch(self.epoch, base_seed))
         self.in_epoch, self.yielded, self.base_seed = True, 0, base_seed
         return self.epoch
@@ -455,6 +582,10 @@ class _Owned:
         then in flight. Else a NEXT, SKIP or SEEK follows and hands them back.
         ``ahead``: ahead of the RNG states it is to be made on (a FEED of it with them
         follows)."""
+        if indices is not None and len(indices) > p.MAX_FEED_INDICES:
+            parts, indices = p.feed_parts(self.epoch, index, indices)
+            for part in parts:
+                self.conn.send_plain(part)
         if ahead:
             assert indices is not None and not rng_state
             message = p.encode_feed_ahead(self.epoch, index, indices)
@@ -500,10 +631,10 @@ class _Owned:
             if n is None:
                 if conn.holds_slots():
                     conn.send(p.RELEASE)
-                n = conn.recv()
+                n = self._recv()
         else:
             conn.send(_NEXT)
-            n = conn.recv()
+            n = self._recv()
         conn.wait_us = (time.perf_counter_ns() - asked) // 1000
         kind = conn.buf[0]
         if kind == _BATCH:
@@ -515,6 +646,15 @@ class _Owned:
         if info is None:
             raise conn.failure(n)
         raise error_from_info(info)
+
+    def _recv(self) -> int:
+        """The reply to the NEXT in flight; DataLoader's RuntimeError where its timeout
+        passed first (the NEXT stays in flight: the next call waits for its reply)."""
+        try:
+            return self.conn.recv()
+        except TimeoutError:
+            self.next_sent = True
+            raise RuntimeError(f"DataLoader timed out after {self.timeout} seconds") from None
 
     def ask_ahead(self) -> None:
         """Send the NEXT for the item after the one just received (its FEED sent first);
@@ -540,14 +680,43 @@ class _Owned:
         back with the next message sent: send FEEDs before, not after."""
         conn = self.conn
         _, slot, _seq, _epoch, _index, nstr = _BATCH_HEAD.unpack_from(conn.buf)
-        return conn.delivery.deliver(slot, conn.views.batch(conn.buf, slot, nstr))
+        return conn.deliver(slot, nstr)
 
     def close(self) -> None:
         self._closing()
         self._finalize()
 
 
-def _draws_nothing(loader: DataLoader, collate: Any) -> bool:
+_REMEDY: dict[type[PinfeedError], str] = {
+    Unshippable: "Make it an object that pickles (the error names it) to have the node's "
+    "server make the batches. ",
+    ServerUnavailable: "Start one (`pinfeed serve`), or let pinfeed.DataLoader start one "
+    "(unset PINFEED_AUTOSTART=0). ",
+}
+
+
+def _strict() -> bool:
+    """``PINFEED_STRICT``: a loader pinfeed cannot serve is an error, not torch's."""
+    return os.environ.get("PINFEED_STRICT", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _objects(loader: DataLoader[Any]) -> dict[str, Any]:
+    """What DataLoader hands its workers (by fork), as the server gets it: the dataset,
+    the collate_fn (None: default_collate, which the server writes itself; without
+    automatic batching, ``Unbatched``) and the worker_init_fn, as they are now."""
+    collate: Any = loader.collate_fn
+    if not loader._auto_collation:  # batch_size=None
+        collate = Unbatched(collate, by_list=not _one_index_a_batch(loader))
+    elif collate is torch.utils.data.default_collate:
+        collate = None
+    return {
+        "dataset": loader.dataset,
+        "collate_fn": collate,
+        "worker_init_fn": loader.worker_init_fn,
+    }
+
+
+def _draws_nothing(loader: DataLoader[Any], collate: Any) -> bool:
     """Whether a batch made without workers draws nothing from the trainer's RNGs and
     its indices may be taken ahead: objects that draw nothing (``rng.draws_nothing``)
     under torch's ``BatchSampler`` over one of its samplers, which draw at most at their
@@ -555,7 +724,7 @@ def _draws_nothing(loader: DataLoader, collate: Any) -> bool:
     return rng.draws_nothing(loader.dataset, collate) and _quiet_batches(loader)
 
 
-def _quiet_batches(loader: DataLoader) -> bool:
+def _quiet_batches(loader: DataLoader[Any]) -> bool:
     """Whether the moments the batch sampler's indices are taken cannot be seen: torch's
     own ``BatchSampler`` (its exact type, as each class here: a subclass may do more)
     over one of torch's samplers that draw at most at their first index (not a
@@ -615,7 +784,7 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _whole_epoch_quiet(loader: DataLoader) -> bool:
+def _whole_epoch_quiet(loader: DataLoader[Any]) -> bool:
     """Whether the sampler draws at its first index only, however far ahead of the
     batches it is iterated: not a ``RandomSampler`` on a generator with more samples
     than the dataset, which draws its next permutation from that generator mid-epoch."""
@@ -708,14 +877,19 @@ class _Iter(_BaseDataLoaderIter):
     """One epoch (DataLoader's iterator: its base seed and sampler iteration are
     ``_BaseDataLoaderIter``'s own), its batches made by the server."""
 
-    def __init__(self, loader: DataLoader) -> None:
-        owned = self._owned = loader._owned
+    def __init__(self, loader: DataLoader[Any]) -> None:
+        owned = self._owned = loader._served()
         resume, owned.resume = owned.resume, None
         if resume is not None and resume.get("start"):
             _restore(loader, resume["start"])  # the sampler draws what it drew then
         owned.epoch_start = _taken(loader)
+        # DataLoader hands its (new) workers the objects as they are now, or, without
+        # workers, uses them as they are (persistent workers come here once: later
+        # epochs are _reset's, whose workers keep what they have). Before the iterator
+        # draws anything: objects that cannot go fall back to torch's, which draws then.
+        objects = owned.follow(loader)
         super().__init__(loader)  # DataLoader's own: the base seed, the sampler's iterator
-        self._start(resume)
+        self._start(resume, objects)
 
     def __next__(self) -> Any:
         if self._owned.iterable or torch._C._autograd._profiler_enabled():
@@ -728,7 +902,8 @@ class _Iter(_BaseDataLoaderIter):
         self._num_yielded += 1
         return data
 
-    def _start(self, resume: dict[str, Any] | None = None) -> None:
+    def _start(self, resume: dict[str, Any] | None = None, objects: int | None = None) -> None:
+        """The epoch begins (``objects``: the objects' payload, where they changed)."""
         owned = self._owned
         index = 0
         seed = int(self._base_seed)
@@ -737,7 +912,7 @@ class _Iter(_BaseDataLoaderIter):
             index = int(resume["index"])
             seed = int(resume.get("base_seed", seed))
             self._base_seed = seed
-        self._epoch = owned.begin(seed)
+        self._epoch = owned.begin(seed, objects)
         self._fed = 0
         self._indices: Iterator[Any] | None = None  # the sampler's, for _feed_chunk
         self._exhausted = False

@@ -188,7 +188,7 @@ class Epochs:
         _, slot, _seq, epoch, index, nstr = _BATCH_HEAD.unpack_from(buf)
         self._epoch_batches += 1
         self._advance(epoch, index)
-        return conn.delivery.deliver(slot, conn.views.batch(buf, slot, nstr))
+        return conn.deliver(slot, nstr)
 
     def _advance(self, epoch: int, index: int) -> None:
         """Batch ``index`` of ``epoch`` was consumed."""

@@ -45,7 +45,7 @@ def replay(
             if buf[0] != p.BATCH:
                 raise _failure(buf, n)
             slot_bytes = info.ring_bytes
-            views = BatchViews(RingSegments(ring, 1, slot_bytes), info.layout, 1, slot_bytes)
+            views = BatchViews(RingSegments(ring, 1, slot_bytes), info.layout, slot_bytes)
             _, slot, _, _, _, nstr = p.BATCH_HEAD.unpack_from(buf)
             batch = views.batch(buf, slot, nstr)
             owned = _map_tensors(batch, lambda t: t.to(device, copy=True) if device else t.clone())

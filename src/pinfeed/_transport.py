@@ -31,6 +31,9 @@ class Transport(Protocol):
 
     def send(self, message: bytes) -> None: ...
 
+    def send_fds(self, message: bytes, fds: Sequence[int]) -> None:
+        """Send ``message`` with ``fds`` (SCM_RIGHTS): a pinfeed.DataLoader's OBJECTS."""
+
     def recv(self) -> int:
         """Wait, up to the loader's timeout, for one reply."""
 
@@ -62,12 +65,18 @@ class SocketTransport:
     ``recv`` polls with the loader's timeout, then receives.
     """
 
-    def __init__(self, path: Path, timeout: float | None, loader: str) -> None:
+    def __init__(
+        self, path: Path, timeout: float | None, loader: str, *, attach_timeout: bool = True
+    ) -> None:
+        """``timeout``: the most a reply is waited for (None: no bound); with
+        ``attach_timeout`` false, the first reply (ATTACHED) is waited for unbounded
+        (a pinfeed.DataLoader: DataLoader's timeout is its batches')."""
         self.path = path
         self.buf = bytearray(p.MAX_MESSAGE)
         self._loader = loader
         self._timeout = timeout
         self._timeout_ms = -1 if timeout is None else max(0, math.ceil(timeout * 1000))
+        self._attach_ms = self._timeout_ms if attach_timeout else -1
         self._sock: socket.socket | None = None
         self._readable = select.poll()
         self._fds: list[int] = []
@@ -88,11 +97,10 @@ class SocketTransport:
         self._readable.register(sock, select.POLLIN)
         try:
             if fds:
-                rights = (socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))
-                sock.sendmsg([request], [rights])
+                self.send_fds(request, fds)
             else:
                 self.send(request)
-            self._wait()
+            self._wait(self._attach_ms)
             n, fds = p.recv_message(sock, self.buf)
         except OSError as exc:
             sock.close()
@@ -106,6 +114,14 @@ class SocketTransport:
         assert self._sock is not None
         try:
             self._sock.send(message)
+        except OSError as exc:
+            raise lost(exc.strerror) from None
+
+    def send_fds(self, message: bytes, fds: Sequence[int]) -> None:
+        assert self._sock is not None
+        rights = (socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))
+        try:
+            self._sock.sendmsg([message], [rights])
         except OSError as exc:
             raise lost(exc.strerror) from None
 
@@ -144,9 +160,9 @@ class SocketTransport:
         if self._sock is not None:
             self._sock.close()
 
-    def _wait(self) -> None:
+    def _wait(self, timeout_ms: int | None = None) -> None:
         try:
-            ready = self._readable.poll(self._timeout_ms)
+            ready = self._readable.poll(self._timeout_ms if timeout_ms is None else timeout_ms)
         except OSError as exc:
             raise lost(exc.strerror) from None
         if not ready:

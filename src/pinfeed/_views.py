@@ -5,7 +5,10 @@ slots can go back to the server.
 A BATCH in the loader's fixed layout carries dims (rows, shapes); one with
 ``FLAG_LAYOUT`` carries its own layout (a ``collate_fn``'s output): its structure is
 parsed once per distinct structure and cached, so the per-batch cost is a dict lookup,
-one ``struct`` unpack and one view per leaf, as for a fixed layout.
+one ``struct`` unpack and one view per leaf, as for a fixed layout. One with
+``FLAG_OWN`` too lives in a memfd of its own that came with it (a ``pinfeed.DataLoader``'s
+batch made before its ring was sized, or larger than its slots): its views are of that
+mapping, which goes when they do.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 import collections
 import json
 import math
+import mmap
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +25,7 @@ import numpy as np
 import torch
 
 from pinfeed import protocol as p
-from pinfeed._ring import RingSegments
+from pinfeed._ring import RingSegments, SlotMemory
 
 Builder = Callable[[list[Any]], Any]
 
@@ -89,11 +94,32 @@ def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 
 class BatchViews:
-    """The batch a BATCH message announces, as tensor views into the ring."""
+    """The batch a BATCH message announces, as tensor views into the ring. A loader
+    attached before its ring was sized has none until ``set_ring`` (a RING message);
+    ``fds()`` hands over the fds the last message carried (a FLAG_OWN batch's memfd)."""
 
-    def __init__(self, ring: RingSegments, layout: p.Layout, nslots: int, slot_bytes: int):
+    def __init__(
+        self,
+        ring: RingSegments | None,
+        layout: p.Layout | None,
+        slot_bytes: int,
+        fds: Callable[[], list[int]] = list,
+    ):
+        self._fds = fds
+        self._strides: dict[tuple[int, ...], tuple[int, ...]] = {}
+        # Per slot and dims: the batch's leaf views, built once (``SlotMemory.cached``).
+        # Each batch hands out detach()ed aliases of them: new tensor objects (a trainer
+        # may reshape its own in place), for a quarter of the cost of as_strided, and far
+        # less when the trainer's step has left the caches cold.
+        self._structures: dict[bytes, Structure] = {}
+        self._ring: RingSegments | None = None
+        self.held: SlotMemory | None = None  # the last batch's slot (``batch``)
+        if ring is not None and layout is not None:
+            self.set_ring(ring, layout, slot_bytes)
+
+    def set_ring(self, ring: RingSegments, layout: p.Layout, slot_bytes: int) -> None:
+        """The ring and its fixed layout (ATTACHED's, or a RING's)."""
         self._ring = ring
-        self._nslots = nslots
         self._slot_bytes = slot_bytes
         self._leaves = [
             (
@@ -105,35 +131,28 @@ class BatchViews:
         ]
         self._dims = p.dims_struct(layout)
         self._build = builder(layout.treedef)
-        self._strides: dict[tuple[int, ...], tuple[int, ...]] = {}
-        # Per (slot, dims): the batch's leaf views, built once. Each batch hands out
-        # detach()ed aliases of them: new tensor objects (a trainer may reshape its own
-        # in place), for a quarter of the cost of as_strided, and far less when the
-        # trainer's step has left the caches cold.
-        self._views: dict[tuple[int, tuple[int, ...]], list[torch.Tensor]] = {}
-        self._structures: dict[bytes, Structure] = {}
+        ring.clear_cached()
 
     def batch(self, buf: bytearray, slot: int, nstr: int) -> Any:
-        """The nested batch of the BATCH message in ``buf`` (its head already read)."""
+        """The nested batch of the BATCH message in ``buf`` (its head already read).
+        ``held`` is then its slot's memory (None: nothing of the batch is in its slot)."""
         if buf[1] & p.FLAG_LAYOUT:
             return self._own_layout(buf, slot)
         dims = self._dims.unpack_from(buf, p.BATCH_HEAD.size)
+        assert self._ring is not None, "a batch in a slot before the ring (RING)"
+        memory = self.held = self._ring.slot(slot)
         if not nstr:
-            key = (slot, dims)
-            views = self._views.get(key)
+            views = memory.cached.get(dims)
             if views is None:
-                if len(self._views) >= 4 * self._nslots:
-                    self._views.clear()  # many batch lengths: keep the cache bounded
-                views = self._views[key] = self._make_leaves(slot, dims, None)
+                views = self._make_leaves(memory, dims, None)
+                memory.cache(dims, views)
             return self._build([v.detach() for v in views])
         start = p.BATCH_HEAD.size + self._dims.size
         strings = iter(json.loads(bytes(buf[start : start + nstr])))
-        return self._build(self._make_leaves(slot, dims, strings))
+        return self._build(self._make_leaves(memory, dims, strings))
 
-    def _make_leaves(self, slot: int, dims: tuple[int, ...], strings: Any) -> list[Any]:
+    def _make_leaves(self, memory: SlotMemory, dims: tuple[int, ...], strings: Any) -> list[Any]:
         out: list[Any] = []
-        ring, first = self._ring.of(slot)  # the segment holding the slot
-        base = (slot - first) * self._slot_bytes
         d = 0
         for offset, dtype, ndim in self._leaves:
             if dtype is None:
@@ -144,8 +163,8 @@ class BatchViews:
             stride = self._strides.get(shape)
             if stride is None:
                 stride = self._strides[shape] = _strides(shape)
-            typed = ring.typed(dtype)
-            out.append(torch.as_strided(typed, shape, stride, (base + offset) // dtype.itemsize))
+            typed = memory.typed(dtype)
+            out.append(torch.as_strided(typed, shape, stride, offset // dtype.itemsize))
         return out
 
     def _own_layout(self, buf: bytearray, slot: int) -> Any:
@@ -165,8 +184,15 @@ class BatchViews:
         dims = dims_struct.unpack_from(buf, at)
         at += dims_struct.size
         objects = iter(json.loads(bytes(buf[at : at + nobj])) if nobj else ())
-        ring, first = self._ring.of(slot)  # the segment holding the slot
-        base = (slot - first) * self._slot_bytes
+        memory: Callable[[torch.dtype], torch.Tensor]
+        base = 0  # its arrays' offsets are from its slot's first byte, or its memfd's
+        self.held = None  # nothing of it in its slot (in a memfd of its own, or no arrays)
+        if buf[1] & p.FLAG_OWN:  # in the memfd that came with it
+            memory = _own_memory(self._fds())
+        elif any(dtype is not None for _, dtype, _ in specs):
+            assert self._ring is not None, "a batch in a slot before the ring (RING)"
+            slot_memory = self.held = self._ring.slot(slot)
+            memory = slot_memory.typed
         out: list[Any] = []
         d = 0
         for kind, dtype, ndim in specs:
@@ -176,36 +202,64 @@ class BatchViews:
             offset, shape = dims[d], dims[d + 1 : d + 1 + ndim]
             d += ndim + 1
             t = torch.as_strided(
-                ring.typed(dtype), shape, _strides(shape), (base + offset) // dtype.itemsize
+                memory(dtype), shape, _strides(shape), (base + offset) // dtype.itemsize
             )
             out.append(t if kind == "t" else t.numpy() if kind == "n" else t.numpy()[()])
         return build(out)
 
     def clear(self) -> None:
-        self._views.clear()
+        if self._ring is not None:
+            self._ring.clear_cached()
         self._structures.clear()
+
+
+def _own_memory(fds: list[int]) -> Callable[[torch.dtype], torch.Tensor]:
+    """A FLAG_OWN batch's memfd (``fds``: what its message carried), mapped: its whole
+    bytes viewed as a dtype. The fd is closed; the mapping lives as long as a view."""
+    if len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError(f"a BATCH with FLAG_OWN carries one memfd, not {len(fds)}")
+    try:
+        size = os.fstat(fds[0]).st_size
+        mm = mmap.mmap(fds[0], size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fds[0])
+    whole = torch.frombuffer(mm, dtype=torch.uint8)  # holds the mapping
+    return lambda dtype: whole.view(dtype)
 
 
 class Delivery:
     """Hands a slot's batch to the trainer and says when the slot can go back.
 
-    Views: the slot is released with the next message (the view lives until then).
+    Views: the slot is released with the next message (the view lives until then); with
+    ``keep`` (``pinfeed.DataLoader``: DataLoader's batches are the trainer's for as long
+    as it holds them), with the first message once no tensor of the trainer's holds the
+    batch's views (``held``: the slot's storage is held by the slot's own views alone).
     ``copy``: owned CPU tensors, the slot released at once. ``device`` (CUDA): a
     ``non_blocking`` copy on a side stream; the slot is released once its event is done.
     """
 
-    def __init__(self, device: torch.device | None, copy: bool, nslots: int) -> None:
+    def __init__(
+        self, device: torch.device | None, copy: bool, nslots: int, keep: bool = False
+    ) -> None:
         self.device = device
         self.copy = copy
+        self.keep = keep
         self.release: list[int] = []  # slots to hand back with the next message
         self.pending: list[tuple[int, torch.cuda.Event]] = []  # (slot, copy done)
+        # (slot, its memory): batches the trainer got as views, with ``keep``, until it
+        # lets go of them
+        self.held: list[tuple[int, SlotMemory]] = []
         self._hold = max(1, nslots - 1)
         if device is not None and device.type == "cuda":
             self.stream: torch.cuda.Stream | None = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         else:
             self.stream = None
 
-    def deliver(self, slot: int, batch: Any) -> Any:
+    def deliver(self, slot: int, batch: Any, held: SlotMemory | None) -> Any:
+        """The batch as the trainer gets it; ``held``: ``BatchViews.held`` (None: nothing
+        of it is in its slot)."""
         if self.stream is not None:
             current = torch.cuda.current_stream(self.device)
             with torch.cuda.stream(self.stream):
@@ -219,10 +273,24 @@ class Delivery:
                 t.record_stream(current)
             self.pending.append((slot, event))
             return out
-        self.release.append(slot)
         if self.copy:
+            self.release.append(slot)
             return _map_tensors(batch, torch.Tensor.clone)
+        if self.keep and held is not None:
+            self.held.append((slot, held))
+        else:
+            self.release.append(slot)
         return batch
+
+    def collect_held(self) -> None:
+        """Release the slots of kept batches the trainer no longer holds."""
+        still = []
+        for slot, memory in self.held:
+            if memory.alive():
+                still.append((slot, memory))
+            else:
+                self.release.append(slot)
+        self.held = still
 
     def collect_copies(self) -> None:
         """Release slots whose device copy has finished; block on the oldest only when
@@ -236,7 +304,10 @@ class Delivery:
             self.release.append(slot)
 
     def finish_copies(self) -> None:
-        """Wait for every device copy; their slots join ``release``."""
+        """Wait for every device copy; their slots join ``release`` (and so do kept
+        batches' that the trainer no longer holds)."""
+        if self.held:
+            self.collect_held()
         for slot, event in self.pending:
             event.synchronize()
             self.release.append(slot)

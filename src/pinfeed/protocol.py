@@ -14,8 +14,12 @@ so the hot path neither pickles nor parses JSON::
     SKIP    S  as NEXT; reply END            POSITION P  POSITION_BODY (after SEEK)
     SEEK    K  POSITION_BODY                 ERROR    X  JSON ErrorInfo
     CUDA    C  (no body, no reply)           SEGMENT  G  SEGMENT_BODY (+ memfd: ring grew)
+                                             RING     W  JSON RingInfo + segment 0's memfd
+                                                         (a ring sized after ATTACHED)
     CREATE  O  JSON Create + payload memfd   RNG      Y  RNG_HEAD + the trainer's RNG
     EPOCH   H  EPOCH_BODY (base seed)                    states, ahead of its BATCH
+    OBJECTS J  OBJECTS_BODY + payload memfd
+               (the objects changed)
     FEED    F  FEED_HEAD, int64 indices, RNG
                (FEED_NEXT: then a NEXT; FEED_AHEAD: no RNG yet, its FEED follows)
     FEEDS   M  FEEDS_HEAD, uint32 batch sizes, int64 indices (many FEEDs in one)
@@ -23,9 +27,11 @@ so the hot path neither pickles nor parses JSON::
     REPLAY  V  JSON Replay (a connection's   REPLAYED v  JSON Replayed + a one-slot ring
                first message)                            memfd, then its BATCH or ERROR
 
-CREATE, EPOCH, FEED, FEEDS and RNG are ``pinfeed.DataLoader``'s: the trainer ships its
-objects (``pinfeed.payload``) and gets a loader of its own (the reply is ATTACHED), then,
-per epoch, sends the base seed its iterator drew and the index batches its sampler made,
+CREATE, EPOCH, OBJECTS, FEED, FEEDS and RNG are ``pinfeed.DataLoader``'s: the trainer
+ships its objects (``pinfeed.payload``) and gets a loader of its own (the reply is
+ATTACHED), then, per epoch, sends its objects again where they changed (OBJECTS: the
+objects as DataLoader would hand them to that epoch's workers), the base seed its
+iterator drew and the index batches its sampler made,
 ahead of the batches it asks for, as DataLoader's iterator hands them to its workers
 (FEED, one a batch), or, where when the sampler is iterated cannot be seen (torch's own
 samplers), many at once (FEEDS).
@@ -50,28 +56,35 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 # HTTP, not the socket: the header a client names itself with; the control plane paces
 # each (address, this header) apart (pinfeed_server/api/throttle.py).
 HTTP_CLIENT_HEADER = "x-pinfeed-client"
 
 ATTACH, NEXT, RELEASE, SKIP, SEEK, CUDA = map(ord, "ANRSKC")  # client -> server
-CREATE, EPOCH, FEED, FEEDS = map(ord, "OHFM")  # client -> server: pinfeed.DataLoader's
+CREATE, EPOCH, FEED, FEEDS, OBJECTS = map(ord, "OHFMJ")  # client -> server: pinfeed.DataLoader's
 RESUME, REPLAY = map(ord, "UV")  # client -> server: load_state_dict, Loader.replay
-ATTACHED, BATCH, END, POSITION, ERROR, SEGMENT, RNG = map(ord, "aBEPXGY")  # server -> client
+ATTACHED, BATCH, END, POSITION, ERROR, SEGMENT, RNG, RING = map(ord, "aBEPXGYW")  # server -> client
 RESUMED, REPLAYED = map(ord, "uv")  # server -> client
 KIND_NAMES = {
     ATTACH: "ATTACH", NEXT: "NEXT", RELEASE: "RELEASE", SKIP: "SKIP", SEEK: "SEEK",
     CUDA: "CUDA", CREATE: "CREATE", EPOCH: "EPOCH", FEED: "FEED", FEEDS: "FEEDS",
+    OBJECTS: "OBJECTS",
     ATTACHED: "ATTACHED",
     BATCH: "BATCH", END: "END", POSITION: "POSITION", ERROR: "ERROR", SEGMENT: "SEGMENT",
-    RNG: "RNG", RESUME: "RESUME", RESUMED: "RESUMED", REPLAY: "REPLAY", REPLAYED: "REPLAYED",
+    RNG: "RNG", RING: "RING", RESUME: "RESUME", RESUMED: "RESUMED", REPLAY: "REPLAY",
+    REPLAYED: "REPLAYED",
 }  # fmt: skip
 
 # kind | flags << 8, slot, seq, epoch, index in epoch, length of the trailing body
 BATCH_HEAD = struct.Struct("<H2xIQIII")
 # A BATCH flag: its body is its own layout (BATCH_LAYOUT_HEAD ..), not dims + strings.
 FLAG_LAYOUT = 1
+# A BATCH flag: its arrays are not in its slot but in a memfd of its own, which travels
+# with it (SCM_RIGHTS), at the offsets its own layout gives (FLAG_LAYOUT is set too): a
+# pinfeed.DataLoader's batch made before its loader's ring was sized from the first
+# batches, or larger than the ring's slots. Its slot is leased and released as any.
+FLAG_OWN = 2
 # mark (0: never the first byte of a strings JSON), structure JSON bytes, objects JSON bytes
 BATCH_LAYOUT_HEAD = struct.Struct("<B3xII")
 END_BODY = struct.Struct("<B3xIQ")  # kind, epoch, seq
@@ -79,6 +92,9 @@ POSITION_BODY = struct.Struct("<B3xII")  # kind, epoch, index
 SEGMENT_BODY = struct.Struct("<B3xIII")  # kind, segment id, first slot, slots (0: closed)
 RELEASE_HEAD = struct.Struct("<BxH")  # kind, count
 EPOCH_BODY = struct.Struct("<B3xIq")  # kind, epoch, base seed
+# kind, the epoch from which the objects in the payload memfd that travels with it apply
+# (the memfd first, then the shared memory fds its objects map)
+OBJECTS_BODY = struct.Struct("<B3xI")
 # kind, flags, epoch, index, indices (FEED_END: the sampler ran out), RNG state bytes
 FEED_HEAD = struct.Struct("<BB2xIIII")
 FEED_END = 0xFFFFFFFF
@@ -86,6 +102,10 @@ FEED_NEXT = 1  # flag: a NEXT follows the RNG states in the same message
 # flag: a batch fed ahead of the trainer's RNG states, to be made on the states the batch
 # before left; a FEED of the same batch with the states follows (``encode_feed_ahead``)
 FEED_AHEAD = 2
+# flag: the first indices of a batch too large for one message (MAX_FEED_INDICES), alone:
+# more parts may follow, then the FEED of that batch with the rest (``feed_parts``)
+FEED_PART = 4
+MAX_FEED_INDICES = 16384
 # kind, flags, epoch, index of the first batch, batches; then each batch's size (<I) and
 # all their indices (<q), in order
 FEEDS_HEAD = struct.Struct("<BB2xIII")
@@ -260,7 +280,10 @@ class Create:
 
     name: str | None
     digest: str  # sha256 of the payload and these fields: "an equal config"
-    max_rows: int  # the largest batch a slot holds (batch_size; a batch_sampler's)
+    # The batch size, where the trainer knows it (batch_size; a batch_sampler's
+    # batch_size); None: a batch_sampler of its own sizes, seen as they are fed. The
+    # ring's slots are sized from the first batches made, not from this.
+    max_rows: int | None
     num_workers: int
     prefetch_factor: int
     pin_memory: bool
@@ -276,6 +299,9 @@ class Create:
     cache: bool = False
     cache_name: str | None = None
     cache_max_bytes: int | None = None
+    # Whether the objects may draw from the global RNGs (``pinfeed.rng.draws_nothing``
+    # says when they cannot): then each batch is made on its worker's RNG stream.
+    draws: bool = True
     version: int = PROTOCOL_VERSION
 
     def encode(self) -> bytes:
@@ -297,8 +323,12 @@ class Create:
             raise ValueError(f"CREATE: {exc}") from None
         for name in ("max_rows", "num_workers", "prefetch_factor"):
             value = getattr(out, name)
+            if name == "max_rows" and value is None:
+                continue
             if type(value) is not int or value < (1 if name != "num_workers" else 0):
                 raise ValueError(f"CREATE {name} must be a positive int, not {value!r}")
+        if type(out.draws) is not bool:
+            raise ValueError("CREATE draws must be a bool")
         if type(out.cache) is not bool or not isinstance(out.cache_name, str | None):
             raise ValueError("CREATE cache must be a bool, cache_name a string or null")
         size = out.cache_max_bytes
@@ -318,6 +348,18 @@ def decode_epoch(data: Buffer) -> tuple[int, int]:
     return epoch, seed
 
 
+def encode_objects(epoch: int) -> bytes:
+    """An OBJECTS (its payload memfd travels with it): the objects from ``epoch`` on."""
+    return OBJECTS_BODY.pack(OBJECTS, epoch)
+
+
+def decode_objects(data: Buffer) -> int:
+    """The epoch an OBJECTS applies from."""
+    if len(data) != OBJECTS_BODY.size:
+        raise ValueError("an OBJECTS is kind, epoch (and its payload's memfd)")
+    return int(OBJECTS_BODY.unpack_from(data)[1])
+
+
 def encode_feed(epoch: int, index: int, indices: list[int] | None, rng: bytes = b"") -> bytes:
     """Batch ``index`` of ``epoch`` (None: the sampler ran out), and the trainer's RNG
     states to make it on (a loader without workers: DataLoader makes its batches in the
@@ -326,6 +368,28 @@ def encode_feed(epoch: int, index: int, indices: list[int] | None, rng: bytes = 
         return FEED_HEAD.pack(FEED, 0, epoch, index, FEED_END, 0)
     head = FEED_HEAD.pack(FEED, 0, epoch, index, len(indices), len(rng))
     return head + struct.pack(f"<{len(indices)}q", *indices) + rng
+
+
+def feed_parts(epoch: int, index: int, indices: list[int]) -> tuple[list[bytes], list[int]]:
+    """A batch of more than MAX_FEED_INDICES indices: the FEED_PART messages of its first
+    ones, and the rest, which its FEED carries (``struct.error`` if an index is no
+    integer). A batch that fits: none, and all of them."""
+    parts = []
+    while len(indices) > MAX_FEED_INDICES:
+        part, indices = indices[:MAX_FEED_INDICES], indices[MAX_FEED_INDICES:]
+        head = FEED_HEAD.pack(FEED, FEED_PART, epoch, index, len(part), 0)
+        parts.append(head + struct.pack(f"<{len(part)}q", *part))
+    return parts, indices
+
+
+def decode_feed_part(data: Buffer) -> tuple[int, int, list[int]] | None:
+    """(epoch, index, indices) of a FEED_PART; None for any other FEED."""
+    if len(data) < FEED_HEAD.size or not data[1] & FEED_PART:
+        return None
+    _, flags, epoch, index, count, nrng = FEED_HEAD.unpack_from(data)
+    if flags != FEED_PART or nrng or count == FEED_END or len(data) != FEED_HEAD.size + 8 * count:
+        raise ValueError("a FEED_PART carries indices alone")
+    return epoch, index, list(struct.unpack_from(f"<{count}q", data, FEED_HEAD.size))
 
 
 def encode_feed_ahead(epoch: int, index: int, indices: list[int]) -> bytes:
@@ -439,14 +503,19 @@ class AttachedConfig:
 @dataclass(frozen=True)
 class Attached:
     """The server's reply to ATTACH; ring segment 0's memfd travels with it (SCM_RIGHTS).
-    ``epoch``/``position``: the member's next batch. A decoder ignores unknown keys."""
+    ``epoch``/``position``: the member's next batch. A decoder ignores unknown keys.
+
+    A ``pinfeed.DataLoader``'s loader is attached before its ring exists (it is sized
+    from the first batches made, in its workers): then ``ring_bytes`` and ``slot_bytes``
+    are 0, ``layout`` None, no memfd travels, and a RING brings them ahead of the first
+    batch in the ring."""
 
     loader: str
     member: int
     ring_bytes: int
     nslots: int
     slot_bytes: int
-    layout: Layout
+    layout: Layout | None
     batches_per_epoch: int | None  # None: an iterable without __len__
     epoch: int
     position: int
@@ -468,13 +537,36 @@ class Attached:
         obj = _decode_json(ATTACHED, data)
         known = {f.name: obj[f.name] for f in fields(cls) if f.name in obj}
         try:
+            layout = obj["layout"]
             known |= {
-                "layout": Layout.from_json(obj["layout"]),
+                "layout": None if layout is None else Layout.from_json(layout),
                 "config": AttachedConfig.from_json(obj["config"]),
             }
             return cls(**known)
         except (KeyError, TypeError) as exc:
             raise ValueError(f"ATTACHED lacks a field: {exc}") from None
+
+
+@dataclass(frozen=True)
+class RingInfo:
+    """A RING: the ring of a loader attached before it had one (``Attached``), now sized
+    from its first batches: segment 0 (its memfd travels with this), its slots and their
+    fixed layout. It comes ahead of the first item that may use the ring."""
+
+    nslots: int
+    slot_bytes: int
+    layout: Layout
+
+    def encode(self) -> bytes:
+        return _encode_json(RING, asdict(self))
+
+    @classmethod
+    def decode(cls, data: Buffer) -> RingInfo:
+        obj = _decode_json(RING, data)
+        try:
+            return cls(int(obj["nslots"]), int(obj["slot_bytes"]), Layout.from_json(obj["layout"]))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"RING lacks a field: {exc}") from None
 
 
 @dataclass(frozen=True)

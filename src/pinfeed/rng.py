@@ -38,12 +38,14 @@ def load_state(blob: bytes) -> None:
     restore((torch.frombuffer(bytearray(torch_state), dtype=torch.uint8), random_state, np_state))
 
 
-def draws_nothing(dataset: Any, collate_fn: Any) -> bool:
+def draws_nothing(dataset: Any, collate_fn: Any, worker_init_fn: Any = None) -> bool:
     """Whether a batch of ``dataset`` collated by ``collate_fn`` (None: the default) is
     made without drawing from the global RNGs, whichever process makes it and on
     whatever RNG state: torch's own ``TensorDataset`` (its exact type: a subclass may
-    draw) with ``default_collate``."""
-    return type(dataset) is torch.utils.data.TensorDataset and collate_fn in (
-        None,
-        torch.utils.data.default_collate,
+    draw) with ``default_collate``, and no ``worker_init_fn`` (which might change the
+    dataset per worker, so that each batch must come from its own worker)."""
+    return (
+        type(dataset) is torch.utils.data.TensorDataset
+        and collate_fn in (None, torch.utils.data.default_collate)
+        and worker_init_fn is None
     )

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from pinfeed import Client
+    from pinfeed_server.schemas import NodeLifetime
 
 
 def console() -> Console:
@@ -285,6 +286,7 @@ def status(url: UrlOpt = None, token: TokenOpt = None, as_json: JsonOpt = False)
         f"{mode}; weighted stall {stall}",
         soft_wrap=False,
     )
+    console().print(_lifetime(node.lifetime), markup=False)
     prio = {lo.name: lo for lo in node.loaders}
     # Short, whole headers, no box, the box's one space between columns and no padding:
     # every column readable in 80 columns (rich cuts headers to their column's width, so
@@ -335,6 +337,16 @@ def status(url: UrlOpt = None, token: TokenOpt = None, as_json: JsonOpt = False)
             donor = f" from {d.donor}" if d.donor else ""
             line = f"  {d.t:7.1f}s {d.kind} {d.loader}{donor}: {d.reason}"
             console().print(line, overflow="ellipsis", no_wrap=True, crop=True, markup=False)
+
+
+def _lifetime(life: NodeLifetime) -> str:
+    """How the server was started, and when it exits by itself."""
+    by = "`pinfeed serve`" if life.started_by == "serve" else "a script's pinfeed.DataLoader"
+    if life.idle_exit_s is None:
+        return f"started by {by}; runs until stopped"
+    if life.exits_in_s is None:  # a trainer is connected
+        return f"started by {by}; exits {life.idle_exit_s:g} s after its last trainer"
+    return f"started by {by}; no trainer: exits in {life.exits_in_s:.0f} s"
 
 
 def _trainers(loader: dict[str, Any], count: int) -> str:

@@ -15,7 +15,8 @@ Held today by: the inline producer, for each batch whose code may draw
 served inline, or an IterableDataset's turn; a built-in kind, or a trainer's objects
 that draw nothing, go without); a loader's ``prepare`` reading its first samples; the
 service's first sample of a dataset (``GET /v1/datasets``), a cache's determinism
-check, and a trainer's objects loaded and checked for its cache. Not held, and so
+check, and a trainer's objects loaded (by the service, or by an inline producer when
+they change) and checked for its cache. Not held, and so
 drawing on whatever states the globals have: a ``python`` dataset's factory, a
 plugin's import and a custom sampler's first epoch at creation, and the threads of
 executor ``thread`` (whose datasets must draw none). Worker processes, zygotes and Ray

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, RootModel, create_model
 
+from pinfeed._autostart import StartedBy
 from pinfeed_server.cache import CacheSpec, CacheStats
 from pinfeed_server.datasets import KINDS, Kind
 from pinfeed_server.datasets.base import Params
@@ -347,11 +348,29 @@ class ArbiterPublic(BaseModel):
     )
 
 
+class NodeLifetime(BaseModel):
+    """How this server was started, and when it goes by itself."""
+
+    started_by: StartedBy = Field(
+        description="'serve': `pinfeed serve`; 'script': a script's pinfeed.DataLoader, which "
+        "found no server on its socket (its registry is its own, in memory)"
+    )
+    idle_exit_s: float | None = Field(
+        description="PINFEED_IDLE_EXIT_S: it exits this long after its last trainer left, "
+        "and its loaders with it; null: it runs until stopped"
+    )
+    exits_in_s: float | None = Field(
+        description="seconds left before it exits if no trainer connects; null while a "
+        "trainer is connected, or without PINFEED_IDLE_EXIT_S"
+    )
+
+
 class NodePublic(BaseModel):
     """The node: its CPUs and budgets, every loader's workers and trainers' wait share,
     and the arbiter's last decisions (newest last)."""
 
     uptime_s: float = Field(description="seconds since the server started (decisions' clock)")
+    lifetime: NodeLifetime
     cpus: int = Field(description="CPUs this server may use (its affinity)")
     max_workers: int = Field(description="PINFEED_MAX_WORKERS")
     workers_used: int = Field(description="worker processes of all loaders on this node")

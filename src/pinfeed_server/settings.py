@@ -18,6 +18,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from pinfeed._autostart import SCRIPT, StartedBy
 from pinfeed.protocol import DEFAULT_SOCKET_NAME, default_run_dir
 from pinfeed_server.engine.config import MAX_WORKERS  # a loader's bound
 from pinfeed_server.engine.producers.ray import check_ray_address
@@ -179,8 +180,15 @@ class Settings(BaseSettings):
     idle_exit_s: float | None = Field(
         None,
         gt=0,
-        description="exit after this long with no loader and no trainer attached (the "
-        "server pinfeed.DataLoader starts when none runs sets it); unset: run until stopped",
+        description="exit this long after the last trainer's connection closed (the loaders "
+        "it holds go with it; the server pinfeed.DataLoader starts when none runs sets it); "
+        "unset: run until stopped",
+    )
+    started_by: StartedBy = Field(
+        "serve",
+        description="who started this server: 'serve' (`pinfeed serve`), or 'script' "
+        "(pinfeed.DataLoader's autostart sets it): a script's server keeps a registry of "
+        "its own, in memory, and never restores the one under PINFEED_STATE_DIR",
     )
     demo: bool = Field(False, description="register the demo dataset and loader at start")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
@@ -223,7 +231,12 @@ class Settings(BaseSettings):
         return self.socket or self.run_dir / DEFAULT_SOCKET_NAME
 
     @property
-    def registry_path(self) -> Path:
+    def registry_path(self) -> Path | None:
+        """The registry's file; None: in memory. A script's server keeps what is made on
+        it to itself, and it goes with it: the file holds the named loaders of this
+        user's ``pinfeed serve``, whose workers and rings are not a script's to start."""
+        if self.started_by == SCRIPT:
+            return None
         return self.state_dir / "registry.sqlite3"
 
     @property

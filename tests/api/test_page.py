@@ -102,6 +102,8 @@ def test_the_page_shows_what_the_api_says(node_server: Server, browser: Browser)
         assert row["wait_share"] == _pct(mine["wait_share"]) == _pct(n["wait_share"])
     assert header["cpus"] == str(node["cpus"])
     assert header["workers"] == f"{node['workers_used']}/{node['max_workers']}"
+    assert node["lifetime"]["started_by"] == "serve" and node["lifetime"]["idle_exit_s"] is None
+    assert header["lifetime"] == "pinfeed serve, runs until stopped"
     assert [d["reason"] for d in decisions] == [d["reason"] for d in node["decisions"][::-1]]
     assert any(d["kind"] == "room" and d["loader"] == "a" for d in decisions)
     assert _outside(browser, node_server) == []

@@ -49,6 +49,7 @@ def test_every_setting_reads_its_env_var(monkeypatch: pytest.MonkeyPatch, tmp_pa
         "RAY_ADDRESS": "127.0.0.1:6379",
         "ACCEPT_OBJECTS": "false",
         "IDLE_EXIT_S": "30",
+        "STARTED_BY": "script",
         "ARBITER": "false",
         "ARBITER_INTERVAL_S": "0.5",
         "CACHE_MAX_BYTES": "524288",
@@ -59,7 +60,11 @@ def test_every_setting_reads_its_env_var(monkeypatch: pytest.MonkeyPatch, tmp_pa
         monkeypatch.setenv(f"PINFEED_{key}", value)
     s = Settings()
     assert (s.host, s.port, s.max_shm_bytes, s.max_body_bytes) == ("::1", 9000, 1 << 20, 4096)
-    assert s.socket_path == tmp_path / "x.sock" and s.registry_path.parent == tmp_path / "st"
+    assert s.socket_path == tmp_path / "x.sock" and s.state_dir == tmp_path / "st"
+    assert s.registry_path is None  # a script's server: its registry is in memory
+    assert s.model_copy(update={"started_by": "serve"}).registry_path == (
+        tmp_path / "st" / "registry.sqlite3"
+    )
     assert (s.cache_budget, s.cache_path) == (1 << 19, tmp_path / "caches")
     assert (s.token, s.allowed_plugins, s.demo, s.log_level) == (
         TOKEN,

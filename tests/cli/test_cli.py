@@ -129,6 +129,18 @@ def test_status_fits_80_columns(server: Server) -> None:
     ok(server, "datasets", "rm", ds)
 
 
+def test_status_says_how_the_server_was_started(server: Server) -> None:
+    """``pinfeed serve`` without PINFEED_IDLE_EXIT_S (a script's server: the autostart
+    tests)."""
+    assert "started by `pinfeed serve`; runs until stopped\n" in ok(server, "status")
+    with server.client() as c:
+        assert c.node()["lifetime"] == {
+            "started_by": "serve",
+            "idle_exit_s": None,
+            "exits_in_s": None,
+        }
+
+
 def test_unreachable_server_exits_1() -> None:
     result = run(f"http://127.0.0.1:{free_port()}", "status")
     assert result.exit_code == 1

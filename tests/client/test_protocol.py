@@ -97,6 +97,10 @@ ROUND_TRIPS: dict[int, tuple[bytes, Callable[[bytes], object]]] = {
         p.SEGMENT_BODY.pack(p.SEGMENT, 2, 10, 8),
         lambda m: p.SEGMENT_BODY.unpack(m) == (p.SEGMENT, 2, 10, 8),
     ),
+    p.RING: (
+        p.RingInfo(4, 4096, LAYOUT).encode(),
+        lambda m: p.RingInfo.decode(m) == p.RingInfo(4, 4096, LAYOUT),
+    ),
     p.ERROR: (
         p.ErrorInfo(
             "sample-error", "sample 13 raised", False, extra={"index": 13, "error_type": "E"}
@@ -117,6 +121,7 @@ ROUND_TRIPS: dict[int, tuple[bytes, Callable[[bytes], object]]] = {
         ),
     ),
     p.EPOCH: (p.encode_epoch(3, -7), lambda m: p.decode_epoch(m) == (3, -7)),
+    p.OBJECTS: (p.encode_objects(4), lambda m: p.decode_objects(m) == 4),
     p.FEED: (
         p.encode_feed(1, 5, [9, 2, 4], b"rng"),
         lambda m: p.decode_feed(m) == (1, 5, [9, 2, 4], b"rng", False, None),

@@ -1,5 +1,6 @@
-"""Bad input to ``pinfeed.DataLoader``: each error is clear and names what to do, and
-the server and its other loaders go on: an object that cannot be shipped (the
+"""Bad input to ``pinfeed.DataLoader`` with ``strict=True`` (else it runs torch's own
+DataLoader, with a warning: test_fallback.py): each error is clear and names what to
+do, and the server and its other loaders go on: an object that cannot be shipped (the
 attribute path named, in the trainer), a module the server cannot import, a
 ``collate_fn`` that raises on the first batch, a trainer of another uid, a server that
 refuses objects."""
@@ -75,7 +76,7 @@ def test_an_open_file_is_named_with_its_attribute_path(server: Server, tmp_path:
     (tmp_path / "data.bin").write_bytes(b"x")
     ds = HoldsAFile(tmp_path / "data.bin")
     with pytest.raises(Unshippable) as info:
-        pinfeed.DataLoader(ds, batch_size=2, socket=server.socket)
+        pinfeed.DataLoader(ds, batch_size=2, socket=server.socket, strict=True)
     assert info.value.path == "dataset.meta['fh']"
     assert "open files in __getitem__ or in worker_init_fn" in str(info.value)
     assert isinstance(info.value, TypeError)  # what pickling it raises under DataLoader
@@ -85,14 +86,16 @@ def test_an_open_file_is_named_with_its_attribute_path(server: Server, tmp_path:
 
 def test_a_generator_and_a_device_tensor_are_named(server: Server) -> None:
     with pytest.raises(Unshippable, match=r"dataset\.rows .*create the iterator in __iter__"):
-        pinfeed.DataLoader(HoldsAGenerator(), socket=server.socket)
+        pinfeed.DataLoader(HoldsAGenerator(), socket=server.socket, strict=True)
     with pytest.raises(
         Unshippable, match=r"dataset\.weights .*keep the dataset's tensors on the CPU"
     ):
-        pinfeed.DataLoader(HoldsADeviceTensor(), socket=server.socket)
+        pinfeed.DataLoader(HoldsADeviceTensor(), socket=server.socket, strict=True)
     lock = threading.Lock()  # a lambda's default that cannot be pickled
     with pytest.raises(Unshippable, match=r"cannot ship collate_fn \(a function\)"):
-        pinfeed.DataLoader(Squares(), collate_fn=lambda s, lock=lock: s, socket=server.socket)
+        pinfeed.DataLoader(
+            Squares(), collate_fn=lambda s, lock=lock: s, socket=server.socket, strict=True
+        )
 
 
 @pytest.fixture()
@@ -123,7 +126,9 @@ def installed_elsewhere(tmp_path: Path) -> Iterator[Any]:
 
 def test_a_module_the_server_cannot_import(server: Server, installed_elsewhere: Any) -> None:
     with pytest.raises(InvalidRequest) as info:
-        pinfeed.DataLoader(installed_elsewhere.Scans(), batch_size=2, socket=server.socket)
+        pinfeed.DataLoader(
+            installed_elsewhere.Scans(), batch_size=2, socket=server.socket, strict=True
+        )
     message = str(info.value)
     assert "cannot import module 'labdata_pf'" in message
     assert "install it in the server's Python environment" in message
@@ -131,12 +136,20 @@ def test_a_module_the_server_cannot_import(server: Server, installed_elsewhere: 
 
 
 def test_a_collate_fn_that_raises_on_the_first_batch(server: Server) -> None:
+    """DataLoader calls ``collate_fn`` in the loop: the loader is made, and its first
+    batch raises the function's own exception type there (a SampleError too)."""
+
     def broken(samples: list[Any]) -> Any:
         raise KeyError("label")
 
-    with pytest.raises(InvalidRequest) as info:
-        pinfeed.DataLoader(Squares(), batch_size=4, collate_fn=broken, socket=server.socket)
-    assert "KeyError" in str(info.value) and "'label'" in str(info.value)
+    for workers in (0, 2):
+        loader = pinfeed.DataLoader(
+            Squares(), batch_size=4, collate_fn=broken, num_workers=workers, socket=server.socket
+        )
+        with pytest.raises(KeyError) as info:
+            next(iter(loader))
+        assert isinstance(info.value, pinfeed.SampleError) and "'label'" in str(info.value)
+        loader.close()
     _alive(server)
 
 
@@ -178,7 +191,7 @@ def test_a_trainer_of_another_uid_may_not_ship_objects(
                 os.setgid(NOBODY)
                 os.setuid(NOBODY)
                 try:
-                    pinfeed.DataLoader(Squares(), batch_size=2, socket=srv.socket)
+                    pinfeed.DataLoader(Squares(), batch_size=2, socket=srv.socket, strict=True)
                     code = 1
                 except InvalidRequest as exc:
                     os.write(write, str(exc).encode())
@@ -203,4 +216,4 @@ def test_a_server_that_accepts_no_objects(tmp_path_factory: pytest.TempPathFacto
         Server(tmp_path_factory.mktemp("noobj"), env=env) as srv,
         pytest.raises(InvalidRequest, match="PINFEED_ACCEPT_OBJECTS=false"),
     ):
-        pinfeed.DataLoader(Squares(), socket=srv.socket)
+        pinfeed.DataLoader(Squares(), socket=srv.socket, strict=True)

@@ -486,24 +486,25 @@ def test_indices_taken_a_slice_at_a_time_are_the_samplers_own() -> None:
 
 def test_which_shipped_objects_draw_nothing() -> None:
     """Only torch's own ``TensorDataset`` with ``default_collate`` and no
-    ``worker_init_fn`` draws nothing: its loader keeps no RNG stream per worker."""
+    ``worker_init_fn`` draws nothing: its loader keeps no RNG stream per worker (the
+    trainer says so in its CREATE, ``draws``)."""
     from torch.utils.data import TensorDataset
 
-    from pinfeed_server.datasets.shipped import Shipped, params
+    from pinfeed.rng import draws_nothing
 
     class Sub(TensorDataset):
         pass
 
     t = torch.arange(4)
-    assert params(Shipped(TensorDataset(t), None, None, None)) == {"draws_rng": False}
-    assert params(Shipped(TensorDataset(t), default_collate, None, None)) == {"draws_rng": False}
-    for shipped in (
-        Shipped(Sub(t), None, None, None),
-        Shipped(TensorDataset(t), lambda b: b, None, None),
-        Shipped(TensorDataset(t), None, _shift_by_worker, None),
-        Shipped(Squares(), None, None, None),
+    assert draws_nothing(TensorDataset(t), None)
+    assert draws_nothing(TensorDataset(t), default_collate)
+    for objects in (
+        (Sub(t), None, None),
+        (TensorDataset(t), lambda b: b, None),
+        (TensorDataset(t), None, _shift_by_worker),
+        (Squares(), None, None),
     ):
-        assert params(shipped) == {}
+        assert not draws_nothing(*objects)
 
 
 def test_a_worker_init_fn_that_changes_its_workers_dataset(server: Server) -> None:

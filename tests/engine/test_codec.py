@@ -39,10 +39,10 @@ def test_tasks_round_trip(task: Task) -> None:
     ],
 )
 def test_results_round_trip(result: Result) -> None:
-    assert decode_result(encode_result(result)) == result
+    assert decode_result(encode_result(result)) == (result, False)
 
 
 def test_an_error_payload_that_is_not_json_is_stringified() -> None:
     error = SampleError("boom", cause=ValueError("x")).info()
-    out = decode_result(encode_result(Result(1, error=error)))
+    out, _ = decode_result(encode_result(Result(1, error=error)))
     assert out.error == SampleError("boom", cause="x").info()

@@ -220,3 +220,25 @@ def test_prepare_under_2_processes_warns_of_a_loader_nothing_shards(
                 assert all(torch.equal(a, b) for a, b in zip(g, w, strict=True))
     for suffix in ("0", "1", "group"):
         admin.delete_loader(f"{name}-{suffix}")
+
+
+@pytest.mark.slow
+def test_a_streaming_dataset_moves_on_each_epoch_as_under_accelerate(
+    server: Server, tmp_path: Path
+) -> None:
+    """Accelerate's prepared DataLoader calls the dataset's ``set_epoch`` as each epoch
+    begins (a Hugging Face ``IterableDataset``: a new shard order and shuffle buffer);
+    ``prepare`` hands a pinfeed.DataLoader back as it is, which then does the same: the
+    3 epochs are DataLoader's under Accelerate, batch for batch, and differ."""
+    script = REPO / "tests" / "integrations" / "accelerate_epochs.py"
+    got = {}
+    for which in ("torch", "pinfeed"):
+        out = tmp_path / f"{which}.pt"
+        cmd = [sys.executable, str(script), which, str(server.socket), str(out)]
+        subprocess.run(cmd, cwd=REPO, timeout=180, check=True)
+        got[which] = torch.load(out)
+    theirs, ours = got["torch"], got["pinfeed"]
+    assert [len(e) for e in theirs] == [len(e) for e in ours] == [12, 12, 12]
+    for a, b in zip(theirs, ours, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert not torch.equal(torch.cat(theirs[0]), torch.cat(theirs[1]))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import psutil
@@ -137,3 +138,17 @@ def unix_socket_paths(pids: list[int]) -> set[str]:
             if len(cols) >= 8 and cols[6] in inodes:
                 paths.add(cols[7])
     return paths
+
+
+def servers_on(socket: Path) -> list[psutil.Process]:
+    """The server processes on ``socket``: ``python -m pinfeed_server serve`` with that
+    PINFEED_SOCKET, not counting its own children (forkserver, zygotes, workers)."""
+    found = {}
+    for proc in psutil.process_iter(["cmdline", "ppid"]):
+        try:
+            serve = (proc.info["cmdline"] or [])[-3:] == ["-m", "pinfeed_server", "serve"]
+            if serve and proc.environ().get("PINFEED_SOCKET") == str(socket):
+                found[proc.pid] = proc
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return [p for p in found.values() if p.info["ppid"] not in found]

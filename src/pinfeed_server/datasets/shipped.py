@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pinfeed import payload, rng
+from pinfeed import payload
 from pinfeed_server.datasets.base import DatasetContext, DatasetError, Kind, Params
 
 
@@ -25,19 +25,21 @@ class ShippedParams(Params):
 
 @dataclass
 class Shipped:
-    """The objects of one ``pinfeed.DataLoader``, as loaded from its payload."""
+    """The objects of one ``pinfeed.DataLoader``, as loaded from its payloads."""
 
     dataset: Any
     collate_fn: Any
     worker_init_fn: Any
-    mapping: Any  # the payload's pages, which the objects' buffers live in
+    mapping: Any  # the pages of the payload its pickle came in
 
 
-def load(fd: int) -> Shipped:
-    """The objects in payload ``fd``; a ``DatasetError`` that names what to do if they
-    cannot be loaded here (a module of the trainer's the server cannot import)."""
+def load(fds: list[int], shared: list[int] | None = None) -> Shipped:
+    """The objects in payloads ``fds`` (a ``payload.Chain``'s: the last one's pickle),
+    their shared tensors mapping the memory of ``shared`` (fds, the caller's); a
+    ``DatasetError`` that names what to do if they cannot be loaded here (a module of
+    the trainer's the server cannot import)."""
     try:
-        objects, mapping = payload.read(fd)
+        objects, mapping = payload.Store().load(fds, shared)
     except ModuleNotFoundError as exc:
         raise DatasetError(
             f"the pinfeed server cannot import module {exc.name!r}, which the trainer's "
@@ -55,17 +57,20 @@ def load(fd: int) -> Shipped:
     if not isinstance(objects, dict) or "dataset" not in objects:
         raise DatasetError("the payload holds no dataset")
     return Shipped(
-        objects["dataset"], objects.get("collate_fn"), objects.get("worker_init_fn"), mapping
+        objects["dataset"],
+        objects.get("collate_fn"),
+        objects.get("worker_init_fn"),
+        mapping,
     )
 
 
-def params(objects: Shipped) -> dict[str, Any]:
-    """The loader's dataset params: ``draws_rng: false`` where the shipped objects draw
-    nothing from the global RNGs (``rng.draws_nothing``, and no ``worker_init_fn``,
-    which might change the dataset per worker): then no RNG stream is kept per worker
-    and any worker may make any batch, as for a registered dataset that draws none."""
-    quiet = rng.draws_nothing(objects.dataset, objects.collate_fn)
-    return {} if not quiet or objects.worker_init_fn is not None else {"draws_rng": False}
+def params(draws: bool) -> dict[str, Any]:
+    """The loader's dataset params: ``draws_rng: false`` where the trainer found that its
+    objects draw nothing from the global RNGs (``rng.draws_nothing``, and no
+    ``worker_init_fn``, which might change the dataset per worker: ``Create.draws``):
+    then no RNG stream is kept per worker and any worker may make any batch, as for a
+    registered dataset that draws none."""
+    return {} if draws else {"draws_rng": False}
 
 
 def _build(params: ShippedParams, ctx: DatasetContext) -> Any:

@@ -24,6 +24,7 @@ imports nothing else from inside the engine (pyproject's import-linter contract)
 from pinfeed_server.engine.collate import describe, probe
 from pinfeed_server.engine.config import (
     LIVE,
+    MAX_WORKERS,
     NAME_PATTERN,
     LiveChange,
     LoaderCode,
@@ -34,7 +35,7 @@ from pinfeed_server.engine.config import (
 from pinfeed_server.engine.dataplane import DataPlaneServer, Peer
 from pinfeed_server.engine.fed_plan import FedPlan
 from pinfeed_server.engine.iterable import dataset_len, first_samples, is_iterable
-from pinfeed_server.engine.loader import LoaderEngine
+from pinfeed_server.engine.loader import LoaderEngine, Sizing
 from pinfeed_server.engine.prepare import prepare
 from pinfeed_server.engine.producers import (
     Executor,
@@ -43,12 +44,14 @@ from pinfeed_server.engine.producers import (
     configure_forkserver,
     executors,
 )
+from pinfeed_server.engine.producers.zygote import Zygote
 from pinfeed_server.engine.sampler import BatchPlan
 from pinfeed_server.engine.stats import StatsSnapshot
 from pinfeed_server.engine.status import LoaderStatus
 
 __all__ = [
     "LIVE",
+    "MAX_WORKERS",
     "NAME_PATTERN",
     "BatchPlan",
     "DataPlaneServer",
@@ -61,7 +64,9 @@ __all__ = [
     "LoaderStatus",
     "Peer",
     "ProcessFactory",
+    "Sizing",
     "StatsSnapshot",
+    "Zygote",
     "Zygotes",
     "configure_forkserver",
     "dataset_len",

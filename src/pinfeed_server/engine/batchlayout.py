@@ -26,7 +26,7 @@ import torch
 from pinfeed.errors import BatchTooLarge
 from pinfeed.protocol import BATCH_HEAD, MAX_MESSAGE, Leaf, align, encode_batch_layout
 
-__all__ = ["OutputError", "output_leaves", "write_output"]
+__all__ = ["OutputError", "OutputPlan", "output_leaves", "write_output"]
 
 # JSON carries these exactly (type and value); anything else must be an array or a container.
 _SCALARS = (str, int, float, bool, type(None))
@@ -111,45 +111,61 @@ def _dest(slot: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shap
     return slot[offset : offset + nbytes].view(dtype).view(shape)
 
 
+class OutputPlan:
+    """Where one output's arrays go in a buffer (aligned offsets, one after another) and
+    how many bytes they take: ``write`` copies them into any buffer that large (a ring
+    slot, or a batch's memory of its own) and returns the BATCH body."""
+
+    def __init__(self, out: Any) -> None:
+        self._w = w = _Walk()
+        self._treedef = w.walk(out, "the batch")
+        self._dims: list[int] = []
+        self._offsets: list[int] = []
+        offset = 0
+        for _, _, shape, nbytes in w.arrays:
+            self._offsets.append(offset)
+            self._dims.append(offset)
+            self._dims.extend(shape)
+            offset = align(offset + nbytes)
+        self.nbytes = offset
+
+    def write(self, dest: torch.Tensor, what: str = "collate_fn") -> bytes:
+        """Copy the arrays into ``dest`` (uint8, at least ``nbytes``); the BATCH body.
+        BatchTooLarge if the layout (strings, numbers, structure) exceeds a message."""
+        w = self._w
+        for (value, dtype, shape, nbytes), at in zip(w.arrays, self._offsets, strict=True):
+            target = _dest(dest, at, nbytes, dtype, shape)
+            if isinstance(value, torch.Tensor):
+                with torch.no_grad():
+                    target.copy_(value)
+            else:
+                np.copyto(target.numpy(), value, casting="no")
+        structure = json.dumps([self._treedef, w.specs], separators=(",", ":")).encode()
+        objects = json.dumps(w.objects, separators=(",", ":")).encode() if w.objects else b""
+        body = encode_batch_layout(structure, self._dims, objects)
+        if len(body) > MAX_BODY:
+            raise BatchTooLarge(
+                f"{what}'s batch has a layout of {len(body)} bytes (strings, numbers and "
+                f"structure); a batch message holds at most {MAX_BODY}: return long strings "
+                "and many numbers as tensors (e.g. token ids)",
+                index=None,
+                error_type="BatchTooLarge",
+            )
+        return body
+
+
 def write_output(out: Any, slot: torch.Tensor, what: str = "collate_fn") -> bytes:
     """Copy ``out``'s arrays into ``slot`` (uint8, the whole slot); the BATCH body.
     BatchTooLarge (naming ``max_batch_bytes`` and the size needed) if it does not fit."""
-    w = _Walk()
-    treedef = w.walk(out, "the batch")
-    dims: list[int] = []
-    offsets: list[int] = []
-    offset = 0
-    for _, _, shape, nbytes in w.arrays:
-        offsets.append(offset)
-        dims.append(offset)
-        dims.extend(shape)
-        offset = align(offset + nbytes)
-    if offset > slot.numel():
+    plan = OutputPlan(out)
+    if plan.nbytes > slot.numel():
         raise BatchTooLarge(
-            f"{what}'s batch needs {offset} bytes; this loader's slots hold {slot.numel()}: "
-            f"create the loader with max_batch_bytes >= {offset}",
+            f"{what}'s batch needs {plan.nbytes} bytes; this loader's slots hold "
+            f"{slot.numel()}: create the loader with max_batch_bytes >= {plan.nbytes}",
             index=None,
             error_type="BatchTooLarge",
         )
-    for (value, dtype, shape, nbytes), at in zip(w.arrays, offsets, strict=True):
-        dest = _dest(slot, at, nbytes, dtype, shape)
-        if isinstance(value, torch.Tensor):
-            with torch.no_grad():
-                dest.copy_(value)
-        else:
-            np.copyto(dest.numpy(), value, casting="no")
-    structure = json.dumps([treedef, w.specs], separators=(",", ":")).encode()
-    objects = json.dumps(w.objects, separators=(",", ":")).encode() if w.objects else b""
-    body = encode_batch_layout(structure, dims, objects)
-    if len(body) > MAX_BODY:
-        raise BatchTooLarge(
-            f"{what}'s batch has a layout of {len(body)} bytes (strings, numbers and "
-            f"structure); a batch message holds at most {MAX_BODY}: return long strings "
-            "and many numbers as tensors (e.g. token ids)",
-            index=None,
-            error_type="BatchTooLarge",
-        )
-    return body
+    return plan.write(slot, what)
 
 
 def output_leaves(out: Any) -> tuple[list[Any], list[Leaf], int]:

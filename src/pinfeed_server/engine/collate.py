@@ -35,8 +35,8 @@ from pinfeed.errors import BatchTooLarge, SampleError
 from pinfeed.protocol import MAX_MESSAGE, Layout, Leaf, align
 from pinfeed.unbatched import Unbatched
 from pinfeed_server.datasets.base import Fetch, batch_fetch
-from pinfeed_server.engine.batchlayout import OutputError, output_leaves, write_output
-from pinfeed_server.engine.ring import SlotSpace  # a ring of several segments
+from pinfeed_server.engine.batchlayout import OutputError, OutputPlan, output_leaves
+from pinfeed_server.engine.ring import OwnBuffer, SlotSpace  # a ring of several segments
 from pinfeed_server.errors import DomainError
 
 __all__ = [
@@ -48,6 +48,8 @@ __all__ = [
     "loader_layout",
     "per_batch_layout",
     "probe",
+    "proposal",
+    "with_rows",
 ]
 
 TreeDef = list[Any]  # see pinfeed.protocol.Layout
@@ -160,6 +162,41 @@ def per_batch_layout(out: Any, batch_size: int, slot_bytes: int | None, cap: int
     if slot_bytes is None:
         slot_bytes = max(first, min(max(MARGIN * first, MIN_SLOT_BYTES), cap))
     return Layout(treedef, tuple(leaves), batch_size, align(max(slot_bytes, 64)), per_batch=True)
+
+
+def with_rows(layout: Layout, rows: int) -> Layout:
+    """``layout`` for slots of ``rows`` samples: a fixed layout's leaves each get room for
+    that many rows (offsets moved on); a per-batch layout's slot size is kept."""
+    if layout.per_batch:
+        return replace(layout, batch_size=rows)
+    leaves, offset = [], 0
+    for leaf in layout.leaves:
+        if leaf.kind == "str":
+            leaves.append(replace(leaf, offset=offset))
+            continue
+        capacity = align(leaf.row_bytes * rows)
+        leaves.append(replace(leaf, offset=offset, capacity=capacity))
+        offset += capacity
+    return replace(layout, leaves=tuple(leaves), batch_size=rows, slot_bytes=max(offset, 64))
+
+
+def layout_bytes(layout: Layout) -> int:
+    """The bytes a layout's leaves take in a slot (a per-batch layout's: its first batch's)."""
+    return max((leaf.offset + leaf.capacity for leaf in layout.leaves), default=0)
+
+
+def proposal(out: Any, samples: Sequence[Any], rows: int, fixed: bool) -> Layout:
+    """The ring layout a loader's batch proposes, where the loader's ring is sized from
+    its first batches (``pinfeed.DataLoader``'s): with ``fixed`` (default collate) the
+    first sample's layout for ``rows`` samples, else, or where default_collate's output
+    cannot be laid out that way, ``out``'s own (``per_batch_layout``, uncapped: the
+    engine caps it by the node's memory)."""
+    if fixed:
+        try:
+            return probe(samples[0], rows)
+        except LayoutError:
+            pass
+    return per_batch_layout(out, rows, None, 1 << 62)
 
 
 def loader_layout(
@@ -299,31 +336,53 @@ class SlotWriter:
     views (a slot holds a full batch or the epoch's last, shorter one).
 
     ``write`` returns the BATCH body: the strings JSON (b"" if none) of a batch in the
-    fixed layout, or a layout of its own (``batchlayout.write_output``)."""
+    fixed layout, or a layout of its own (``batchlayout.OutputPlan``).
+
+    ``own``: DataLoader's rule that a batch is never refused for its size (a
+    ``pinfeed.DataLoader``'s loader). A batch that does not fit its slot goes into a
+    buffer of its own (``ring.OwnBuffer``), and so does every batch while the writer has
+    no ring (``layout`` None: the ring is sized from the first batches, which also say
+    what layout they propose for it); ``take`` hands both over after each batch.
+    ``rows``: the loader's batch size where it is known, for the proposal."""
 
     def __init__(
         self,
         dataset: Any,
-        layout: Layout,
-        ring: torch.Tensor | SlotSpace,
+        layout: Layout | None,
+        ring: torch.Tensor | SlotSpace | None,
         slot_bytes: int,
         collate_fn: Collate | None = None,
+        *,
+        own: bool = False,
+        rows: int = 0,
     ) -> None:
         self.dataset = dataset
         self.layout = layout
         self.collate_fn = collate_fn
         self._ring = ring
         self._slot_bytes = slot_bytes
-        strings = any(x.kind == "str" for x in layout.leaves)
-        self._gathers = not strings and collate_fn is None  # where batch_fetch may
+        self._own = own or layout is None
+        self._rows = rows
+        strings = layout is not None and any(x.kind == "str" for x in layout.leaves)
+        # where batch_fetch may (into the fixed layout's views: never without a ring)
+        self._gathers = layout is not None and not strings and collate_fn is None
         # batch_fetch of the dataset written last (held: its identity cannot be reused)
         self._fetch_for: Any = None
         self._fetch: Fetch | None = None
         self._views: dict[tuple[int, int], list[torch.Tensor | None]] = {}
+        self._made: OwnBuffer | None = None
+        self._proposal: Layout | None = None
 
     def _slot(self, slot: int) -> torch.Tensor:
+        assert self._ring is not None
         start = slot * self._slot_bytes
         return self._ring[start : start + self._slot_bytes]
+
+    def take(self) -> tuple[OwnBuffer | None, Layout | None]:
+        """The last batch's buffer of its own (None: it is in its slot) and the ring
+        layout it proposes (None: the writer has a ring)."""
+        made, self._made, proposal, self._proposal = self._made, None, self._proposal, None
+        return made, proposal
 
     def write(self, slot: int, indices: Sequence[int]) -> bytes:
         """Fetch the samples of ``indices`` and write their batch into ``slot``."""
@@ -346,19 +405,49 @@ class SlotWriter:
         self, slot: int, samples: list[Any], indices: Sequence[int] | None = None
     ) -> bytes:
         """Collate ``samples`` (of ``indices``, if known: for error messages) into ``slot``."""
+        self._made = self._proposal = None
         if self.collate_fn is not None:
-            return write_output(self.collate_fn(samples), self._slot(slot))
+            out = self.collate_fn(samples)
+            if self.layout is None:
+                self._proposal = proposal(out, samples, self._batch_rows(samples), False)
+            return self._write_out(out, slot, "collate_fn")
         if not samples:
             raise SampleError("an empty batch", index=None, error_type="")
+        if self.layout is None:
+            out = default_collate(samples)  # its errors (ragged samples) are DataLoader's
+            self._proposal = proposal(out, samples, self._batch_rows(samples), True)
+            return self._write_out(out, slot, "default_collate")
         try:
             return _write_fixed(self.layout, self._fixed(slot, len(samples)), samples)
         except _NotTheLayout:
             # DataLoader's own collate: its errors (ragged samples) are DataLoader's.
-            return write_output(default_collate(samples), self._slot(slot), "default_collate")
+            return self._write_out(default_collate(samples), slot, "default_collate")
+
+    def _batch_rows(self, samples: list[Any]) -> int:
+        return max(self._rows, len(samples), 1)
+
+    def _write_out(self, out: Any, slot: int, what: str) -> bytes:
+        """``out`` with a layout of its own: into ``slot``, or, where it does not fit (or
+        there is no ring yet) and the writer may, into a buffer of its own."""
+        plan = OutputPlan(out)
+        if self._ring is not None and plan.nbytes <= self._slot_bytes:
+            return plan.write(self._slot(slot), what)
+        if not self._own:
+            raise BatchTooLarge(
+                f"{what}'s batch needs {plan.nbytes} bytes; this loader's slots hold "
+                f"{self._slot_bytes}: create the loader with max_batch_bytes >= {plan.nbytes}",
+                index=None,
+                error_type="BatchTooLarge",
+            )
+        if plan.nbytes == 0:  # no arrays: everything travels in the message
+            return plan.write(torch.empty(0, dtype=torch.uint8), what)
+        self._made, body = OwnBuffer.make(plan.nbytes, lambda view: plan.write(view, what))
+        return body
 
     def _fixed(self, slot: int, rows: int) -> list[torch.Tensor | None]:
         views = self._views.get((slot, rows))
         if views is None:
+            assert self.layout is not None
             if rows > self.layout.batch_size:
                 raise _NotTheLayout
             views = self._views[(slot, rows)] = leaf_views(self.layout, self._slot(slot), rows)
@@ -367,7 +456,7 @@ class SlotWriter:
     def close(self) -> None:
         """Drop the cached views (they keep the ring's mapping alive)."""
         self._views.clear()
-        del self._ring
+        self._ring = None
 
 
 def _write_fixed(layout: Layout, views: list[torch.Tensor | None], samples: list[Any]) -> bytes:

@@ -345,10 +345,13 @@ def prefetch_depth(config: LoaderConfig) -> int:
     return max(1, config.num_workers * config.prefetch_factor)
 
 
-def ring_slots(config: LoaderConfig) -> int:
+def ring_slots(config: LoaderConfig, keeps: bool = False) -> int:
     """The prefetch depth, plus two slots per trainer: the batch it is using and the
-    one announced ahead (the client keeps one NEXT in flight)."""
-    return prefetch_depth(config) + 2 * config.group_size
+    one announced ahead (the client keeps one NEXT in flight); with ``keeps`` (a
+    ``pinfeed.DataLoader``'s trainer, which hands a slot back once it no longer holds
+    the batch in it: its loop still holds the last one while it asks for the next),
+    three."""
+    return prefetch_depth(config) + (3 if keeps else 2) * config.group_size
 
 
 def make_sampler(

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from pinfeed.errors import InvalidPosition
 from pinfeed.protocol import ErrorInfo
-from pinfeed_server.engine.ring import SlotState, SlotTable
+from pinfeed_server.engine.ring import OwnBuffer, SlotState, SlotTable
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,9 @@ class BatchItem:
     rows: int
     strings: bytes
     rng: bytes = b""  # the trainer's RNG states after the batch (an RNG message first)
+    # Not in its slot but in a buffer of its own (a pinfeed.DataLoader's: FLAG_OWN),
+    # whose fd closes when the item goes, sent or dropped.
+    own: OwnBuffer | None = None
 
 
 @dataclass(frozen=True)

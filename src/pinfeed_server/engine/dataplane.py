@@ -18,11 +18,13 @@ import socket
 import stat
 import struct
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from pinfeed import protocol as p
+from pinfeed._autostart import answers
 from pinfeed.errors import (
     InvalidRequest,
     LoaderFailed,
@@ -83,7 +85,8 @@ class Peer:
 
 # A trainer's CREATE (its options, its payload's fd, who sent it): the service makes the
 # loader of its own or raises the pinfeed error that says why not (``service.py``).
-Create = Callable[[p.Create, int, Peer], LoaderEngine]
+# a trainer's CREATE, its payload's fd, the shared memory fds its objects map, the peer
+Create = Callable[[p.Create, int, list[int], Peer], LoaderEngine]
 # The connection that owned loader ``name`` ended (its trainer left, however it left).
 OwnerGone = Callable[[str], None]
 
@@ -110,18 +113,27 @@ class DataPlaneServer:
         self._sock: socket.socket | None = None
         self._threads: set[threading.Thread] = set()
         self._conns: set[socket.socket] = set()
+        self._idle_since = time.monotonic()  # when the last connection closed
+        self._bound: tuple[int, int] | None = None  # the socket file's (st_dev, st_ino)
         self._lock = threading.Lock()
 
     def start(self) -> None:
         self._secure_dir(self.path.parent, self.group)
         if self.path.exists() or self.path.is_symlink():
-            self.path.unlink()  # a stale socket from a previous run
+            if answers(self.path):
+                # Another server (a script's, started while none ran): new trainers
+                # connect here; the other keeps its trainers, and its close leaves this
+                # socket alone (``close``).
+                log.warning("a server answers on %s: this one takes the path over", self.path)
+            self.path.unlink()  # else a stale socket from a previous run
         sock = p.new_socket()
         old = os.umask(0o177)  # the socket is never, even briefly, wider than 0600
         try:
             sock.bind(str(self.path))
         finally:
             os.umask(old)
+        st = os.lstat(self.path)
+        self._bound = (st.st_dev, st.st_ino)
         if self.group is not None:
             os.chown(self.path, -1, self.group)
         os.chmod(self.path, 0o660)
@@ -129,6 +141,7 @@ class DataPlaneServer:
         sock.settimeout(0.2)
         self._sock = sock
         t = threading.Thread(target=self._accept_loop, name="pinfeed-dataplane", daemon=True)
+        self._idle_since = time.monotonic()
         t.start()
         self._accept_thread = t
 
@@ -159,11 +172,11 @@ class DataPlaneServer:
         elif stat.S_IMODE(st.st_mode) & 0o077:
             os.chmod(run_dir, 0o700)
 
-    @property
-    def connections(self) -> int:
-        """Trainers connected now."""
+    def idle_s(self) -> float | None:
+        """Seconds since the last trainer's connection closed (or since the start, if
+        none came); None while one is connected."""
         with self._lock:
-            return len(self._conns)
+            return None if self._conns else time.monotonic() - self._idle_since
 
     def close(self) -> None:
         self._stop.set()
@@ -181,7 +194,9 @@ class DataPlaneServer:
         for t in list(self._threads):
             t.join(5)
         with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+            st = os.lstat(self.path)
+            if (st.st_dev, st.st_ino) == self._bound:  # not another server's, made since
+                self.path.unlink()
 
     def _accept_loop(self) -> None:
         assert self._sock is not None
@@ -220,7 +235,7 @@ class DataPlaneServer:
             attached = self._attach(conn, peer)
             if attached is not None:
                 owned = attached[2]
-                session = Session(conn, attached[0], attached[1], self._stop)
+                session = Session(conn, attached[0], attached[1], self._stop, attached[3])
                 session.run()
         except ValueError as exc:  # a malformed message: say so, then hang up
             log.debug("consumer broke the protocol: %s", exc)
@@ -243,13 +258,16 @@ class DataPlaneServer:
             with self._lock:
                 self._conns.discard(conn)
                 self._threads.discard(threading.current_thread())
+                if not self._conns:
+                    self._idle_since = time.monotonic()
 
     def _attach(
         self, conn: socket.socket, peer: Peer
-    ) -> tuple[LoaderEngine, int, str | None] | None:
+    ) -> tuple[LoaderEngine, int, str | None, bool] | None:
         """Serve the first message: an ATTACH of a loader, or a trainer's CREATE of one
         of its own (then its name, which goes when the connection does); None (after an
-        ERROR, if the peer said anything) if refused."""
+        ERROR, if the peer said anything) if refused. Last: whether ATTACHED carried
+        the ring (a loader sized from its first batches may have none yet)."""
         conn.settimeout(10)  # a peer that connects and says nothing is dropped
         buf = bytearray(p.MAX_MESSAGE)
         n, fds = p.recv_message(conn, buf)
@@ -262,6 +280,7 @@ class DataPlaneServer:
             self._replay(conn, memoryview(buf)[:n])
             return None
         owned: str | None = None
+        engine: LoaderEngine | None = None
         try:
             if buf[0] == p.CREATE:
                 engine = self._created(memoryview(buf)[:n], fds, peer)
@@ -272,7 +291,7 @@ class DataPlaneServer:
                 except ValueError as exc:
                     raise ProtocolError(f"the first message must be an ATTACH: {exc}") from None
                 self._check_version(request.version)
-                engine = self._lookup(request.loader)  # type: ignore[assignment]
+                engine = self._lookup(request.loader)
                 if engine is None:
                     raise LoaderNotFound(
                         f"no loader named {request.loader!r}; create it with POST /v1/loaders"
@@ -282,40 +301,44 @@ class DataPlaneServer:
         except (PinfeedError, DomainError) as exc:  # a CREATE refused where it arose, too
             error = exc.as_problem() if isinstance(exc, DomainError) else exc
             conn.send(error.info().encode())
-            del engine  # as in _serve: nothing here holds the loader while it goes
+            engine = None  # as in _serve: nothing here holds the loader while it goes
             if owned is not None and self._owner_gone is not None:
                 self._owner_gone(owned)
             return None
-        assert engine.ring is not None
+        # A loader sized from its first batches may have no ring yet: a RING brings it.
+        ring, layout = engine.ring, engine.layout
+        slot_bytes = 0 if ring is None else ring.slot_bytes
         epoch, index = engine.position(member)
         attached = p.Attached(
             loader=engine.config.name,
             member=member,
-            ring_bytes=engine.nslots * engine.ring.slot_bytes,  # segment 0; SEGMENT the rest
+            ring_bytes=engine.nslots * slot_bytes,  # segment 0; SEGMENT the rest
             nslots=engine.nslots,
-            slot_bytes=engine.ring.slot_bytes,
-            layout=engine.layout,
+            slot_bytes=slot_bytes,
+            layout=layout if ring is not None else None,
             batches_per_epoch=engine.batches_per_epoch,
             epoch=epoch,
             position=index,
             config=_attached_config(engine.config),
             dataset_length=dataset_length(engine.sampler),
             sampler_length=sampler_length(engine.sampler),
-            sample=describe(engine.layout),
+            sample=None if layout is None else describe(layout),
             elastic=engine.elastic_epoch(),
         )
         try:
-            conn.sendmsg(
-                [attached.encode()],
-                [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", engine.ring.fd))],
+            rights = (
+                []
+                if ring is None
+                else [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", ring.fd))]
             )
+            conn.sendmsg([attached.encode()], rights)
         except BaseException:
             engine.detach(member, set())
             del engine  # as in _serve: nothing here holds the loader while it goes
             if owned is not None and self._owner_gone is not None:
                 self._owner_gone(owned)
             raise
-        return engine, member, owned
+        return engine, member, owned, ring is not None
 
     def _replay(self, conn: socket.socket, message: memoryview) -> None:
         """A REPLAY: REPLAYED with the ring of one slot the batch was made into, then
@@ -335,7 +358,8 @@ class DataPlaneServer:
         except PinfeedError as exc:
             conn.send(exc.info().encode())
             return
-        ring = made.ring
+        ring, layout = made.ring, engine.layout
+        assert layout is not None  # a batch was made: the loader has its ring
         try:
             reply = p.Replayed(
                 engine.config.name,
@@ -345,7 +369,7 @@ class DataPlaneServer:
                 made.worker,
                 engine.config.rank,
                 ring.size,
-                engine.layout,
+                layout,
             )
             rights = (socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", ring.fd))
             conn.sendmsg([reply.encode()], [rights])
@@ -358,7 +382,7 @@ class DataPlaneServer:
             if body[:1] == b"\0":  # a layout of its own (BATCH_LAYOUT_HEAD's mark)
                 parts = p.batch_parts(0, 0, made.epoch, made.index, b"", body, p.FLAG_LAYOUT)
             else:
-                dims = p.pack_dims(engine.layout, rows)
+                dims = p.pack_dims(layout, rows)
                 parts = p.batch_parts(0, 0, made.epoch, made.index, dims, body)
             conn.sendmsg(parts)
         finally:
@@ -383,8 +407,8 @@ class DataPlaneServer:
             raise ProtocolError(f"a malformed CREATE: {exc}") from None
         try:
             self._check_version(request.version)
-            if len(fds) != 1:
-                raise ProtocolError(f"a CREATE brings one payload fd, not {len(fds)}")
+            if not fds:
+                raise ProtocolError("a CREATE brings its payload's fd")
             if self._create is None:
                 raise InvalidRequest(
                     "this pinfeed server does not accept a trainer's objects "
@@ -398,7 +422,7 @@ class DataPlaneServer:
                     "its code in the server. Run the trainer as that user, or start a "
                     "server of your own (pinfeed serve)"
                 )
-            return self._create(request, fds[0], peer)
+            return self._create(request, fds[0], fds[1:], peer)
         finally:
             for fd in fds:
                 os.close(fd)  # the service dup()s what it keeps
@@ -411,7 +435,7 @@ class DataPlaneServer:
             raise LoaderFailed(str(exc)) from None
         if engine.failure is not None:
             raise LoaderFailed(engine.failure.detail)
-        if engine.state != "ready" or engine.ring is None:
+        if engine.state != "ready" or (engine.ring is None and engine.sizing is None):
             raise LoaderFailed(f"loader {engine.config.name!r} is {engine.state}")
 
 

@@ -58,6 +58,7 @@ class FedPlan:
         (no workers: each is made when the trainer asks, on its RNGs)."""
         self.length = length
         self.max_rows = max_rows
+        self.largest = max_rows  # the most indices a batch was fed with (or max_rows)
         self.iterable = iterable
         self.fed_turns = fed_turns
         self.reported = reported
@@ -108,6 +109,8 @@ class FedPlan:
                     f"{'no such epoch' if e is None else f'{len(e.batches)} batches'})"
                 )
             e.batches.append(indices)
+            if len(indices) > self.largest:
+                self.largest = len(indices)
             if ahead:
                 e.ahead.add(index)
             elif rng is not None:

@@ -17,26 +17,31 @@ restart.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pinfeed import elastic
 from pinfeed.errors import (
     Conflict,
     GroupMemberLost,
+    InsufficientMemory,
     InvalidPosition,
     InvalidState,
     LoaderBusy,
     LoaderFailed,
     NotFound,
+    PinfeedError,
     ServerUnavailable,
 )
-from pinfeed.protocol import ErrorInfo
+from pinfeed.payload import Chain
+from pinfeed.protocol import ErrorInfo, align
 from pinfeed_server.datasets import DatasetContext, Kind
 from pinfeed_server.engine.autotune import Sample, Tuner
-from pinfeed_server.engine.collate import Layout
+from pinfeed_server.engine.collate import Layout, layout_bytes, with_rows
 from pinfeed_server.engine.config import (
     LiveChange,
     LoaderCode,
@@ -79,6 +84,20 @@ Keep = Callable[[dict[str, Any] | None], None]
 PRODUCER_THREAD = "pinfeed-produce-"
 
 
+@dataclass(frozen=True)
+class Sizing:
+    """How a loader created without a layout gets its ring: sized from its first batches,
+    as they are made (``pinfeed.DataLoader``'s: no sample is read before the trainer's
+    loop asks for one, and where it has workers, only in them). ``admit``: the node's
+    admission of the ring (its domain error fails the loader, which the trainer hears);
+    ``cap()``: the most bytes a slot of a per-batch layout (a ``collate_fn``'s) may take.
+    Such a loader has DataLoader's rule on sizes too: a batch larger than the slots goes
+    into a buffer of its own, never an error (``collate.SlotWriter``'s ``own``)."""
+
+    admit: Admit
+    cap: Callable[[], int]
+
+
 class LoaderEngine:
     """States: starting -> ready | failed (-> ready again, when its producer recovers);
     draining -> closed when deleted."""
@@ -90,34 +109,52 @@ class LoaderEngine:
         kind: Kind[Any],
         params: dict[str, Any],
         context: DatasetContext,
-        layout: Layout,
+        layout: Layout | None,
         plan: BatchPlan,
         code: LoaderCode,
         executor: Executor,
         spawn: Callable[[], ProcessFactory] | None = None,
         resumed: dict[str, Any] | None = None,
         keep: Keep | None = None,
+        *,
+        sizing: Sizing | None = None,
+        iterable: bool | None = None,
+        objects: Chain | None = None,
+        streams: int | None = None,
     ) -> None:
         """``plan``: the batch plan the ring was sized with (``prepare.py``: a custom
         sampler's first epoch is iterated once, at creation); ``code``: its collate_fn
         and worker_init_fn; ``spawn``: how the executor forks local processes (the
         dataset's zygote); ``resumed``: the elastic epoch it had (the registry's, after
-        a server restart); ``keep``: where a new one is recorded."""
+        a server restart); ``keep``: where a new one is recorded. ``layout`` None: the
+        ring is sized from the first batches (``sizing``). ``dataset`` may be None where
+        this process must not hold the trainer's objects (they run only in its workers):
+        then ``iterable`` says what it is. ``objects``: a trainer's loader's, the payloads
+        its objects need (the engine owns them), as they change (``objects_changed``).
+        ``streams``: DataLoader's ``num_workers`` where it is more than the processes
+        ``config`` runs (a trainer's loader on a node short of worker processes: one
+        process serves several workers' RNG streams, as a pool shrunk live does)."""
+        if (layout is None) != (sizing is not None):
+            raise ValueError("a loader without a layout is sized from its first batches")
         self.config = config
         self.dataset = dataset
         self.layout = layout
+        self.sizing = sizing
+        self._grown = False  # the ring grew for a trainer that held every slot (relieve)
+        self.objects = objects
+        self._objects_from: int | None = None  # the epoch the trainer's last OBJECTS applies from
         self.sampler = plan
-        self.iterable = is_iterable(dataset)
+        self.iterable = is_iterable(dataset) if iterable is None else iterable
         self.batches_per_epoch = plan_len(plan)  # DataLoader's len(), or None
         self._turns = MAX_TURN if isinstance(plan, IterablePlan) else len(plan)  # seek's bound
         # DataLoader's num_workers as created: the RNG streams, whatever number of
         # processes the loader runs later (config.num_workers).
-        self.streams = streams_of(config)
+        self.streams = streams_of(config) if streams is None else streams
         self.state: LoaderState = "starting"
         self.failure: ErrorInfo | None = None
         self.stats = LoaderStats()
         self.tuner = self._tuner_for(config)
-        self.nslots = ring_slots(config)  # segment 0's slots (the ring as created)
+        self.nslots = ring_slots(config, sizing is not None)  # segment 0's (as created)
         self.ring: Ring | None = None
         self.resizer: RingResizer | None = None
         self._source = (kind, params, context)
@@ -135,7 +172,7 @@ class LoaderEngine:
             self.consumers,
             self.slots,
             self.stats,
-            layout.slot_bytes,
+            0 if layout is None else layout.slot_bytes,
             config.on_error,
         )
         self._gen = 0  # bumped by seek: the producer restarts at _cursor
@@ -170,7 +207,6 @@ class LoaderEngine:
         return self._source
 
     def _producer_context(self, processes: int) -> ProducerContext:
-        assert self.ring is not None
         kind, params, context = self._source
         return ProducerContext(
             self.config,
@@ -187,7 +223,32 @@ class LoaderEngine:
             self._on_result,
             self._fail,
             self._recovered,
+            iterable=self.iterable,
+            own=self.sizing is not None,
+            objects=self._current_objects(),
         )
+
+    def _current_objects(self) -> tuple[int, list[int], list[int]] | None:
+        """A trainer's objects where they changed since the loader was made: the epoch
+        they apply from, their payloads and the shared memory they map (what a new
+        producer starts with)."""
+        if self.objects is None or self._objects_from is None:
+            return None
+        return self._objects_from, self.objects.fds, self.objects.shared
+
+    def objects_changed(self, epoch: int, fd: int, shared: list[int]) -> None:
+        """A pinfeed.DataLoader's objects as its trainer has them at ``epoch``'s start
+        (an OBJECTS: they changed; payload memfd ``fd`` and the ``shared`` memory they
+        map, which the engine owns from now): the batches of that epoch on are made with
+        them, as DataLoader hands its workers the objects as they are at ``iter()``."""
+        if self.objects is None:
+            for f in (fd, *shared):
+                os.close(f)
+            raise ValueError(f"loader {self.config.name!r} has no trainer's objects")
+        with self._reconfigure:  # not while a producer is swapped for another
+            self.objects.add(fd, shared)
+            self._objects_from = epoch
+            self.producer.objects(epoch, self.objects.fds, self.objects.shared)
 
     @staticmethod
     def _tuner_for(config: LoaderConfig) -> Tuner | None:
@@ -207,10 +268,8 @@ class LoaderEngine:
             # Under the reconfigure lock: a live change made while starting waits, then
             # applies to the ring and producer made here from the config it changed.
             with self._reconfigure:
-                self.ring = Ring(self.config.name, self.nslots, self.layout.slot_bytes)
-                self.resizer = RingResizer(self.ring, self.slots)
-                if ring_slots(self.config) != self.nslots:
-                    self.resizer.retarget(ring_slots(self.config))
+                if self.layout is not None:
+                    self._make_ring(self.layout)
                 self.producer.start(self.config.num_workers)
         except Exception as exc:
             log.exception("loader %s failed to start", self.config.name)
@@ -221,6 +280,55 @@ class LoaderEngine:
                 self.state = "ready"
             self._cond.notify_all()
         self._start_producing()
+
+    def _make_ring(self, layout: Layout) -> Ring:
+        """The loader's ring for ``layout``, with the slots its config wants (under
+        ``_reconfigure``)."""
+        ring = Ring(self.config.name, self.nslots, layout.slot_bytes)
+        self.resizer = RingResizer(ring, self.slots)
+        self.ring = ring
+        if self._ring_slots(self.config) != self.nslots:
+            self.resizer.retarget(self._ring_slots(self.config))
+        return ring
+
+    def _size_ring(self, proposal: Layout) -> None:
+        """A loader sized from its first batches: its ring, from the layout the first
+        batch made proposes (for the most rows fed so far, a per-batch layout's slot
+        capped by the node's memory), admitted by the node, then handed to the producer.
+        Where the node refuses it the loader fails, and its trainer hears why."""
+        assert self.sizing is not None
+        with self._reconfigure:
+            if self.ring is not None or self._stop.is_set():
+                return
+            plan = self.sampler
+            rows = max(proposal.batch_size, plan.largest if isinstance(plan, FedPlan) else 0)
+            layout = with_rows(proposal, rows)
+            if layout.per_batch:
+                first = layout_bytes(layout)
+                capped = max(first, min(layout.slot_bytes, self.sizing.cap()))
+                layout = replace(layout, slot_bytes=align(max(capped, 64)))
+            try:
+                self.sizing.admit(
+                    self.config,
+                    self._ring_slots(self.config) * layout.slot_bytes,
+                    self.node_workers,
+                )
+                # The layout first: a session that sees the ring sends it with it.
+                self.layout = layout
+                ring = self._make_ring(layout)
+            except (PinfeedError, OSError) as exc:
+                detail = exc.detail if isinstance(exc, PinfeedError) else str(exc)
+                log.warning("loader %s: its ring cannot be made: %s", self.config.name, detail)
+                self._fail(detail)
+                return
+            self.publisher.slot_bytes = layout.slot_bytes
+            self.producer.ring_ready(ring, layout)
+        log.info(
+            "loader %s: ring sized from its first batch: %d slots of %d bytes",
+            self.config.name,
+            ring.nslots,
+            layout.slot_bytes,
+        )
 
     def _start_producing(self) -> None:
         thread = threading.Thread(
@@ -283,6 +391,8 @@ class LoaderEngine:
         self.producer.close()
         if self.ring is not None:
             self.ring.close()
+        if self.objects is not None:
+            self.objects.close()
         with self._cond:
             self.state = "closed"
             self._cond.notify_all()
@@ -319,10 +429,11 @@ class LoaderEngine:
                     rows = 0 if indices is None else len(indices)
                     seq = self.publisher.add(epoch, i, slot, rows, last)
                     self._cursor = (epoch, i + 1)
-                error = oversize(indices, self.layout.batch_size)
-                if error is not None:  # a batch_sampler's batch larger than the slots
-                    self._on_result(Result(seq, error=error))
-                    continue
+                if self.sizing is None and self.layout is not None:
+                    error = oversize(indices, self.layout.batch_size)
+                    if error is not None:  # a batch_sampler's batch larger than the slots
+                        self._on_result(Result(seq, error=error))
+                        continue
                 seed = None if fed is None else fed.base_seed(epoch)
                 self.producer.submit(Task(seq, epoch, i, slot, indices, seed))
             if fed is not None and not self._end_fed(gen, epoch):
@@ -350,6 +461,8 @@ class LoaderEngine:
     # -- publisher -----------------------------------------------------------------------
     def _on_result(self, result: Result) -> None:
         """A producer's result, from any thread, in any order: publish in sampler order."""
+        if result.proposal is not None and self.ring is None:
+            self._size_ring(result.proposal)
         with self._cond:
             ended = self.publisher.accept(result)
             if ended is not None and self._cursor[0] <= ended:
@@ -521,12 +634,19 @@ class LoaderEngine:
         else:
             plan.feed(epoch, index, indices, rng, ahead=ahead)
 
-    def restart_fed(self) -> None:
+    def restart_fed(self, fd: int, shared: list[int]) -> None:
         """A new trainer takes over a named trainer-fed loader: its epochs start afresh,
         on fresh worker streams (its producer restarted from the dataset's zygote, which
-        stays warm), as a new DataLoader's would."""
+        stays warm), as a new DataLoader's would, with its objects (payload ``fd``, equal
+        to the loader's first, and the ``shared`` memory they map: the engine owns them)."""
         plan = self._fed()
         with self._reconfigure:
+            if self.objects is not None:
+                self.objects.add(fd, shared)
+                self._objects_from = 0
+            else:
+                for f in (fd, *shared):
+                    os.close(f)
             self.producer.restart()
             with self._cond:
                 plan.reset()
@@ -550,9 +670,9 @@ class LoaderEngine:
             refusal = self.producer.executor.live_refusal(old, new, self.iterable)
             if refusal is not None:
                 raise Conflict(refusal)
-            admit(new, ring_slots(new) * self.layout.slot_bytes, self._node_workers(new))
+            admit(new, self._ring_slots(new) * self.slot_bytes, self._node_workers(new))
             if self.resizer is not None:
-                self.resizer.retarget(ring_slots(new))
+                self.resizer.retarget(self._ring_slots(new))
             self.slots.set_limit(prefetch_depth(new))
             self.producer.resize(new.num_workers)
             self.config = new
@@ -567,7 +687,7 @@ class LoaderEngine:
             new.prefetch_factor,
             prefetch_depth(new),
             self.ring.nslots if self.ring else 0,
-            ring_slots(new),
+            self._ring_slots(new),
         )
         return new
 
@@ -591,7 +711,16 @@ class LoaderEngine:
         """Ring memory this loader holds or is about to (the node budget's view of it)."""
         if self.resizer is not None:
             return self.resizer.reserved_bytes()
-        return ring_slots(self.config) * self.layout.slot_bytes
+        return self._ring_slots(self.config) * self.slot_bytes
+
+    def _ring_slots(self, config: LoaderConfig) -> int:
+        """The slots ``config`` wants (a trainer that keeps its batches: one more)."""
+        return ring_slots(config, keeps=self.sizing is not None)
+
+    @property
+    def slot_bytes(self) -> int:
+        """A slot's bytes; 0 while the ring is still to be sized from the first batches."""
+        return 0 if self.layout is None else self.layout.slot_bytes
 
     @property
     def node_workers(self) -> int:
@@ -627,7 +756,53 @@ class LoaderEngine:
     def release(self, member: int, slots: set[int] | list[int]) -> None:
         with self._cond:
             self.consumers.release(member, slots)
+        if self._grown and self.slots.leased() <= self.nslots - prefetch_depth(self.config):
+            self._shrink()
         self.upkeep()
+
+    def relieve(self) -> ErrorItem | None:
+        """A trainer-made loader whose trainer waits while it holds every slot (it keeps
+        batches, as DataLoader lets it: a list of them, a loop a batch behind): the ring
+        grows by as many slots again, within the node's budget, so that the next batch
+        can be made; an error item (fatal) where the node has no room left. Called by a
+        waiting session, with no lock held; nothing to do for any other loader."""
+        ring, resizer = self.ring, self.resizer
+        if self.sizing is None or ring is None or resizer is None or not self.slots.starved():
+            return None
+        target = max(ring.nslots, resizer.target) + self.nslots
+        try:
+            self.sizing.admit(self.config, target * ring.slot_bytes, self.node_workers)
+        except PinfeedError as exc:
+            held = self.slots.leased()
+            too_many = InsufficientMemory(
+                f"loader {self.config.name!r}: its trainer holds {held} batches (their "
+                "tensors are still referenced) and the node has no room for more: "
+                f"{exc.detail}. Keep fewer batches, or clone the ones you keep "
+                "(batch.clone()), or give the loader copy=True",
+            )
+            return ErrorItem(-1, -1, -1, too_many.info())
+        with self._reconfigure:
+            resizer.retarget(target)
+            self._grown = True
+        self.upkeep()
+        log.info(
+            "loader %s: its trainer holds every slot: the ring grows to %d",
+            self.config.name,
+            target,
+        )
+        return None
+
+    def _shrink(self) -> None:
+        """Back to the slots the config wants, once the trainer let go of what it held
+        (retired segments close as their slots come free)."""
+        if not self._reconfigure.acquire(blocking=False):
+            return  # a change in progress: the next release tries again
+        try:
+            if self.resizer is not None:
+                self.resizer.retarget(self._ring_slots(self.config))
+            self._grown = False
+        finally:
+            self._reconfigure.release()
 
     def position(self, member: int) -> tuple[int, int]:
         with self._cond:
@@ -713,9 +888,9 @@ class LoaderEngine:
                 "state": self.state,
                 "failure": self.failure.to_json() if self.failure else None,
                 "batches_per_epoch": self.batches_per_epoch,
-                "ring_bytes": ring.size if ring else self.nslots * self.layout.slot_bytes,
+                "ring_bytes": ring.size if ring else self.nslots * self.slot_bytes,
                 "ring_segments": len(ring.space.parts) if ring else 0,  # one tuple: no lock
-                "slot_bytes": self.layout.slot_bytes,
+                "slot_bytes": self.slot_bytes,
                 "slots": built(SlotCounts, counts),
                 "page_locked": bool(ring and ring.page_locked),
                 "consumer_attached": any(up for _, up, _ in raw),

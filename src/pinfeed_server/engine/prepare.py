@@ -36,7 +36,7 @@ class ConfigError(DomainError, ValueError):
 @dataclass(frozen=True)
 class Prepared:
     plan: BatchPlan
-    layout: Layout
+    layout: Layout | None  # None: sized from the first batches (a trainer-fed plan)
     code: LoaderCode
     executor: Executor
     dataset: Any  # what the loader's producers read: the dataset, or its Transformed
@@ -51,12 +51,17 @@ def prepare(
     cap: int,
     code: LoaderCode | None = None,
     plan: BatchPlan | None = None,
+    iterable: bool | None = None,
 ) -> Prepared:
     """``cfg``'s executor, plan and layout over ``dataset`` (of ``kind``); ``cap`` bounds
     a ``collate_fn`` loader's slot when it sets no ``max_batch_bytes``
     (``collate.loader_layout``). ``code`` and ``plan``, where the trainer brings them
-    (``pinfeed.DataLoader``: its objects, its sampler); else from ``cfg``."""
-    iterable = is_iterable(dataset)
+    (``pinfeed.DataLoader``: its objects, its sampler): then no sample is read here
+    (DataLoader reads none before the loop asks), the layout is None (the ring is sized
+    from the first batches, ``loader.Sizing``) and ``dataset`` may be None (its objects
+    run only in its workers; ``iterable`` says what it is)."""
+    if iterable is None:
+        iterable = is_iterable(dataset)
     executor = executors.get(cfg.executor)
     if executor is None:
         raise ConfigError(
@@ -93,15 +98,18 @@ def prepare(
                 f"dataset {cfg.dataset!r} has {len(dataset)} samples: batch_size "
                 f"{cfg.batch_size} with drop_last yields no batch"
             )
+    if fed:
+        # a trainer's Transformed over the node's cache: checked on its first sample
+        if isinstance(dataset, Transformed) and isinstance(dataset.dataset, CachedDataset):
+            with GLOBAL_RNG:  # not while an inline loader has its RNGs swapped in
+                _check_transform(cfg, dataset.dataset, dataset.transform, 0)
+        return Prepared(plan, None, code, executor, dataset)
     collate = code.collate_fn
     # default collate sizes slots from one sample; a collate_fn from its first batch
     n = 1 if collate is None else plan.max_rows
     first: Any = "the first sample of its iterator"
     indices: list[int] = []
-    if fed and not iterable:  # the trainer's sampler has not run yet: the first samples
-        indices = list(range(min(n, len(dataset))))
-        first = 0
-    elif not iterable:
+    if not iterable:
         batch0 = next(plan.batches(0))
         assert batch0 is not None  # a map-style dataset's plan yields index lists
         indices, first = batch0, batch0[0]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from pinfeed_server.engine.collate import Layout
 from pinfeed_server.engine.producers import (
     Executor,
     ProcessFactory,
@@ -19,6 +20,7 @@ from pinfeed_server.engine.producers import (
     ProducerContext,
     Task,
 )
+from pinfeed_server.engine.ring import Ring
 
 
 class ProducerHandle:
@@ -79,6 +81,14 @@ class ProducerHandle:
         with self._submit:
             self._producer = fresh
         old.close()
+
+    def ring_ready(self, ring: Ring, layout: Layout) -> None:
+        if self._producer is not None:
+            self._producer.ring_ready(ring, layout)
+
+    def objects(self, epoch: int, fds: list[int], shared: list[int]) -> None:
+        if self._producer is not None:
+            self._producer.objects(epoch, fds, shared)
 
     def segments_changed(self) -> None:
         if self._producer is not None:

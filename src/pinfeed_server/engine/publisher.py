@@ -101,7 +101,14 @@ class Publisher:
             self.slots.move(task.slot, SlotState.FILLING, SlotState.READY)
             self.consumers.publish(
                 BatchItem(
-                    task.slot, result.seq, task.epoch, task.index, rows, result.strings, result.rng
+                    task.slot,
+                    result.seq,
+                    task.epoch,
+                    task.index,
+                    rows,
+                    result.strings,
+                    result.rng,
+                    result.own,
                 )
             )
             self.stats.produced(rows, self.slot_bytes)

@@ -63,10 +63,15 @@ def replay(engine: LoaderEngine, epoch: int, index: int) -> Replayed:
         indices = engine.batch_indices(epoch, index)
     except NotFound as exc:  # as HTTP says it; on the data plane a position's error
         raise InvalidPosition(exc.detail) from None
+    layout = engine.layout
+    if layout is None:
+        raise InvalidPosition(
+            f"loader {engine.config.name!r} has made no batch yet: there is none to make again"
+        )
     kind, params, context = engine.source
     rng = draws_rng(kind, engine.config) or engine.code.collate_fn is not None
     processes = 1 if rng and engine.streams > 0 else 0
-    ring = Ring(f"{engine.config.name}-replay", 1, engine.layout.slot_bytes, lock=False)
+    ring = Ring(f"{engine.config.name}-replay", 1, layout.slot_bytes, lock=False)
     done = threading.Event()
     got: list[Result] = []
     fatal: list[str] = []
@@ -89,7 +94,7 @@ def replay(engine: LoaderEngine, epoch: int, index: int) -> Replayed:
         engine.dataset,
         engine.sampler,
         engine.code,
-        engine.layout,
+        layout,
         ring,
         on_result,
         on_fatal,

@@ -14,6 +14,7 @@ never handed to a worker while a consumer holds it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import enum
@@ -21,6 +22,8 @@ import logging
 import mmap
 import os
 import threading
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -194,6 +197,40 @@ class Ring:
         self.close()
 
 
+class OwnBuffer:
+    """A batch's memory of its own: one memfd the size of the batch, for a
+    ``pinfeed.DataLoader``'s batch made before its ring is sized (from the first batches,
+    in the workers) or larger than the ring's slots, as DataLoader never refuses a batch
+    for its size. The process that makes the batch creates it (``make``), a worker sends
+    its fd to the server, which sends it to the trainer with the BATCH (``FLAG_OWN``);
+    each holder's fd closes when its ``OwnBuffer`` goes."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._close = weakref.finalize(self, os.close, fd)
+
+    @classmethod
+    def make(cls, nbytes: int, write: Callable[[torch.Tensor], bytes]) -> tuple[OwnBuffer, bytes]:
+        """A new buffer of ``nbytes`` (> 0), filled by ``write(its uint8 view)``; the
+        buffer, and what ``write`` returned (the BATCH body). Unmapped here before it
+        returns: the receiver maps it again."""
+        fd = os.memfd_create("pinfeed-batch", os.MFD_CLOEXEC)
+        buffer = cls(fd)
+        os.ftruncate(fd, nbytes)
+        mm, view = map_ring(fd, nbytes)
+        try:
+            body = write(view)
+        finally:
+            del view  # the mapping's one view: it unmaps now (else when it goes)
+            with contextlib.suppress(BufferError):
+                mm.close()
+        return buffer, body
+
+    def close(self) -> None:
+        """Close the fd now (once sent on); idempotent."""
+        self._close()
+
+
 class SlotState(enum.IntEnum):
     FREE = 0
     FILLING = 1
@@ -263,6 +300,20 @@ class SlotTable:
             # (filling + ready): every change can be the one it waits for.
             self.cond.notify_all()
             return True
+
+    def starved(self) -> bool:
+        """Whether nothing can be made: every usable slot is leased (a trainer holds
+        them all), none is being filled and none is ready."""
+        with self.cond:
+            usable = self.states[: self.usable]
+            busy = (SlotState.FILLING, SlotState.READY)
+            return all(s is SlotState.LEASED for s in usable) and not any(
+                s in busy for s in self.states
+            )
+
+    def leased(self) -> int:
+        with self.cond:
+            return self.states.count(SlotState.LEASED)
 
     def counts(self) -> dict[str, int]:
         """Read without the lock the per-batch path takes: one copy of the list (atomic

@@ -5,18 +5,22 @@ accepts and attaches it): NEXT -> BATCH | END | ERROR, RELEASE, SKIP, SEEK and R
 
 from __future__ import annotations
 
+import os
 import select
 import socket
 import struct
 import threading
 
 from pinfeed import protocol as p
-from pinfeed.errors import DataPlaneError, ProtocolError
+from pinfeed.errors import DataPlaneError, InvalidRequest, ProtocolError
+from pinfeed_server.datasets import DatasetError
 from pinfeed_server.engine.consumers import BatchItem, EndItem, ErrorItem, Item
 from pinfeed_server.engine.loader import LoaderEngine
 from pinfeed_server.engine.ring import Ring
 
-_FED = (p.EPOCH, p.FEED, p.FEEDS)  # a pinfeed.DataLoader's epoch and its index batches
+# a pinfeed.DataLoader's objects, epoch and index batches
+_FED = (p.EPOCH, p.FEED, p.FEEDS, p.OBJECTS)
+MAX_BATCH_INDICES = 1 << 26  # a batch's indices, across FEED parts (512 MiB of them)
 
 
 class Session:
@@ -25,8 +29,14 @@ class Session:
     caller whatever ends the session."""
 
     def __init__(
-        self, conn: socket.socket, engine: LoaderEngine, member: int, stop: threading.Event
+        self,
+        conn: socket.socket,
+        engine: LoaderEngine,
+        member: int,
+        stop: threading.Event,
+        has_ring: bool = True,
     ) -> None:
+        """``has_ring``: ATTACHED carried the ring (else a RING brings it, once sized)."""
         self.conn = conn
         self.engine = engine
         self.member = member
@@ -35,18 +45,21 @@ class Session:
         self.buf = bytearray(p.MAX_MESSAGE)
         self.view = memoryview(self.buf)
         self.dims: dict[int, bytes] = {}  # packed leaf dims by batch length
-        self.segments = {0}  # ring segments the trainer has (ATTACHED carried 0)
+        self.segments = {0} if has_ring else set()  # ring segments the trainer has
         self.generation = -1  # the ring's generation they are of
         self.poller = select.poll()
         self.poller.register(conn, select.POLLIN | select.POLLRDHUP)
+        self.fds: list[int] = []  # what the last message brought (an OBJECTS' payload)
+        # (epoch, index) -> the first indices of a batch too large for one FEED
+        self.parts: dict[tuple[int, int], list[int]] = {}
 
-    def error(self, exc: DataPlaneError) -> None:
+    def error(self, exc: DataPlaneError | InvalidRequest) -> None:
         self.conn.send(exc.info().encode())
 
     def run(self) -> None:
         self.conn.settimeout(None)
         while not self.stop.is_set():
-            n = self.conn.recv_into(self.buf)
+            n = self.recv()
             if n == 0:
                 return  # the trainer closed (or died)
             kind = self.buf[0]
@@ -124,12 +137,26 @@ class Session:
         if isinstance(item, BatchItem):
             self.leased.add(item.slot)
             body = item.strings
+            if item.own is not None:  # in a buffer of its own, which goes with it
+                head = p.BATCH_HEAD.pack(
+                    p.BATCH | (p.FLAG_LAYOUT | p.FLAG_OWN) << 8,
+                    item.slot,
+                    item.seq,
+                    item.epoch,
+                    item.index,
+                    len(body),
+                )
+                rights = (socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", item.own.fd))
+                self.conn.sendmsg([head, body], [rights])
+                return True
             kind, dims = p.BATCH | p.FLAG_LAYOUT << 8, b""
             if body[:1] != b"\0":  # else a layout of its own (BATCH_LAYOUT_HEAD's mark)
                 kind = p.BATCH
                 dims = self.dims.get(item.rows) or b""
                 if not dims:
-                    dims = self.dims[item.rows] = p.pack_dims(self.engine.layout, item.rows)
+                    layout = self.engine.layout
+                    assert layout is not None  # a batch in a slot: the ring is sized
+                    dims = self.dims[item.rows] = p.pack_dims(layout, item.rows)
             # BATCH, as p.batch_parts builds it, without the call on the per-batch path.
             head = p.BATCH_HEAD.pack(kind, item.slot, item.seq, item.epoch, item.index, len(body))
             self.conn.sendmsg([head, dims, body])
@@ -142,12 +169,36 @@ class Session:
                 return False
         return True
 
+    def recv(self) -> int:
+        """The next message into ``buf``: its length (0: the peer closed). The fds that
+        came with it are kept for an OBJECTS (``fds``); with any other message they are
+        closed: only an OBJECTS brings one."""
+        for fd in self.fds:
+            os.close(fd)
+        n, self.fds = p.recv_message(self.conn, self.buf)
+        if self.fds and self.buf[0] != p.OBJECTS:
+            for fd in self.fds:
+                os.close(fd)
+            self.fds = []
+        return n
+
     def feed(self, kind: int, message: memoryview) -> tuple[bool, memoryview | None]:
-        """A ``pinfeed.DataLoader``'s EPOCH (the base seed its iterator drew), FEED (an
-        index batch its sampler made, and maybe the NEXT after it) or FEEDS (several, and
-        maybe the sampler's end); (False, None), after a ProtocolError, if it makes no
-        sense, else (True, the NEXT or None)."""
+        """A ``pinfeed.DataLoader``'s OBJECTS (its objects, which changed), EPOCH (the base
+        seed its iterator drew), FEED (an index batch its sampler made, and maybe the
+        NEXT after it) or FEEDS (several, and maybe the sampler's end); (False, None),
+        after a ProtocolError, if it makes no sense, else (True, the NEXT or None)."""
         try:
+            if kind == p.OBJECTS:
+                epoch = p.decode_objects(message)
+                if not self.fds:
+                    raise ValueError("an OBJECTS brings its payload's memfd")
+                fds, self.fds = self.fds, []
+                try:
+                    self.engine.objects_changed(epoch, fds[0], fds[1:])
+                except DatasetError as exc:  # they cannot be loaded here (without workers)
+                    self.error(InvalidRequest(str(exc)))
+                    return False, None
+                return True, None
             if kind == p.EPOCH:
                 self.engine.begin_fed_epoch(*p.decode_epoch(message))
                 return True, None
@@ -158,7 +209,17 @@ class Session:
                 if ended:
                     self.engine.feed(epoch, index + len(batches), None, None)
                 return True, None
+            part = p.decode_feed_part(message)
+            if part is not None:  # a batch too large for one message: its first indices
+                first = self.parts.setdefault(part[:2], [])
+                first.extend(part[2])
+                if len(first) > MAX_BATCH_INDICES:
+                    raise ValueError(f"a batch of more than {MAX_BATCH_INDICES} indices")
+                return True, None
             epoch, index, indices, rng, ahead, then = p.decode_feed(message)
+            first = self.parts.pop((epoch, index), [])
+            if first and indices is not None:
+                indices = first + indices
             self.engine.feed(epoch, index, indices, rng or None, ahead)
         except ValueError as exc:
             self.error(ProtocolError(str(exc)))
@@ -166,13 +227,19 @@ class Session:
         return True, then
 
     def announce_segments(self, ring: Ring) -> None:
-        """Tell the trainer of the ring's new segments (SEGMENT + memfd) and of the
-        closed ones (SEGMENT with 0 slots), before an item that may use them."""
+        """Tell the trainer of the ring's new segments (SEGMENT + memfd; the ring itself,
+        where ATTACHED did not carry it, as a RING with segment 0's) and of the closed
+        ones (SEGMENT with 0 slots), before an item that may use them."""
         with ring.lock:  # no segment closes while its fd is on the way
             now = {info.id: (info, fd) for info, fd in ring.segments()}
             for sid in sorted(set(now) - self.segments):
                 info, fd = now[sid]
-                body = p.SEGMENT_BODY.pack(p.SEGMENT, sid, info.first, info.nslots)
+                if sid == 0:
+                    layout = self.engine.layout
+                    assert layout is not None  # the ring is made with its layout
+                    body = p.RingInfo(info.nslots, ring.slot_bytes, layout).encode()
+                else:
+                    body = p.SEGMENT_BODY.pack(p.SEGMENT, sid, info.first, info.nslots)
                 rights = (socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))
                 self.conn.sendmsg([body], [rights])
             for sid in sorted(self.segments - set(now)):
@@ -195,11 +262,13 @@ class Session:
         once instead of wedging the loader. None: the connection is over."""
         while True:
             item = self.engine.next_item(self.member, self.stop, timeout=0.02)
+            if item is None:
+                item = self.engine.relieve()  # a trainer that holds every slot
             if item is not None:
                 return item
             if not self.poller.poll(0):
                 continue
-            n = self.conn.recv_into(self.buf)
+            n = self.recv()
             if n == 0:
                 return None
             kind = self.buf[0]

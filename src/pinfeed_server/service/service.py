@@ -62,6 +62,7 @@ from pinfeed_server.schemas import (
     LoaderCreate,
     LoaderPatch,
     NodeDecision,
+    NodeLifetime,
     NodeLoader,
     NodePublic,
 )
@@ -113,9 +114,10 @@ class Service:
             self.context,
             executors(settings.ray_address),
             self._admit,
+            self._admit_ring,
             lambda: max(0, settings.max_shm_bytes - self.shm_used()),
         )
-        self.trainers = TrainerLoaders(self.zygotes, self.shipped_caches, self.builder)
+        self.trainers = TrainerLoaders(self.zygotes, self.shipped_caches, self.builder, self.budget)
         self._closed = threading.Event()
         self.dataplane = DataPlaneServer(
             settings.socket_path,
@@ -174,20 +176,23 @@ class Service:
                 )
 
     def _exit_when_idle(self) -> None:
-        """PINFEED_IDLE_EXIT_S (a server pinfeed.DataLoader started): stop once no loader
-        and no trainer has been here for that long, as a graceful SIGTERM does."""
-        limit = self.settings.idle_exit_s
-        assert limit is not None
-        idle_since = time.monotonic()
-        while not self._closed.wait(0.5):
-            if self.table or self.dataplane.connections:
-                idle_since = time.monotonic()
-            elif time.monotonic() - idle_since >= limit:
-                log.info(
-                    "no loader and no trainer for %.0f s: exiting (PINFEED_IDLE_EXIT_S)", limit
-                )
-                os.kill(os.getpid(), signal.SIGTERM)
+        """PINFEED_IDLE_EXIT_S (a server pinfeed.DataLoader started): stop that long after
+        the last trainer left, as a graceful SIGTERM does. Only trainers keep it: the
+        loaders it holds with none attached (a named one waiting warm) go with it."""
+        while True:
+            left = self.exits_in_s()
+            if left is not None and left <= 0:
+                break
+            if self._closed.wait(0.5 if left is None else min(left, 0.5)):
                 return
+        log.info("no trainer for %.0f s: exiting (PINFEED_IDLE_EXIT_S)", self.settings.idle_exit_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def exits_in_s(self) -> float | None:
+        """Seconds before PINFEED_IDLE_EXIT_S stops this server if no trainer connects;
+        None while one is connected, or without it."""
+        limit, idle = self.settings.idle_exit_s, self.dataplane.idle_s()
+        return None if limit is None or idle is None else max(0.0, limit - idle)
 
     def close(self) -> None:
         self._closed.set()
@@ -318,6 +323,12 @@ class Service:
             self.arbiter.make_room(short, config.name, config.priority)
         self.budget.admit(config, ring_bytes, workers, replaces)
 
+    def _admit_ring(self, config: LoaderConfig, ring_bytes: int, workers: int) -> None:
+        """The budget's admission of the ring a loader's first batches sized (its
+        workers were admitted when it was made): a refusal fails the loader."""
+        with self._lock:
+            self.budget.admit(config, ring_bytes, workers, replaces=config.name)
+
     def _started(self, name: str) -> LoaderEngine:
         """Loader ``name``'s engine: NotFound, or Conflict if it could not start."""
         engine = self.table[name].engine
@@ -419,7 +430,7 @@ class Service:
         """The node as GET /v1/node shows it."""
         state = self.arbiter.state()
         loaders = []
-        for name, engine in sorted(list(self.loaders.items())):
+        for name, engine in sorted(self.table.engines().items()):
             cfg, r = engine.config, state.readings.get(name)
             counts = engine.producer.executor.counts_workers
             loaders.append(
@@ -438,8 +449,14 @@ class Service:
                     weighted_stall=None if r is None else r.stall,
                 )
             )
+        left = self.exits_in_s()
         return NodePublic(
             uptime_s=round(time.monotonic() - self.arbiter.started, 2),
+            lifetime=NodeLifetime(
+                started_by=self.settings.started_by,
+                idle_exit_s=self.settings.idle_exit_s,
+                exits_in_s=None if left is None else round(left, 1),
+            ),
             cpus=len(os.sched_getaffinity(0)),
             max_workers=self.budget.max_workers,
             workers_used=self.workers_used(),
@@ -458,17 +475,20 @@ class Service:
         )
 
     # -- loaders a trainer makes (pinfeed.DataLoader) ----------------------------------------
-    def create_owned(self, request: protocol.Create, payload_fd: int, peer: Peer) -> LoaderEngine:
-        """A loader of its own for the trainer at ``peer``, over the objects in its payload,
-        fed by its sampler (``engine/fed_plan.py``); a named one that exists with the same
-        config and payload is handed over, warm. Raises the pinfeed error that says why
-        not (the data plane sends it)."""
+    def create_owned(
+        self, request: protocol.Create, payload_fd: int, shared: list[int], peer: Peer
+    ) -> LoaderEngine:
+        """A loader of its own for the trainer at ``peer``, over the objects in its payload
+        (and the shared memory they map), fed by its sampler (``engine/fed_plan.py``); a
+        named one that exists with the same config and payload is handed over, warm.
+        Raises the pinfeed error that says why not (the data plane sends it). The fds
+        stay the caller's: the loader keeps duplicates."""
         with self._lock:
             kept = None if request.name is None else self.table.get(request.name)
             if kept is not None:
-                return self.trainers.reattach(kept, request, peer)
+                return self.trainers.reattach(kept, request, payload_fd, shared, peer)
             name = self.trainers.name_for(request, peer)
-            record = self.trainers.start(name, request, payload_fd, peer)
+            record = self.trainers.start(name, request, payload_fd, shared, peer)
             self.table.add(record)
             assert record.engine is not None
             return record.engine

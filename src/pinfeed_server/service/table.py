@@ -28,7 +28,6 @@ class Owner:
 
     peer: Peer
     digest: str  # the trainer's config and payload: a later trainer must send the same
-    payload_fd: int  # the objects' memfd, kept for the loader's life (its zygote maps it)
     keep: bool
     cache: str | None  # the key of the node cache its dataset reads through (cache=)
     attached: bool = True
@@ -79,7 +78,7 @@ class LoaderRecord:
         return {
             **engine.config.model_dump(),
             "created_at": self.created_at,
-            "batch": describe(engine.layout),
+            "batch": None if engine.layout is None else describe(engine.layout),
             "owner": None if self.owner is None else self.owner.public(),
             **engine.status().model_dump(),
         }

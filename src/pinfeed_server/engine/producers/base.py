@@ -11,6 +11,12 @@ ready again and production goes on where it stopped: a remote backend that came 
 
     submit(task)        hand over one batch to make; never blocks on the making
     resize(n)           change the number of processes live, losing no task
+    ring_ready(r, l)    a loader sized from its first batches (``ctx.ring`` None; their
+                        results propose a layout) has its ring ``r`` of layout ``l``
+    objects(e, fds, s)  a pinfeed.DataLoader's objects changed: from epoch ``e`` on, its
+                        batches are made with the objects of payloads ``fds`` (a chain:
+                        ``pinfeed.payload``) and shared memory ``s``, as DataLoader's
+                        workers get them then
     segments_changed()  the ring lost a segment: unmap it (added ones are mapped lazily,
                         before the first task into them: ``ctx.ring.generation``)
     busy_seconds()      time spent making batches (worker_busy_share)
@@ -45,9 +51,9 @@ from typing import Any, Protocol, TypeVar
 from pinfeed.errors import SampleError
 from pinfeed.protocol import ErrorInfo
 from pinfeed_server.datasets import DatasetContext, Kind
-from pinfeed_server.engine.collate import Layout, dataset_error
+from pinfeed_server.engine.collate import Layout, SlotWriter, dataset_error
 from pinfeed_server.engine.config import LoaderCode, LoaderConfig
-from pinfeed_server.engine.ring import Ring
+from pinfeed_server.engine.ring import OwnBuffer, Ring
 from pinfeed_server.engine.sampler import BatchPlan
 
 M = TypeVar("M")  # a producer's process: a worker, an actor
@@ -80,6 +86,18 @@ class Result:
     end: bool = False
     rows: int | None = None  # rows written; None: one per index of the task
     rng: bytes = b""  # the global RNG states after it, for the trainer (inline.py)
+    # A pinfeed.DataLoader's batch that is not in its slot: its buffer of its own (made
+    # before the ring was sized, or too large for a slot: ``collate.SlotWriter``), and
+    # the ring layout it proposes (while the loader has no ring).
+    own: OwnBuffer | None = None
+    proposal: Layout | None = None
+
+
+def batch_result(seq: int, body: bytes, writer: SlotWriter, rows: int | None = None) -> Result:
+    """The result of a batch ``writer`` just wrote (``body``: what ``write`` returned),
+    with its buffer of its own and its ring proposal, if any."""
+    own, proposal = writer.take()
+    return Result(seq, body, rows=rows, own=own, proposal=proposal)
 
 
 def error_info(exc: BaseException) -> ErrorInfo:
@@ -125,11 +143,19 @@ class ProducerContext:
     dataset: Any  # the server's own instance, for producers in the server process
     plan: BatchPlan  # the engine's (a replay reads its history: seeding.history_of)
     code: LoaderCode  # its collate_fn and worker_init_fn, resolved or shipped
-    layout: Layout
-    ring: Ring
+    # None until a loader sized from its first batches has its ring (``ring_ready``)
+    layout: Layout | None
+    ring: Ring | None
     on_result: Callable[[Result], None]
     on_fatal: Callable[[str], None]
     on_recovered: Callable[[], None]
+    iterable: bool = False  # an IterableDataset's loader (the dataset may not be here)
+    # DataLoader's rule on sizes (a pinfeed.DataLoader's loader): a batch larger than the
+    # slots, or made before the ring is sized, goes into a buffer of its own
+    own: bool = False
+    # A pinfeed.DataLoader's objects where they changed since the loader was made: the
+    # epoch they apply from, their payloads and the shared memory they map; None: as made
+    objects: tuple[int, list[int], list[int]] | None = None
 
     @property
     def draws_rng(self) -> bool:
@@ -159,6 +185,10 @@ class Producer(Protocol):
     def submit(self, task: Task) -> None: ...
 
     def resize(self, num_workers: int) -> None: ...
+
+    def ring_ready(self, ring: Ring, layout: Layout) -> None: ...
+
+    def objects(self, epoch: int, fds: list[int], shared: list[int]) -> None: ...
 
     def segments_changed(self) -> None: ...
 

@@ -28,12 +28,21 @@ from typing import Any
 from torch.utils.data._utils import worker as torch_worker
 
 from pinfeed.rng import RngState, capture, dump_state, load_state, restore
-from pinfeed_server.engine.collate import SlotWriter
+from pinfeed_server.datasets import shipped
+from pinfeed_server.datasets.shipped import Shipped
+from pinfeed_server.engine.collate import Layout, SlotWriter
 from pinfeed_server.engine.fed_plan import FedPlan
 from pinfeed_server.engine.iterable import EndJudge, is_iterable, shard_env
-from pinfeed_server.engine.producers.base import ProducerContext, Result, Task, error_info
+from pinfeed_server.engine.producers.base import (
+    ProducerContext,
+    Result,
+    Task,
+    batch_result,
+    error_info,
+)
 from pinfeed_server.engine.producers.iterating import IterStreams, make_turn, write_samples
 from pinfeed_server.engine.producers.seeding import Streams, WorkerRngs, apply, history_of
+from pinfeed_server.engine.ring import Ring
 from pinfeed_server.global_rng import GLOBAL_RNG
 from pinfeed_server.malloc import keep_inline_batches, release_inline_batches
 
@@ -44,28 +53,40 @@ class InlineProducer:
     def __init__(self, ctx: ProducerContext) -> None:
         self._on_result = ctx.on_result
         self._ctx = ctx
-        self._generation = ctx.ring.generation
-        self._writer = SlotWriter(
-            ctx.dataset, ctx.layout, ctx.ring.space, ctx.ring.slot_bytes, ctx.code.collate_fn
-        )
+        self._ring = ctx.ring  # None until a loader sized from its first batches has it
+        self._layout = ctx.layout
+        self._generation = -1 if ctx.ring is None else ctx.ring.generation
         self._busy_s = 0.0
         self._closed = False
-        keep_inline_batches(self, ctx.ring.slot_bytes)  # malloc.py says why
-        self._dataset = ctx.dataset
-        self._fed_epoch = -1  # a trainer-fed iterable's epoch, and its iterator
-        self._fed_iter: Iterator[Any] = iter(())
+        if ctx.ring is not None:
+            keep_inline_batches(self, ctx.ring.slot_bytes)  # malloc.py says why
         # The loader's RNG states between its batches, while the globals hold another's.
         self.rng_state: RngState | None = None
         # A trainer-fed loader's last batch made on the trainer's states: (epoch, index,
         # the states after it), the states a batch fed ahead of its own is made on.
         self._after: tuple[int, int, bytes] | None = None
         self._config = ctx.config
+        # A trainer's objects from an epoch on, loaded, till that epoch's first batch.
+        self._pending: tuple[int, Shipped] | None = None
+        if ctx.objects is not None:  # as the trainer last sent them (a swap, a restart)
+            held = _load(ctx.objects[1], ctx.objects[2])
+            self._use(held.dataset, held.collate_fn, held.worker_init_fn)
+        else:
+            self._use(ctx.dataset, ctx.code.collate_fn, ctx.code.worker_init_fn)
+
+    def _use(self, dataset: Any, collate_fn: Any, worker_init_fn: Any) -> None:
+        """Make the loader's batches with these objects (a trainer's, as they changed)."""
+        ctx = self._ctx
+        self._dataset, self._collate = dataset, collate_fn
+        self._writer = self._new_writer(dataset, collate_fn)
+        self._fed_epoch = -1  # a trainer-fed iterable's epoch, and its iterator
+        self._fed_iter: Iterator[Any] = iter(())
         # Created with workers: their streams, served here (see the module docstring).
         self._workers: WorkerRngs | None = None
-        if is_iterable(ctx.dataset):
+        if ctx.iterable or is_iterable(dataset):
             # An iterable: one stream, its own RNGs (iterating.py); no index plan.
             self._iter: IterStreams | None = IterStreams(
-                ctx.dataset, ctx.config, ctx.streams, worker=False
+                dataset, ctx.config, ctx.streams, worker=False
             )
             self._judge = EndJudge(1)
             return
@@ -73,21 +94,38 @@ class InlineProducer:
         self.streams = Streams(
             ctx.config,
             ctx.streams,
-            history_of(
-                ctx.config, ctx.streams, ctx.plan, ctx.dataset, ctx.datasets.allowed_plugins
-            ),
+            history_of(ctx.config, ctx.streams, ctx.plan, dataset, ctx.datasets.allowed_plugins),
             replay=ctx.draws_rng,
         )
         if self.streams.replay and ctx.streams > 0:
-            code = ctx.code
-            self._workers = WorkerRngs(
-                copy.copy(ctx.dataset), ctx.streams, code.worker_init_fn, code.collate_fn
-            )
+            self._workers = WorkerRngs(copy.copy(dataset), ctx.streams, worker_init_fn, collate_fn)
+
+    def objects(self, epoch: int, fds: list[int], shared: list[int]) -> None:
+        """A pinfeed.DataLoader's objects as its trainer sent them (they changed): loaded
+        now, and used from the first batch of ``epoch`` on."""
+        self._pending = (epoch, _load(fds, shared))
+
+    def _new_writer(self, dataset: Any, collate_fn: Any) -> SlotWriter:
+        ring, ctx = self._ring, self._ctx
+        return SlotWriter(
+            dataset,
+            self._layout,
+            None if ring is None else ring.space,
+            0 if ring is None else ring.slot_bytes,
+            collate_fn,
+            own=ctx.own,
+            rows=ctx.plan.max_rows,
+        )
 
     def submit(self, task: Task) -> None:
         """Make the batch now, in the caller's thread, and report it before returning."""
         t0 = time.perf_counter()
-        if self._generation != self._ctx.ring.generation:
+        pending = self._pending
+        if pending is not None and task.epoch >= pending[0]:
+            self._pending = None
+            held = pending[1]
+            self._use(held.dataset, held.collate_fn, held.worker_init_fn)
+        if self._ring is not None and self._generation != self._ring.generation:
             self.segments_changed()
         if self._iter is not None and isinstance(self._ctx.plan, FedPlan):
             result = self._on_trainer_rngs(self._ctx.plan, task, lambda: self._fed_turn(task))
@@ -114,7 +152,7 @@ class InlineProducer:
         with GLOBAL_RNG.lent_to(self) as held:
             reseed = self.streams.prepare(task.epoch, task.index, task.seq)
             if reseed is not None:
-                apply(reseed, self._dataset, worker=False, collate_fn=self._ctx.code.collate_fn)
+                apply(reseed, self._dataset, worker=False, collate_fn=self._collate)
             elif not held and self.rng_state is not None:
                 restore(self.rng_state)
             return self._make(task.seq, task.slot, indices)
@@ -202,8 +240,9 @@ class InlineProducer:
         return result
 
     def _make(self, seq: int, slot: int, indices: list[int]) -> Result:
+        writer = self._writer
         try:
-            return Result(seq, self._writer.write(slot, indices))
+            return batch_result(seq, writer.write(slot, indices), writer)
         except Exception as exc:
             return Result(seq, error=error_info(exc))
 
@@ -211,14 +250,19 @@ class InlineProducer:
         if num_workers != 0:
             raise ValueError("the in-server producer has no workers; the engine swaps it")
 
+    def ring_ready(self, ring: Ring, layout: Layout) -> None:
+        """The ring, sized from the first batches: the next batches go into its slots."""
+        self._ring, self._layout = ring, layout
+        keep_inline_batches(self, ring.slot_bytes)
+        self.segments_changed()
+
     def segments_changed(self) -> None:
         """A new writer: the old one's cached slot views may be of a closed segment."""
-        ctx = self._ctx
-        self._generation = ctx.ring.generation
+        assert self._ring is not None
+        self._generation = self._ring.generation
         old = self._writer
-        self._writer = SlotWriter(
-            old.dataset, ctx.layout, ctx.ring.space, ctx.ring.slot_bytes, old.collate_fn
-        )
+        self._writer = self._new_writer(old.dataset, old.collate_fn)
+        old.close()
 
     def busy_seconds(self) -> float:
         return self._busy_s
@@ -228,6 +272,13 @@ class InlineProducer:
             self._closed = True
             self._writer.close()
             release_inline_batches(self)
+
+
+def _load(fds: list[int], shared: list[int]) -> Shipped:
+    """A trainer's objects from their payloads, loaded here, its code on the server's own
+    RNG states (a DatasetError, as a loader's failure, where they cannot be)."""
+    with GLOBAL_RNG:
+        return shipped.load(fds, shared)
 
 
 def _attempt(task: Task, make: Callable[[], Result]) -> Result:

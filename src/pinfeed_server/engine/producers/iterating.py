@@ -40,7 +40,7 @@ from torch.utils.data._utils import worker as torch_worker
 from pinfeed.rng import RngState, capture, restore
 from pinfeed_server.engine.collate import SlotWriter
 from pinfeed_server.engine.config import LoaderConfig, persistent
-from pinfeed_server.engine.producers.base import Result, Task, error_info
+from pinfeed_server.engine.producers.base import Result, Task, batch_result, error_info
 from pinfeed_server.engine.producers.seeding import BaseSeeds, seed_rngs
 
 
@@ -283,7 +283,8 @@ class _Samples:
 def write_samples(writer: SlotWriter, task: Task, samples: list[Any]) -> Result:
     """Collate ``samples`` into ``task``'s slot; the result reports their number."""
     writer.dataset = _Samples(samples)
-    return Result(task.seq, writer.write(task.slot, range(len(samples))), rows=len(samples))
+    body = writer.write(task.slot, range(len(samples)))
+    return batch_result(task.seq, body, writer, rows=len(samples))
 
 
 def make_turn(streams: IterStreams, writer: SlotWriter, task: Task) -> Result:

@@ -19,11 +19,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing as mp
+import signal
 import threading
 import time
+from multiprocessing import reduction
 from multiprocessing.connection import wait
 
 from pinfeed.errors import SampleError
+from pinfeed_server.engine.collate import Layout
 from pinfeed_server.engine.iterable import EndJudge, IterRoutes, is_iterable
 from pinfeed_server.engine.producers.base import ProducerContext, Result, Task, regroup
 from pinfeed_server.engine.producers.codec import (
@@ -33,7 +36,9 @@ from pinfeed_server.engine.producers.codec import (
     TASK_TAG,
     decode_pickled,
     decode_result,
+    encode_objects,
     encode_pickled,
+    encode_ring,
     encode_task,
 )
 from pinfeed_server.engine.producers.processes import (
@@ -45,6 +50,7 @@ from pinfeed_server.engine.producers.processes import (
 )
 from pinfeed_server.engine.producers.seeding import Streams, history_of
 from pinfeed_server.engine.producers.worker import WorkerSpec, send_segments
+from pinfeed_server.engine.ring import OwnBuffer, Ring
 
 log = logging.getLogger("pinfeed.workers")
 
@@ -56,7 +62,7 @@ class WorkerPool:
 
     def __init__(self, ctx: ProducerContext, spawn: ProcessFactory | None = None) -> None:
         self.name = ctx.config.name
-        iterable = is_iterable(ctx.dataset)
+        iterable = ctx.iterable or is_iterable(ctx.dataset)
         self.spec = WorkerSpec.of(ctx)
         # An iterable's turns: its workers position their iterators themselves.
         self._judge = EndJudge(ctx.streams) if iterable else None
@@ -72,8 +78,12 @@ class WorkerPool:
                 replay=self.spec.snapshots,
             )
         )
-        self._ring = ctx.ring
-        self._ring_fd = ctx.ring.fd
+        # None until a loader sized from its first batches has them (ring_ready)
+        self._ring, self._layout = ctx.ring, ctx.layout
+        # A trainer's objects as last sent (the epoch they apply from, their payloads),
+        # and how many times they were: a worker behind gets them before its next task.
+        self._objects = ctx.objects
+        self._objects_sent = 0 if ctx.objects is None else 1
         # Without global RNG draws (built-in kinds) the streams do not matter: batches
         # go round-robin over the processes there are, whatever the loader started with.
         # An iterable's turn belongs to its worker's stream.
@@ -104,7 +114,10 @@ class WorkerPool:
     def _spawn(self, count: int = 1) -> list[Worker]:
         ids = range(self._next_id, self._next_id + count)
         self._next_id += count
-        return start_workers(self._process, self._ctx, self.spec, self._ring_fd, ids)
+        ring = self._ring
+        return start_workers(
+            self._process, self._ctx, self.spec, None if ring is None else ring.fd, ids
+        )
 
     def resize(self, num_workers: int) -> None:
         """Grow or shrink live: new workers take new tasks at once; removed ones first
@@ -158,16 +171,54 @@ class WorkerPool:
                 self._send_locked(worker, TASK_TAG + encode_task(task))
                 return
 
+    def ring_ready(self, ring: Ring, layout: Layout) -> None:
+        """The ring, sized from the first batches: every worker maps it now (``_sync``);
+        workers started from now on map it at start."""
+        with self._lock:
+            self._ring, self._layout = ring, layout
+            self.spec = self.spec.with_ring(layout, ring.segments()[0][0].nslots * ring.slot_bytes)
+            everyone = self._workers + self._retiring
+        for w in everyone:
+            with w.send_lock:
+                self._sync(w)
+
+    def objects(self, epoch: int, fds: list[int], shared: list[int]) -> None:
+        """A pinfeed.DataLoader's objects changed: every worker gets them now (OBJECTS,
+        their payloads' and shared memory's fds), and uses them from ``epoch``'s first
+        batch on."""
+        with self._lock:
+            self._objects = (epoch, fds, shared)
+            self._objects_sent += 1
+            everyone = self._workers + self._retiring
+        for w in everyone:
+            with w.send_lock:
+                self._sync(w)
+
     def _sync(self, worker: Worker) -> None:
-        """Map the ring's new segments in ``worker`` and unmap its closed ones; under the
-        worker's send lock, before a task that may use them."""
-        generation = self._ring.generation
-        if worker.generation == generation:
+        """Send ``worker`` the trainer's objects where they changed, map the ring's new
+        segments in it and unmap its closed ones (first the ring itself, where the
+        worker has none yet: a RING and segment 0's fd); under the worker's send lock,
+        before a task that may use them."""
+        objects = self._objects
+        if objects is not None and worker.objects != self._objects_sent:
+            epoch, fds, shared = objects
+            with contextlib.suppress(OSError):  # a dead one: its reaper's
+                worker.conn.send_bytes(encode_objects(epoch, len(fds), len(shared)))
+                for fd in (*fds, *shared):
+                    reduction.send_handle(worker.conn, fd, worker.process.pid)
+            worker.objects = self._objects_sent
+        ring = self._ring
+        if ring is None or worker.generation == ring.generation:
             return
-        worker.segments = send_segments(
-            self._ring, worker.conn, worker.process.pid, worker.segments
-        )
-        worker.generation = generation
+        if not worker.segments:
+            assert self._layout is not None
+            with ring.lock, contextlib.suppress(OSError):  # a dead one: its reaper's
+                info, fd = ring.segments()[0]
+                worker.conn.send_bytes(encode_ring(self._layout, info.nslots))
+                reduction.send_handle(worker.conn, fd, worker.process.pid)
+            worker.segments = {0}
+        worker.segments = send_segments(ring, worker.conn, worker.process.pid, worker.segments)
+        worker.generation = ring.generation
 
     def segments_changed(self) -> None:
         """The ring closed a segment: every worker unmaps it now (not at its next task)."""
@@ -214,7 +265,9 @@ class WorkerPool:
                     with self._lock:
                         self.streams.snapshot(epoch, index, state, seq)
                     continue
-                result = decode_result(message[1:])
+                result, own = decode_result(message[1:])
+                if own:  # the batch's buffer of its own: its fd is next on the pipe
+                    result.own = OwnBuffer(reduction.recv_handle(worker.conn))
                 with self._lock:
                     task = worker.outstanding.pop(result.seq, None)
                     if result.end and self._judge is not None and task is not None:
@@ -269,9 +322,9 @@ class WorkerPool:
                         self.streams.forget(stream)
                 tasks = sorted(dead.outstanding.items())
             dead.conn.close()
-            self._resend(tasks, code)
+            self._resend(tasks, code, dead.process.pid)
 
-    def _resend(self, tasks: list[tuple[int, Task]], code: int | None) -> None:
+    def _resend(self, tasks: list[tuple[int, Task]], code: int | None, pid: int) -> None:
         for i, (seq, task) in enumerate(tasks):
             if i == 0:
                 # Workers take tasks in order: only the oldest was being made when it
@@ -290,7 +343,7 @@ class WorkerPool:
                 if tries > MAX_TASK_RETRIES:
                     with self._lock:
                         self.streams.poison(task.epoch, task.index)
-                    self._on_result(_worker_died(task, code, tries))
+                    self._on_result(_worker_died(task, code, tries, pid))
                     continue
             self._give(task)
 
@@ -320,11 +373,21 @@ class WorkerPool:
         self._retiring.clear()
 
 
-def _worker_died(task: Task, code: int | None, tries: int) -> Result:
+def _worker_died(task: Task, code: int | None, tries: int, pid: int) -> Result:
+    """The batch whose making killed its worker ``tries`` times, the last one ``pid``:
+    DataLoader's RuntimeError, in its words (a signal named), which a trainer catches as
+    ``RuntimeError`` (and as ``SampleError``)."""
     indices = (task.indices or [])[:8]
+    if code is not None and code < 0:
+        how = f"is killed by signal: {signal.strsignal(-code)}."
+    else:
+        how = f"exited unexpectedly (exit code {code})."
     died = SampleError(
-        f"worker died (exit code {code}) {tries} times producing the batch of indices {indices}...",
+        f"DataLoader worker (pid {pid}) {how} It died {tries} times making the batch of "
+        f"indices {indices}...: the sample (or collate_fn) crashes its process",
         index=None,
-        error_type="WorkerDied",
+        error_type="RuntimeError",
+        error_module="builtins",
+        reason="worker-died",
     )
     return Result(task.seq, error=died.info())

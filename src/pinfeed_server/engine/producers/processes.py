@@ -1,8 +1,8 @@
 """A pool's worker processes: started together (all or none, bounded), and reaped.
 
 A worker is started with its pipe's other end and ``WorkerSpec``; the pool then sends
-it the ring's first segment (``reduction.send_handle``) and it answers once it has
-mapped the ring and got its dataset (``worker.py``).
+it the ring's first segment (``reduction.send_handle``), where the loader has its ring
+yet, and it answers once it has mapped the ring and got its dataset (``worker.py``).
 """
 
 from __future__ import annotations
@@ -37,17 +37,19 @@ class Worker:
     started: dict[int, float] = field(default_factory=dict)
     segments: set[int] = field(default_factory=lambda: {0})  # ring segments it has mapped
     generation: int = -1  # the ring's generation it last synced with
+    objects: int = 0  # the trainer's objects it has (the pool's count of OBJECTS sent)
 
 
 def start_workers(
     process: ProcessFactory,
     ctx: BaseContext,
     spec: WorkerSpec,
-    ring_fd: int,
+    ring_fd: int | None,
     ids: Iterable[int],
 ) -> list[Worker]:
-    """Start a worker per id and wait (bounded) until each has mapped the ring and got
-    its dataset; all or none (a RuntimeError says which failed and why)."""
+    """Start a worker per id and wait (bounded) until each has mapped the ring (where
+    ``ring_fd``: a loader sized from its first batches has none yet) and got its
+    dataset; all or none (a RuntimeError says which failed and why)."""
     started = []
     for wid in ids:
         parent, child = ctx.Pipe(duplex=True)
@@ -59,14 +61,15 @@ def start_workers(
         )
         proc.start()
         child.close()
-        reduction.send_handle(parent, ring_fd, proc.pid)
-        started.append(Worker(wid, proc, parent))
+        if ring_fd is not None:
+            reduction.send_handle(parent, ring_fd, proc.pid)
+        started.append(Worker(wid, proc, parent, segments=set() if ring_fd is None else {0}))
     deadline = time.monotonic() + START_TIMEOUT_S
     try:
         for w in started:
             if not w.conn.poll(max(0.0, deadline - time.monotonic())):
                 raise RuntimeError(f"worker {w.wid} did not start within {START_TIMEOUT_S} s")
-            error = decode_result(w.conn.recv_bytes()[1:]).error
+            error = decode_result(w.conn.recv_bytes()[1:])[0].error
             if error is not None:
                 raise RuntimeError(f"worker {w.wid} failed to start: {error.detail}")
     except BaseException:

@@ -39,6 +39,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from pinfeed_server.datasets import Kind
+from pinfeed_server.engine.collate import Layout
 from pinfeed_server.engine.config import LoaderConfig
 from pinfeed_server.engine.producers.base import Producer, ProducerContext, Task
 from pinfeed_server.engine.producers.codec import (
@@ -53,6 +54,7 @@ from pinfeed_server.engine.producers.codec import (
 from pinfeed_server.engine.producers.processes import ProcessFactory, reap
 from pinfeed_server.engine.producers.ray_bridge import BridgeSpec, bridge_main
 from pinfeed_server.engine.producers.worker import WorkerSpec, send_segments
+from pinfeed_server.engine.ring import Ring
 
 log = logging.getLogger("pinfeed.ray")
 
@@ -146,6 +148,7 @@ class RayProducer:
             address,
             ray_endpoint(address),
         )
+        assert ctx.ring is not None, "a Ray loader has its ring from the start"
         self._ring = ctx.ring
         self._ring_fd = ctx.ring.fd
         self._on_result = ctx.on_result
@@ -187,7 +190,7 @@ class RayProducer:
                     if not ready
                     else f"the Ray bridge exited (code {proc.exitcode}) while starting"
                 )
-            error = decode_result(parent.recv_bytes()[1:]).error
+            error = decode_result(parent.recv_bytes()[1:])[0].error
             if error is not None:
                 raise RuntimeError(f"the Ray executor failed to start: {error.detail}")
         except BaseException:
@@ -212,6 +215,12 @@ class RayProducer:
             self._num_workers = num_workers
             link = self._link
         self._send(link, encode_count(num_workers))
+
+    def ring_ready(self, ring: Ring, layout: Layout) -> None:
+        raise RuntimeError("executor 'ray' serves no loader sized from its first batches")
+
+    def objects(self, epoch: int, fds: list[int], shared: list[int]) -> None:
+        raise RuntimeError("executor 'ray' serves no trainer's objects")
 
     def segments_changed(self) -> None:
         """The ring closed a segment: the bridge unmaps it now (not at its next task)."""
@@ -288,7 +297,7 @@ class RayProducer:
         return None
 
     def _result(self, message: bytes) -> None:
-        result = decode_result(message[1:])
+        result, _ = decode_result(message[1:])
         with self._lock:
             self._outstanding.pop(result.seq, None)
             t0 = self._started.pop(result.seq, None)

@@ -215,7 +215,9 @@ class Bridge:
             f"a Ray actor died {tries} times producing the batch of indices "
             f"{(task.indices or [])[:8]}...",
             index=None,
-            error_type="WorkerDied",
+            error_type="RuntimeError",
+            error_module="builtins",
+            reason="worker-died",
         )
         self._result(Result(seq, error=died.info()))
         return True
@@ -247,7 +249,7 @@ class Bridge:
                 if not self._poisoned(task.seq, task):
                     self.give(task)
             return
-        result = decode_result(encoded)
+        result, _ = decode_result(encoded)
         if data is not None:
             start = task.slot * self._slot_bytes
             self._space[start : start + data.nbytes].numpy()[:] = data  # the one host copy

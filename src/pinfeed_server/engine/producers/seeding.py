@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import random
+import types
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -50,6 +51,7 @@ class Reseed:
     base_seed: int
     replay: list[list[int]] = field(default_factory=list)
     state: bytes | None = None  # a snapshot to restore (``dump_state``) before the replay
+    epoch: int = 0  # of the batch it is for (a trainer's objects of that epoch are used)
 
 
 class BaseSeeds:
@@ -248,7 +250,7 @@ class Streams:
             # Made from the plan before its latest change, its batch is dropped: any seed
             # does, and the worker's next task is reseeded.
             self._next.pop(w, None)
-            return Reseed(w, self.count, self.base_seed(epoch))
+            return Reseed(w, self.count, self.base_seed(epoch), epoch=epoch)
         reseed = None if self._next.get(w) == (epoch, index) else self._reseed(w, epoch, index)
         after = self._after(w, epoch, index)
         if after is None:
@@ -282,7 +284,7 @@ class Streams:
                 state = kept[start]
         replay = self._between(w, start, (epoch, index)) if self.replay else []
         self.replayed += len(replay)
-        return Reseed(w, self.count, self.base_seed(epoch), replay, state)
+        return Reseed(w, self.count, self.base_seed(epoch), replay, state, epoch)
 
     def _between(self, w: int, start: tuple[int, int], stop: tuple[int, int]) -> list[list[int]]:
         """Worker ``w``'s index batches from ``start`` (included) to ``stop`` (not)."""
@@ -348,6 +350,13 @@ def apply(
             continue
 
 
+def _bound_to(fn: Any, old: Any, new: Any) -> Any:
+    """``fn``, bound to ``new`` where it is a method of ``old``."""
+    if old is not new and getattr(fn, "__self__", None) is old:
+        return types.MethodType(fn.__func__, new)
+    return fn
+
+
 class WorkerRngs:
     """A worker process's side: the RNG state of each of the streams (DataLoader's
     worker ids) it makes batches for. One stream per process, unless a live resize
@@ -358,6 +367,7 @@ class WorkerRngs:
 
     def __init__(self, dataset: Any, streams: int, init_fn: Any, collate_fn: Any = None) -> None:
         self.dataset = dataset  # the current stream's
+        self._original = dataset  # what a worker_init_fn that is its method is bound to
         self._collate_fn = collate_fn
         try:
             self._pristine = copy.copy(dataset)  # before any worker_init_fn
@@ -379,7 +389,10 @@ class WorkerRngs:
         fresh = self._pristine if self._pristine is self.dataset else copy.copy(self._pristine)
         self._datasets[w] = fresh
         self.dataset = fresh
-        apply(reseed, self.dataset, self._init_fn, collate_fn=self._collate_fn)
+        # A worker_init_fn that is the dataset's own method sets up this copy, as a
+        # forked worker's sets up the dataset it reads.
+        init_fn = _bound_to(self._init_fn, self._original, fresh)
+        apply(reseed, self.dataset, init_fn, collate_fn=self._collate_fn)
         self._current = w
 
     def enter(self, index: int) -> None:

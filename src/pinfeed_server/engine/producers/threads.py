@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from pinfeed_server.datasets import Kind
-from pinfeed_server.engine.collate import SlotWriter
+from pinfeed_server.engine.collate import Layout, SlotWriter
 from pinfeed_server.engine.config import LoaderConfig
 from pinfeed_server.engine.producers.base import (
     Producer,
@@ -36,6 +36,7 @@ from pinfeed_server.engine.producers.base import (
 )
 from pinfeed_server.engine.producers.inline import InlineProducer
 from pinfeed_server.engine.producers.processes import ProcessFactory
+from pinfeed_server.engine.ring import Ring
 
 log = logging.getLogger("pinfeed.workers")
 
@@ -94,6 +95,7 @@ class ThreadPool:
     def _run(self) -> None:
         ctx = self._ctx
         ring = ctx.ring
+        assert ring is not None, "a thread pool's loader has its ring from the start"
         writer = SlotWriter(ctx.dataset, ctx.layout, ring.space, ring.slot_bytes)
         generation = ring.generation
         try:
@@ -138,6 +140,12 @@ class ThreadPool:
                 self._threads.append(t)
                 t.start()
             self._size = num_workers
+
+    def ring_ready(self, ring: Ring, layout: Layout) -> None:
+        raise RuntimeError("executor 'thread' serves no loader sized from its first batches")
+
+    def objects(self, epoch: int, fds: list[int], shared: list[int]) -> None:
+        raise RuntimeError("executor 'thread' serves no trainer's objects")
 
     def segments_changed(self) -> None:
         pass  # each thread renews its views before its next task (ring.generation)

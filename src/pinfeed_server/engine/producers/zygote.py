@@ -100,11 +100,13 @@ def _main(listener: int, alive: int, payload: tuple[Any, ...], ready: Any) -> No
     try:
         if payload[0] == "build":
             HELD = build_dataset(*payload[1:])
-        elif payload[0] == "payload":  # a trainer's objects: load them from their memfd
-            HELD = shipped.load(payload[1])
-            os.close(payload[1])
-            if payload[2] is not None:  # and the node's cache of their dataset, mapped
-                HELD.dataset = shipped_cache.attached(HELD.dataset, payload[2], payload[3])
+        elif payload[0] == "payload":  # a trainer's objects: load them from their memfds
+            fds, shared = payload[1], payload[2]
+            HELD = shipped.load(fds, shared)
+            for fd in (*fds, *shared):
+                os.close(fd)
+            if payload[3] is not None:  # and the node's cache of their dataset, mapped
+                HELD.dataset = shipped_cache.attached(HELD.dataset, payload[3], payload[4])
         else:
             HELD = payload[1]
         _HOLDING = True
@@ -182,12 +184,13 @@ class Zygote:
         kind: str,
         params: dict[str, Any],
         context: DatasetContext,
-        payload_fd: int | None = None,
+        payload: tuple[list[int], list[int]] | None = None,
         cache: Region | None = None,
     ) -> None:
-        """``payload_fd``: a trainer's objects (``datasets/shipped.py``), which the
-        zygote loads from their memfd itself, sharing its pages; ``cache``: the region of
-        their dataset's cache (``cache/shipped.py``), mapped there too."""
+        """``payload``: a trainer's objects (``datasets/shipped.py``: the fds of their
+        payloads, and of the shared memory they map), which the zygote loads from their
+        memfds itself, sharing their pages; ``cache``: the region of their dataset's cache
+        (``cache/shipped.py``), mapped there too."""
         self.name = name
         self.key = f"{name}-{os.getpid()}-{id(self)}"
         build: tuple[Any, ...] = ("build", kind, params, context)
@@ -198,8 +201,9 @@ class Zygote:
         spec = KINDS.get(kind)
         ship = spec is not None and spec.ship_build
         self.shipped = False
-        if payload_fd is not None:
-            self._start(("payload", _Fd(payload_fd), cache, context))
+        if payload is not None:
+            fds, shared = ([_Fd(fd) for fd in fds] for fds in payload)
+            self._start(("payload", fds, shared, cache, context))
             self.shipped = True
         elif ship:
             try:
@@ -306,11 +310,11 @@ class Zygotes:
         dataset: Any,
         kind: str,
         params: dict[str, Any],
-        payload_fd: int | None = None,
+        payload: tuple[list[int], list[int]] | None = None,
         cache: Region | None = None,
     ) -> Zygote:
         """``name``'s zygote, started now if it has none (or it died); RuntimeError if
-        it cannot start. ``payload_fd``, ``cache``: as ``Zygote``'s."""
+        it cannot start. ``payload``, ``cache``: as ``Zygote``'s."""
         with self._lock:
             start = self._starting.setdefault(name, threading.Lock())
         with start:
@@ -321,7 +325,7 @@ class Zygotes:
             if zygote is not None:
                 zygote.close()
             try:
-                zygote = Zygote(name, dataset, kind, params, self._context, payload_fd, cache)
+                zygote = Zygote(name, dataset, kind, params, self._context, payload, cache)
             except Exception as exc:
                 raise RuntimeError(
                     f"dataset {name!r}: the process its workers fork from cannot start: {exc}"
