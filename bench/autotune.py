@@ -173,7 +173,7 @@ def bench_workload(key: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from bench import report
+    from bench import tables
 
     keys = [k.strip().upper() for k in args.workloads.split(",") if k.strip()]
     missing = [k for k in keys if k not in data.MAKERS]
@@ -190,6 +190,6 @@ def main(argv: list[str] | None = None) -> int:
         for r in s["rounds"]
     ]
     path = results.write(results.finish(result, rounds), args.out)
-    print(report.autotune_table(results.load("autotune", args.out)))
+    print(tables.autotune_table(results.load("autotune", args.out)))
     print(f"wrote {path}")
     return 0

@@ -457,7 +457,7 @@ MAKERS = {
     "W9": make_w9,
 }
 # Why pinfeed wins, ties or loses on each workload: the mechanism, fixed text. The verdict
-# beside it (and its ratio) is the numbers' (bench.report).
+# beside it (and its ratio) is the numbers' (bench.cells).
 WHY = {
     "W1": "A batch is one gather per field in pinfeed (`index_select` into the slot) and "
     "in the tuned DataLoader (TensorDataset indexed with the batch's index list); "

@@ -20,9 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from pinfeed_server.api.routes.metrics import render
+from pinfeed_server.api.prometheus import render
 from pinfeed_server.schemas import DatasetCreate, LoaderCreate
 from pinfeed_server.service import Service
+from pinfeed_server.service.table import LoaderRecord, Unstarted
 from pinfeed_server.settings import Settings
 
 WAITS_S = (0.00001, 0.0004, 0.002, 0.003, 0.03)
@@ -63,13 +64,9 @@ def main(argv: list[str] | None = None) -> int:
                     engine.stats.consumed(4)
                     engine.stats.consumer_wait(wait_s)
             # As after a restart whose budget no longer fits it: listed, failed, zeros.
-            service._unstarted["unstarted"] = {
-                "name": "unstarted",
-                "dataset": "d",
-                "config": {"name": "unstarted", "batch_size": 4, "num_workers": 0},
-                "created_at": 0.0,
-                "detail": "benchmark",
-            }
+            config = {"name": "unstarted", "batch_size": 4, "num_workers": 0}
+            failed = Unstarted(config, "benchmark")
+            service.table.add(LoaderRecord("unstarted", "d", 0.0, None, unstarted=failed))
             for _ in range(20):  # warm up
                 render(service)
             cpu, wall = [], []

@@ -29,7 +29,7 @@ minute), so it cannot tell other work from ours. Each run therefore also measure
 CPU time that processes *outside* the benchmark's process tree used during its timed
 window (``/proc/stat`` busy time minus the tree's own CPU time), as a share of the
 machine: :data:`LOADED_SHARE` or more and the run is marked "under load". 5% of the
-machine's cores is the tie band of the verdicts (``bench.report``): other work below it
+machine's cores is the tie band of the verdicts (``bench.cells``): other work below it
 cannot move a result across the band.
 """
 

@@ -270,7 +270,7 @@ def main(argv: list[str]) -> int:
     sizes = [int(s) for s in args.sizes.split(",") if s]
     workers = [int(w) for w in args.workers.split(",") if w]
     args.epoch_sizes = {int(s) for s in args.epoch_sizes.split(",") if s}
-    from bench import report
+    from bench import tables
 
     result = results.start("scale", vars(args))
     result |= {"kind": "scale", "workers": workers, "sizes": []}
@@ -281,6 +281,6 @@ def main(argv: list[str]) -> int:
         result["sizes"].append(row)
         print(f"  {files:,} files done in {row['foreign']['wall_s']:.0f} s", flush=True)
     path = results.write(results.finish(result, result["sizes"]), args.out)
-    print(report.scale_table(results.load("scale", args.out)))
+    print(tables.scale_table(results.load("scale", args.out)))
     print(f"wrote {path}")
     return 0

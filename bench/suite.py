@@ -371,7 +371,7 @@ def bench_scaling(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from bench import report
+    from bench import tables
 
     args.data_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             path = results.write(bench_workload(args, w), args.out)
             print(f"wrote {path}")
-            print(report.throughput_table(results.load(key, args.out)))
+            print(tables.throughput_table(results.load(key, args.out)))
     except BenchError as exc:
         print(f"benchmark failed: {exc}", file=sys.stderr)
         return 1
@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def scaling_main(argv: list[str] | None = None) -> int:
     args = parse_args(argv, "python -m bench scaling")
-    from bench import report
+    from bench import tables
 
     args.data_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -401,5 +401,5 @@ def scaling_main(argv: list[str] | None = None) -> int:
         print(f"benchmark failed: {exc}", file=sys.stderr)
         return 1
     print(f"wrote {path}")
-    print(report.scaling_table(results.load("scaling", args.out)))
+    print(tables.scaling_table(results.load("scaling", args.out)))
     return 0

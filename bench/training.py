@@ -132,7 +132,7 @@ def bench_workload(w: data.Workload, args: argparse.Namespace, srv: BenchServer)
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from bench import report
+    from bench import tables
 
     args.data_dir.mkdir(parents=True, exist_ok=True)
     keys = [k for k in args.keys if k in data.MAKERS]
@@ -153,5 +153,5 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     path = results.write(results.finish(result, all_runs), args.out)
     print(f"wrote {path}")
-    print(report.training_table(results.load("training", args.out)))
+    print(tables.training_table(results.load("training", args.out)))
     return 0

@@ -31,7 +31,7 @@ the systems alternating ABBA, medians over ``--runs`` (spread = min..max):
 
 Writes ``docs/results/W9.json`` (``bench.results``: commit, machine, load, other
 processes' CPU share per run, every run's raw numbers); ``python -m bench report``
-makes README's W9 table (``bench.report.w9``) and W9's rows of the suite's tables
+makes README's W9 table (``bench.tables.w9``) and W9's rows of the suite's tables
 (``cells``: samples/s over the three epochs; ``roofline``: one process decoding and
 transforming) from it.
 """
@@ -554,7 +554,7 @@ SECTIONS = ("single", "jobs", "restart", "subset", "draft", "profile")
 
 
 def main(argv: list[str]) -> int:
-    from bench import report
+    from bench import tables
 
     args = parse(argv)
     args.data_dir.mkdir(parents=True, exist_ok=True)
@@ -599,6 +599,6 @@ def main(argv: list[str]) -> int:
     ]
     results.finish(result, every)
     path = results.write(result, args.out)
-    print(report.w9_table(result))
+    print(tables.w9_table(result))
     print(f"wrote {path}")
     return 0

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grimp
 
+from pinfeed_server import engine
 from tests.launcher import REPO
 
 
@@ -74,3 +75,18 @@ def test_the_cycle_finder_finds_one() -> None:
     for a, b in (("p.a", "p.b"), ("p.b", "p.c"), ("p.c", "p.a"), ("p.c", "p.d")):
         graph.add_import(importer=a, imported=b)
     assert _cycles(graph) == [["p.a", "p.b", "p.c"]]
+
+
+def _isort_key(name: str) -> tuple[int, str]:
+    """``__all__``'s order as ruff keeps it (RUF022): constants, classes, the rest."""
+    kind = 0 if name.isupper() else 1 if name[:1].isupper() else 2
+    return kind, name
+
+
+def test_the_engine_has_a_front_door() -> None:
+    """What the service uses of the engine, re-exported by ``pinfeed_server.engine`` (the
+    service imports nothing else from inside it: pyproject's contract, checked above)."""
+    assert engine.__all__ == sorted(engine.__all__, key=_isort_key)
+    for name in engine.__all__:
+        assert hasattr(engine, name), name
+    assert {"DataPlaneServer", "LoaderEngine", "prepare"} <= set(engine.__all__)

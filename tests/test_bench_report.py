@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from bench import report, results
+from bench import cells, report, results, tables
 from tests.conftest import REPO
 
 # The sections of the docs that report benchmark figures: every table in them must be a
@@ -86,7 +86,7 @@ def _result(name: str = "W1") -> dict[str, Any]:
 
 def test_a_hand_edited_figure_is_caught(tmp_path: Path) -> None:
     results.write(_result(), tmp_path)
-    r = report.Results(tmp_path)
+    r = cells.Results(tmp_path)
     doc = "x\n<!-- bench:headline W1 -->\n<!-- /bench:headline -->\ny\n"
     made = report.render(doc, r)
     assert "200 (nw 1)" in made and "150 (nw 0)" in made
@@ -97,20 +97,20 @@ def test_a_hand_edited_figure_is_caught(tmp_path: Path) -> None:
 
 def test_verdicts_come_from_the_numbers(tmp_path: Path) -> None:
     results.write(_result(), tmp_path)
-    text = report.headline(report.Results(tmp_path), ["W1"])
+    text = tables.headline(cells.Results(tmp_path), ["W1"])
     # best against best: pinfeed 200 (nw 1) vs DataLoader 150 (nw 0), tuned 195 (nw 0)
     assert "**wins 1.33x**" in text
     assert "ties 1.03x" in text
     spread = results.spread
-    assert report.verdict(spread([106.0]), spread([100.0])).startswith("**wins")
-    assert report.verdict(spread([104.0]), spread([100.0])).startswith("ties")
-    assert report.verdict(spread([94.0]), spread([100.0])).startswith("**loses")
-    assert "(runs overlap)" in report.verdict(spread([90.0, 110, 112]), spread([95.0, 100, 101]))
+    assert cells.verdict(spread([106.0]), spread([100.0])).startswith("**wins")
+    assert cells.verdict(spread([104.0]), spread([100.0])).startswith("ties")
+    assert cells.verdict(spread([94.0]), spread([100.0])).startswith("**loses")
+    assert "(runs overlap)" in cells.verdict(spread([90.0, 110, 112]), spread([95.0, 100, 101]))
 
 
 def test_a_missing_result_says_so(tmp_path: Path) -> None:
     doc = "<!-- bench:throughput W9 -->\n<!-- /bench:throughput -->\n"
-    made = report.render(doc, report.Results(tmp_path))
+    made = report.render(doc, cells.Results(tmp_path))
     assert "not yet measured" in made
     row = next(line for line in made.splitlines() if line.startswith("| W9"))
     values = row.split("|")[2:]  # after the workload's title
@@ -128,5 +128,5 @@ def test_a_cell_under_load_is_marked(tmp_path: Path) -> None:
     res = _result()
     res["cells"]["pinfeed"]["1"]["under_load"] = True
     results.write(res, tmp_path)
-    text = report.headline(report.Results(tmp_path), ["W1"])
+    text = tables.headline(cells.Results(tmp_path), ["W1"])
     assert "200† (nw 1)" in text

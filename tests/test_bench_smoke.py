@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import report, results
+from bench import cells, results, tables
 from tests.conftest import REPO
 
 
@@ -51,8 +51,8 @@ def test_suite_w1_quick(tmp_path: Path) -> None:
             assert c["cpu_ms_per_ksample"]["median"] > 0, (system, nw)
     assert {r["system"] for r in res["handoff"]["runs"]} == set(res["cells"])
     assert all("share" in r["foreign"] for r in res["runs"])
-    r = report.Results(tmp_path / "results")
-    assert "not yet measured" not in report.headline(r, ["W1"])
+    r = cells.Results(tmp_path / "results")
+    assert "not yet measured" not in tables.headline(r, ["W1"])
 
 
 @pytest.mark.timeout(300)
@@ -60,4 +60,4 @@ def test_w4_profile_quick(tmp_path: Path) -> None:
     _bench("w4-profile", "--quick", "--data-dir", str(tmp_path / "data"), tmp_path=tmp_path)
     res = results.load("w4-profile", tmp_path / "results")
     assert res is not None and res["pinfeed_cpu_us"] > 0 and res["dataloader_cpu_us"] > 0
-    assert "CPU µs per batch" in report.w4_profile(report.Results(tmp_path / "results"), [])
+    assert "CPU µs per batch" in tables.w4_profile(cells.Results(tmp_path / "results"), [])

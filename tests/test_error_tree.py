@@ -1,7 +1,8 @@
 """One error tree for both sides: ``pinfeed.errors``. The server defines no exception
 class with a slug of its own; what its problem+json handler answers and what its data
 plane sends map back to the very class it raised, with the same hierarchy; a batch too
-large for its slot is a ``SampleError``."""
+large for its slot is a ``SampleError``. The server's own exception classes are domain
+errors, each answered as the problem it declares, or signals caught in their package."""
 
 from __future__ import annotations
 
@@ -43,10 +44,14 @@ from pinfeed.errors import (
 )
 from pinfeed_server.api.problems import PROBLEM_JSON
 from pinfeed_server.engine.producers.base import error_info
+from pinfeed_server.errors import DomainError
 from pinfeed_server.main import create_app
 from pinfeed_server.settings import Settings
 
 PROBLEMS = [c for c in ERRORS if issubclass(c, ProblemError)]
+# The server's exceptions that are caught inside their own package (tests below check
+# that no module outside it names them); every other one must leave as a problem.
+SIGNALS = {"CacheBusy", "CorruptRecord", "LockTimeout", "OutputError"}
 
 
 def _slugs(cls: type[PinfeedError]) -> list[str]:
@@ -63,6 +68,22 @@ def _server_modules() -> Iterator[ModuleType]:
         if name.endswith(".__main__"):  # importing it runs the CLI
             continue
         yield importlib.import_module(name.removesuffix(".__init__"))
+
+
+def _server_exceptions() -> list[type[BaseException]]:
+    """Every exception class the server's modules define, private ones (``_X``) aside."""
+    found = {
+        cls
+        for module in _server_modules()
+        for name, cls in inspect.getmembers(module, inspect.isclass)
+        if cls.__module__ == module.__name__
+        and issubclass(cls, BaseException)
+        and not name.startswith("_")
+    }
+    return sorted(found, key=lambda c: f"{c.__module__}.{c.__name__}")
+
+
+SERVER_ERRORS = [c for c in _server_exceptions() if c.__name__ not in SIGNALS]
 
 
 # -- the one tree ------------------------------------------------------------------------
@@ -133,6 +154,10 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> FastAPI:
     async def take_body(body: Body) -> None:
         return None
 
+    @app.get("/server-error/{index}")
+    async def raise_server_error(index: int) -> None:
+        raise SERVER_ERRORS[index]("what went wrong")
+
     @app.get("/bug")
     async def bug() -> None:
         raise RuntimeError("a bug")
@@ -196,6 +221,42 @@ def test_what_the_framework_raises_maps_to_the_class_of_its_status(
     error = _rebuilt(response)
     assert type(error) is cls
     assert error.extra["title"] == cls.title and error.extra["status"] == status
+
+
+# -- the server's own errors -------------------------------------------------------------
+def test_every_server_exception_is_a_domain_error_or_a_signal_of_its_package() -> None:
+    """A server exception that is neither would leave a route as a 500 (or be sent as a
+    protocol error on the data plane): a domain error declares the problem it is."""
+    names = {c.__name__ for c in SERVER_ERRORS}
+    refusals = {"ConfigError", "DatasetError", "DuplicateName", "LayoutError", "NotCacheable"}
+    assert refusals | {"PluginError", "SamplerError"} <= names  # found: not checked in vain
+    assert [c.__name__ for c in SERVER_ERRORS if not issubclass(c, DomainError)] == []
+    root = Path(pinfeed_server.__file__).parent
+    for cls in _server_exceptions():
+        if cls.__name__ not in SIGNALS:
+            continue
+        home = root.joinpath(*cls.__module__.split(".")[1:2])  # its package: cache/, engine/
+        named = [
+            path.relative_to(root)
+            for path in root.rglob("*.py")
+            if not path.is_relative_to(home) and cls.__name__ in path.read_text()
+        ]
+        assert named == [], f"{cls.__name__} leaves {home.name}/: make it a DomainError"
+
+
+@pytest.mark.parametrize(
+    "index", range(len(SERVER_ERRORS)), ids=[c.__name__ for c in SERVER_ERRORS]
+)
+def test_a_server_error_raised_in_a_route_is_the_problem_it_declares(
+    app: FastAPI, index: int
+) -> None:
+    cls = SERVER_ERRORS[index]
+    problem = getattr(cls, "problem", InternalError)
+    response = _get(app, f"/server-error/{index}")
+    assert response.status_code == problem.status != 500
+    error = _rebuilt(response)
+    assert type(error) is problem
+    assert error.detail == "what went wrong"
 
 
 # -- the data plane: an ERROR, then the client's mapping ---------------------------------

@@ -19,8 +19,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from pydantic import BaseModel, ValidationError
 
 from pinfeed import errors
+from pinfeed_server import schemas
+from pinfeed_server.engine import config
+from pinfeed_server.engine.config import LiveChange
 from pinfeed_server.schemas import DatasetCreate, LoaderCreate, LoaderPatch
 from pinfeed_server.service import Service
 from pinfeed_server.settings import Settings
@@ -88,7 +92,7 @@ def patch(service: Service, name: str, **fields: Any) -> dict[str, Any]:
 
 def registered(service: Service, name: str) -> dict[str, Any]:
     """Loader ``name``'s config as the registry holds it."""
-    return next(r["config"] for r in service.registry.loaders() if r["name"] == name)
+    return next(r.config for r in service.registry.loaders() if r.name == name)
 
 
 # -- names ------------------------------------------------------------------------------
@@ -175,7 +179,7 @@ def test_worker_cap_counts_every_loaders_workers(make_service: MakeService) -> N
     assert (info.value.max_workers, info.value.free_workers) == (3, 1)
     assert isinstance(info.value, errors.Conflict)  # a 409, for callers that catch that
     assert "more" not in service.loaders and "more" not in {
-        r["name"] for r in service.registry.loaders()
+        r.name for r in service.registry.loaders()
     }
     loader(service, "one", batch_size=4, num_workers=1, executor="thread")  # the bound
     loader(service, "inline", batch_size=4)  # num_workers=0 takes no worker
@@ -276,7 +280,7 @@ def test_loaders_that_cannot_start_after_a_restart_are_listed_as_failed(
         patch(service, "big", num_workers=1)
     # deleted like any loader, from the registry too
     service.delete_loader("big")
-    assert {r["name"] for r in service.registry.loaders()} == {"gone", "ok"}
+    assert {r.name for r in service.registry.loaders()} == {"gone", "ok"}
     assert "big" not in {lo["name"] for lo in service.list_loaders()}
 
 
@@ -371,3 +375,37 @@ def test_only_a_trainer_holds_off_the_idle_exit(make_service: MakeService) -> No
     left = wait_for(lambda: service.node().lifetime.exits_in_s, "the trainer gone")
     assert 29 < left <= 30
     assert make_service().node().lifetime.exits_in_s is None  # no PINFEED_IDLE_EXIT_S
+
+
+# -- a live field, declared once -----------------------------------------------------------------
+@pytest.fixture()
+def live_group_timeout(monkeypatch: pytest.MonkeyPatch) -> type[BaseModel]:
+    """``group_timeout_s`` made live as any new live field is: one line of ``LIVE`` (and
+    no apply step: the engine reads it at each use). Returns the PATCH body derived."""
+    monkeypatch.setitem(config.LIVE, "group_timeout_s", "how long a group waits (live)")
+    return schemas.live_patch()
+
+
+def test_a_new_live_field_is_one_line_seen_by_patch_autotune_and_the_arbiter(
+    make_service: MakeService, live_group_timeout: type[BaseModel]
+) -> None:
+    service = make_service(max_workers=3)
+    dataset(service)
+    loader(service, "a", batch_size=4, num_workers=2, executor="thread", autotune=AUTOTUNE)
+    with pytest.raises(ValidationError):  # LoaderFields' bounds
+        live_group_timeout.model_validate({"group_timeout_s": 0})
+    body = live_group_timeout.model_validate({"group_timeout_s": 7.5})
+    out = service.patch_loader("a", body)
+    assert (out["group_timeout_s"], out["num_workers"], out["autotune"]) == (7.5, 2, AUTOTUNE)
+    assert registered(service, "a")["group_timeout_s"] == 7.5
+    # autotune's decision, applied as the arbiter applies it (node/arbiter.py _tune_alone)
+    service.reconfigure("a", LiveChange(num_workers=3, prefetch_factor=4))
+    # the arbiter makes room for a new loader: a worker of "a", which has no trainer
+    loader(service, "b", batch_size=4, num_workers=1, executor="thread")
+    a = service.describe_loader("a")
+    assert (a["group_timeout_s"], a["num_workers"], a["prefetch_factor"]) == (7.5, 2, 4)
+    row = registered(service, "a")
+    assert (row["group_timeout_s"], row["num_workers"], row["prefetch_factor"]) == (7.5, 2, 4)
+    service = restart(service, make_service, max_workers=3)
+    back = service.describe_loader("a")
+    assert (back["group_timeout_s"], back["num_workers"], back["autotune"]) == (7.5, 2, AUTOTUNE)

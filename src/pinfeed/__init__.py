@@ -1,6 +1,9 @@
-"""pinfeed's trainer library: ``Loader`` (batches over shared memory), ``Client`` (HTTP)
-and ``Transformed`` (a dataset and its per-loader transform, the reference of a cached
-dataset's loader)."""
+"""pinfeed's trainer library. Entry points: ``DataLoader`` (torch's DataLoader, its very
+signature over the script's own objects, with the batches made by a pinfeed server:
+the one-line switch), ``Loader`` (a loader registered by name: batches over shared
+memory), ``Client`` (the HTTP admin), ``Transformed`` (a dataset and its per-loader
+transform, the reference of a cached dataset's loader); the errors of ``errors``, the
+tree both sides raise."""
 
 from pinfeed._admin import Client
 from pinfeed._dataloader import DataLoader, FallbackWarning

@@ -72,7 +72,6 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
     )
     app.state.settings = settings
     app.state.metrics = metrics.MetricsCache(lambda: app.state.service, settings.metrics_max_age_s)
-    app.dependency_overrides[get_settings] = lambda: settings
     app.add_middleware(RequestGuard, settings=settings)
     # Outermost: every request is paced, before the token check reads its headers.
     app.add_middleware(Throttle, rps=settings.http_max_rps)

@@ -16,11 +16,13 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from pinfeed_server.errors import DomainError
+
 SPEC = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
 _SPEC = re.compile(SPEC)
 
 
-class PluginError(ValueError):
+class PluginError(DomainError, ValueError):
     """A ``module:callable`` reference that cannot be used; the message says why."""
 
 

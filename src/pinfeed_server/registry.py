@@ -1,7 +1,8 @@
 """SQLite persistence of datasets and loaders (the embedded default registry).
 
 Every change is one transaction, so a server killed at any moment restarts with a
-consistent registry. WAL mode lets readers run beside the one writer.
+consistent registry. WAL mode lets readers run beside the one writer. Rows leave it
+typed (``DatasetRow``, ``LoaderRow``); the JSON columns as the service wrote them.
 """
 
 from __future__ import annotations
@@ -10,8 +11,12 @@ import json
 import sqlite3
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from pinfeed.errors import Conflict
+from pinfeed_server.errors import DomainError
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS datasets (
@@ -36,8 +41,33 @@ CREATE TABLE IF NOT EXISTS elastic (
 # record), so that its plan, and replays of its batches, survive a server restart.
 
 
-class DuplicateName(Exception):
-    pass
+@dataclass(frozen=True)
+class DatasetRow:
+    """A registered dataset: its kind and params as given, and its cache's spec (None:
+    no cache)."""
+
+    name: str
+    kind: str
+    params: dict[str, Any]
+    created_at: float  # Unix time
+    cache: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class LoaderRow:
+    """A loader registered over HTTP: its dataset's name and its fields as created
+    (``LoaderFields`` less ``dataset``, the seed chosen), live changes applied."""
+
+    name: str
+    dataset: str
+    config: dict[str, Any]
+    created_at: float  # Unix time
+
+
+class DuplicateName(DomainError):
+    """A name the registry holds already (a 409, naming it)."""
+
+    problem = Conflict
 
 
 class Registry:
@@ -62,7 +92,9 @@ class Registry:
         with self._lock:
             self._db.close()
 
-    def _write(self, sql: str, args: tuple[Any, ...]) -> int:
+    def _write(self, sql: str, args: tuple[Any, ...], taken: str = "") -> int:
+        """``sql`` in a transaction of its own; a name held already is a DuplicateName
+        saying ``taken``."""
         with self._lock:
             try:
                 self._db.execute("BEGIN IMMEDIATE")
@@ -71,7 +103,7 @@ class Registry:
                 return cur.rowcount
             except sqlite3.IntegrityError as exc:
                 self._db.execute("ROLLBACK")
-                raise DuplicateName(str(exc)) from None
+                raise DuplicateName(taken or str(exc)) from None
             except BaseException:
                 if self._db.in_transaction:
                     self._db.execute("ROLLBACK")
@@ -89,21 +121,23 @@ class Registry:
         self._write(
             "INSERT INTO datasets (name, kind, params, created_at, cache) VALUES (?, ?, ?, ?, ?)",
             (name, kind, json.dumps(params), now, None if cache is None else json.dumps(cache)),
+            f"dataset {name!r} exists",
         )
         return now
 
-    def datasets(self) -> list[dict[str, Any]]:
+    def datasets(self) -> list[DatasetRow]:
+        return self._datasets("")
+
+    def dataset(self, name: str) -> DatasetRow | None:
+        return next(iter(self._datasets("WHERE name = ?", name)), None)
+
+    def _datasets(self, where: str, *args: Any) -> list[DatasetRow]:
         rows = self._read(
-            "SELECT name, kind, params, created_at, cache FROM datasets ORDER BY name"
+            f"SELECT name, kind, params, created_at, cache FROM datasets {where} ORDER BY name",
+            args,
         )
         return [
-            {
-                "name": n,
-                "kind": k,
-                "params": json.loads(p),
-                "created_at": c,
-                "cache": None if cache is None else json.loads(cache),
-            }
+            DatasetRow(n, k, json.loads(p), c, None if cache is None else json.loads(cache))
             for n, k, p, c, cache in rows
         ]
 
@@ -114,18 +148,26 @@ class Registry:
     def add_loader(self, name: str, dataset: str, config: dict[str, Any]) -> float:
         now = time.time()
         self._write(
-            "INSERT INTO loaders VALUES (?, ?, ?, ?)", (name, dataset, json.dumps(config), now)
+            "INSERT INTO loaders VALUES (?, ?, ?, ?)",
+            (name, dataset, json.dumps(config), now),
+            f"loader {name!r} exists",
         )
         return now
 
     def update_loader(self, name: str, config: dict[str, Any]) -> None:
         self._write("UPDATE loaders SET config = ? WHERE name = ?", (json.dumps(config), name))
 
-    def loaders(self) -> list[dict[str, Any]]:
-        return [
-            {"name": n, "dataset": d, "config": json.loads(c), "created_at": t}
-            for n, d, c, t in self._read("SELECT * FROM loaders ORDER BY name")
-        ]
+    def loaders(self) -> list[LoaderRow]:
+        return self._loaders("")
+
+    def loader(self, name: str) -> LoaderRow | None:
+        return next(iter(self._loaders("WHERE name = ?", name)), None)
+
+    def _loaders(self, where: str, *args: Any) -> list[LoaderRow]:
+        rows = self._read(
+            f"SELECT name, dataset, config, created_at FROM loaders {where} ORDER BY name", args
+        )
+        return [LoaderRow(n, d, json.loads(c), t) for n, d, c, t in rows]
 
     def delete_loader(self, name: str) -> bool:
         return self._write("DELETE FROM loaders WHERE name = ?", (name,)) > 0

@@ -10,14 +10,7 @@ from pinfeed._autostart import StartedBy
 from pinfeed_server.cache import CacheSpec, CacheStats
 from pinfeed_server.datasets import KINDS, Kind
 from pinfeed_server.datasets.base import Params
-from pinfeed_server.engine.autotune import AutotuneSpec
-from pinfeed_server.engine.config import (
-    MAX_WORKERS,
-    LoaderConfig,
-    LoaderFields,
-    Name,
-    Prefetch,
-)
+from pinfeed_server.engine.config import LIVE, LoaderConfig, LoaderFields, Name
 from pinfeed_server.engine.stats import StatsSnapshot
 from pinfeed_server.engine.status import LoaderStatus
 
@@ -160,28 +153,34 @@ class LoaderCreate(LoaderFields):
     )
 
 
-class LoaderPatch(BaseModel):
-    """The knobs that change live, without losing position or any batch."""
+def live_patch() -> type[BaseModel]:
+    """The PATCH body: each field of ``LIVE`` as ``LoaderFields`` bounds it, optional
+    (null or left out: unchanged; ``autotune`` null: off) and strict where it is a
+    number or a flag (JSON false is not 0 workers), described as ``LIVE`` says."""
+    fields: dict[str, Any] = {}
+    for name, description in LIVE.items():
+        field = LoaderFields.model_fields[name]
+        scalar = field.annotation in (int, float, bool, str)
+        bounded: Any = field.annotation
+        if field.metadata:  # its bounds (ge, le)
+            bounded = Annotated[bounded, *field.metadata]
+        fields[name] = (bounded | None, Field(None, strict=scalar or None, description=description))
+    model: type[BaseModel] = create_model(
+        "LoaderPatch",
+        __config__=ConfigDict(
+            extra="forbid",
+            json_schema_extra={"examples": [{"num_workers": 4, "prefetch_factor": 2}]},
+        ),
+        __doc__="The knobs that change live, without losing position or any batch.",
+        **fields,
+    )
+    return model
 
-    model_config = ConfigDict(
-        extra="forbid", json_schema_extra={"examples": [{"num_workers": 4, "prefetch_factor": 2}]}
-    )
-    # strict: JSON false is not 0 workers
-    num_workers: int | None = Field(None, ge=0, le=MAX_WORKERS, strict=True)
-    prefetch_factor: Prefetch | None = Field(None, strict=True)
-    autotune: AutotuneSpec | None = Field(
-        None, description="turn autotune on (null: off); explicit values alone turn it off"
-    )
-    priority: int | None = Field(
-        None, ge=1, le=100, strict=True, description="the node arbiter's weight (autotune stays)"
-    )
-    min_workers: int | None = Field(
-        None,
-        ge=0,
-        le=MAX_WORKERS,
-        strict=True,
-        description="the workers the node arbiter never takes (autotune stays)",
-    )
+
+if TYPE_CHECKING:
+    LoaderPatch = BaseModel
+else:
+    LoaderPatch = live_patch()
 
 
 class LoaderOwner(BaseModel):

@@ -20,6 +20,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pinfeed._autostart import SCRIPT, StartedBy
 from pinfeed.protocol import DEFAULT_SOCKET_NAME, default_run_dir
+from pinfeed_server.engine.config import MAX_WORKERS  # a loader's bound
 from pinfeed_server.engine.producers.ray import check_ray_address
 
 log = logging.getLogger("pinfeed")
@@ -48,11 +49,6 @@ def _default_state_dir() -> Path:
 
 def physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-# A loader may not have more workers than this, whatever the server-wide bound: the
-# same bound LoaderCreate.num_workers has.
-MAX_WORKERS_PER_LOADER = 256
 
 
 def default_max_workers() -> int:
@@ -114,7 +110,7 @@ class Settings(BaseSettings):
         le=4096,
         description="worker processes of all loaders together (default: 4 per CPU, at "
         f"least 8); a loader over it gets 409 worker-limit; one loader may have at most "
-        f"min(this, {MAX_WORKERS_PER_LOADER})",
+        f"min(this, {MAX_WORKERS})",
     )
     arbiter: bool = Field(
         True,

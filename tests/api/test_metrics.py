@@ -15,7 +15,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pinfeed import Client, Loader
-from pinfeed_server.api.routes.metrics import SERIES, MetricsCache, render
+from pinfeed_server.api.prometheus import SERIES, render
+from pinfeed_server.api.routes.metrics import MetricsCache
 from pinfeed_server.engine.stats import StatsSnapshot
 from pinfeed_server.engine.status import LoaderStatus
 from tests.api.conftest import MakeServer, synthetic

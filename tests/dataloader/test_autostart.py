@@ -27,7 +27,7 @@ from typer.testing import CliRunner
 from pinfeed import Client, ServerUnavailable
 from pinfeed._autostart import answers
 from pinfeed_server.cli import app
-from pinfeed_server.registry import Registry
+from pinfeed_server.registry import LoaderRow, Registry
 from tests.api.conftest import synthetic
 from tests.dataloader.test_example import _example
 from tests.helpers import unique
@@ -230,7 +230,7 @@ def test_a_scripts_server_leaves_the_registry_alone_and_exits_when_the_script_en
     _exits_after_the_script(seen, serve.socket)
     assert _memfd_holders([name, mine]) == []
     rows = _registered(registry)
-    assert [(r["name"], r["config"]["num_workers"]) for r in rows] == [(name, 2)]
+    assert [(r.name, r.config["num_workers"]) for r in rows] == [(name, 2)]
 
 
 @pytest.mark.serial  # a wall-clock bound: the exit within a second of its idle limit
@@ -278,7 +278,7 @@ def test_make_run_then_the_one_line_script(tmp_path: Path) -> None:
     assert [line.split()[0] for line in out.splitlines()] == ["0", "1"]
     _exits_after_the_script(seen, socket)
     registry = home / ".local" / "state" / "pinfeed" / "registry.sqlite3"
-    assert [r["name"] for r in _registered(registry)] == ["demo"]
+    assert [r.name for r in _registered(registry)] == ["demo"]
 
 
 def _loaders(c: Client) -> list[dict[str, Any]] | None:
@@ -288,7 +288,7 @@ def _loaders(c: Client) -> list[dict[str, Any]] | None:
         return None
 
 
-def _registered(path: Path) -> list[dict[str, Any]]:
+def _registered(path: Path) -> list[LoaderRow]:
     """The loaders the registry file ``path`` holds."""
     registry = Registry(path)
     try:

@@ -128,7 +128,7 @@ def test_num_workers_0_keeps_its_stream_while_the_server_draws_between_batches(
     admin: Client, server: Server
 ) -> None:
     """An inline loader's RNG states stay in the process's globals between its batches
-    (``inline.GlobalRngs``); the server's own code that draws there (registering a
+    (``global_rng.GlobalRngs``); the server's own code that draws there (registering a
     dataset reads its first sample, which draws) gets the server's states back first,
     so the loader's stream does not move: its batches stay DataLoader's."""
     want = _reference(2, 1, info=False)

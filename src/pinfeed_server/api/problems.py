@@ -3,9 +3,10 @@
 
 The errors are ``pinfeed.errors``' classes, the one tree both sides share: each
 ``ProblemError`` declares its slug, status and title, so this module only renders them
-(``error_response``) and maps what FastAPI and Starlette raise (validation errors, HTTP
-exceptions, anything unexpected) onto the same classes. The client maps the ``type``
-back to the same class (``pinfeed.errors.error_from_slug``).
+(``error_response``), renders the server's own domain errors as the problem each
+declares (``pinfeed_server.errors``), and maps what FastAPI and Starlette raise
+(validation errors, HTTP exceptions, anything unexpected) onto the same classes. The
+client maps the ``type`` back to the same class (``pinfeed.errors.error_from_slug``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pinfeed.errors import (
     ProblemError,
     UnsupportedMediaType,
 )
+from pinfeed_server.errors import DomainError
 
 log = logging.getLogger("pinfeed")
 
@@ -98,6 +100,10 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(ProblemError)
     async def _problem(request: Request, exc: ProblemError) -> JSONResponse:
         return error_response(exc, request.url.path)
+
+    @app.exception_handler(DomainError)
+    async def _domain(request: Request, exc: DomainError) -> JSONResponse:
+        return error_response(exc.as_problem(), request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

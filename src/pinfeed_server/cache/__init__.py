@@ -15,7 +15,9 @@ epoch, loader and job of the dataset.
     fingerprint.py  what made a file: kind, params, the files' sizes and mtimes, code
     stats.py        CacheStats: the one snapshot every view reads
 
-docs/cache.md has the design.
+Entry points: ``build`` and ``check`` (a registered dataset's cache, made when the
+service opens it), ``CachedDataset`` (what loaders read), ``ShippedCaches`` (a
+trainer's). docs/cache.md has the design.
 """
 
 from __future__ import annotations

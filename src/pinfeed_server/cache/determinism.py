@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from pinfeed_server.cache import record
+from pinfeed_server.errors import DomainError
 
 PROBES = 8
 FIX = (
@@ -33,7 +34,7 @@ KEEPS = (
 )
 
 
-class NotCacheable(ValueError):
+class NotCacheable(DomainError, ValueError):
     """A dataset the cache cannot keep; the message says why and what to do."""
 
 
@@ -83,7 +84,7 @@ def probe_indices(length: int) -> list[int]:
 def check(what: str, dataset: Any, fix: str = FIX) -> Probe:
     """Read the probe samples of ``dataset`` (``what``, as messages name it: "dataset
     'x'") twice; NotCacheable naming what moved and ``fix``, what to do. Call it with
-    the process's RNGs to itself (the service holds ``GLOBAL_RNG``)."""
+    the process's RNGs to itself (holding ``GLOBAL_RNG``: ``global_rng.py``)."""
     saved = capture_rngs()
     sizes: list[int] = []
     indices = probe_indices(len(dataset))

@@ -12,8 +12,10 @@ import torch
 import torch.utils.data
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from pinfeed_server.errors import DomainError
 
-class DatasetError(ValueError):
+
+class DatasetError(DomainError, ValueError):
     """A dataset cannot be built from its kind and params (shown to users as 422)."""
 
 

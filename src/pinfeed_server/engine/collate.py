@@ -37,6 +37,7 @@ from pinfeed.unbatched import Unbatched
 from pinfeed_server.datasets.base import Fetch, batch_fetch
 from pinfeed_server.engine.batchlayout import OutputError, OutputPlan, output_leaves
 from pinfeed_server.engine.ring import OwnBuffer, SlotSpace  # a ring of several segments
+from pinfeed_server.errors import DomainError
 
 __all__ = [
     "Layout",
@@ -60,7 +61,7 @@ MARGIN = 4
 MIN_SLOT_BYTES = 1 << 20
 
 
-class LayoutError(ValueError):
+class LayoutError(DomainError, ValueError):
     """A sample's structure cannot be batched the way the first sample was."""
 
 

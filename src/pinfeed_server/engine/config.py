@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -298,31 +298,43 @@ class LoaderCode:
         )
 
 
-KEEP: Any = "keep"  # LiveChange.autotune: leave it as it is
+# What may change while a loader runs, each with what a PATCH of it does (the PATCH
+# field's description; None: none). The one declaration: the PATCH body
+# (schemas.LoaderPatch), ``LiveChange`` and the registry's record of a live change all
+# follow it. A new live field is one line here, plus its apply step in
+# ``LoaderEngine.reconfigure`` where reading ``config`` anew at its use does not do.
+LIVE: dict[str, str | None] = {
+    "num_workers": None,
+    "prefetch_factor": None,
+    "autotune": "turn autotune on (null: off); explicit values alone turn it off",
+    "priority": "the node arbiter's weight (autotune stays)",
+    "min_workers": "the workers the node arbiter never takes (autotune stays)",
+}
 
 
-@dataclass(frozen=True)
+def nullable(field: str) -> bool:
+    """Whether null is a value of the field (``autotune``: off), not "unchanged"."""
+    return type(None) in get_args(LoaderFields.model_fields[field].annotation)
+
+
+@dataclass(frozen=True, init=False)
 class LiveChange:
-    """What may change while a loader runs: its processes and prefetch depth, and
-    autotune (``KEEP``: unchanged; ``None``: off). ``LoaderEngine.reconfigure`` is the one
-    place that applies it, for a PATCH, autotune and the node arbiter alike."""
+    """A live change: the ``LIVE`` fields it sets (``autotune=None``: off), the others as
+    they are. ``LoaderEngine.reconfigure`` is the one place that applies it, for a PATCH,
+    autotune and the node arbiter alike."""
 
-    num_workers: int | None = None
-    prefetch_factor: int | None = None
-    autotune: AutotuneSpec | None = KEEP
-    priority: int | None = None
-    min_workers: int | None = None
+    values: dict[str, Any]
+
+    def __init__(self, **values: Any) -> None:
+        fixed = sorted(set(values) - set(LIVE))
+        if fixed:
+            raise TypeError(f"{fixed} cannot change while a loader runs (config.LIVE)")
+        object.__setattr__(self, "values", values)
 
     def applied_to(self, config: LoaderConfig) -> LoaderConfig:
         """``config`` changed; ``ValueError`` when the result breaks a rule of the fields
         (min_workers above num_workers or above autotune's max_workers)."""
-        update: dict[str, Any] = {}
-        for key in ("num_workers", "prefetch_factor", "priority", "min_workers"):
-            if getattr(self, key) is not None:
-                update[key] = getattr(self, key)
-        if self.autotune is not KEEP:
-            update["autotune"] = self.autotune
-        new = config.model_copy(update=update)
+        new = config.model_copy(update=self.values)
         check_min_workers(new)
         return new
 

@@ -19,6 +19,7 @@ from torch.utils.data import BatchSampler, Sampler
 
 from pinfeed.errors import BatchTooLarge
 from pinfeed.protocol import ErrorInfo
+from pinfeed_server.errors import DomainError
 from pinfeed_server.plugins import SPEC, PluginError, resolve
 
 
@@ -49,7 +50,7 @@ class BatchSamplerSpec(SamplerSpec):
     )
 
 
-class SamplerError(ValueError):
+class SamplerError(DomainError, ValueError):
     """A ``sampler`` or ``batch_sampler`` that cannot be used; the message names it."""
 
 

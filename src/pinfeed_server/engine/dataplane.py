@@ -38,6 +38,7 @@ from pinfeed_server.engine.iterable import dataset_length, sampler_length
 from pinfeed_server.engine.loader import LoaderEngine
 from pinfeed_server.engine.replay import replay
 from pinfeed_server.engine.session import Session
+from pinfeed_server.errors import DomainError
 
 log = logging.getLogger("pinfeed.dataplane")
 
@@ -297,8 +298,9 @@ class DataPlaneServer:
                     )
             self._wait_ready(engine)
             member = engine.attach(None if owned else request.member)
-        except PinfeedError as exc:
-            conn.send(exc.info().encode())
+        except (PinfeedError, DomainError) as exc:  # a CREATE refused where it arose, too
+            error = exc.as_problem() if isinstance(exc, DomainError) else exc
+            conn.send(error.info().encode())
             engine = None  # as in _serve: nothing here holds the loader while it goes
             if owned is not None and self._owner_gone is not None:
                 self._owner_gone(owned)

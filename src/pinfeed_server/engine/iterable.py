@@ -154,7 +154,8 @@ def shard_env(rank: int, world_size: int | None) -> Iterator[None]:
     """``RANK``/``WORLD_SIZE`` set to the loader's while the dataset's code runs (what
     torchrun sets in a trainer, and what sharding helpers such as WebDataset's
     ``split_by_node`` read); a loader without ``world_size`` is rank 0 of 1. For code
-    run in the server process, under ``inline.GLOBAL_RNG``: the old values come back."""
+    run in the server process, under ``GLOBAL_RNG`` (``global_rng.py``): the old values
+    come back."""
     saved = {k: os.environ.get(k) for k in SHARD_ENV}
     os.environ["RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world_size or 1)

@@ -23,12 +23,13 @@ from pinfeed_server.engine.config import LoaderCode, LoaderConfig, make_sampler,
 from pinfeed_server.engine.custom_sampler import SamplerError
 from pinfeed_server.engine.iterable import first_samples, is_iterable, iterable_conflict
 from pinfeed_server.engine.producers import Executor
-from pinfeed_server.engine.producers.inline import GLOBAL_RNG
 from pinfeed_server.engine.sampler import BatchPlan
+from pinfeed_server.errors import DomainError
+from pinfeed_server.global_rng import GLOBAL_RNG
 from pinfeed_server.plugins import PluginError
 
 
-class ConfigError(ValueError):
+class ConfigError(DomainError, ValueError):
     """A loader config that its dataset cannot serve; the message says why."""
 
 

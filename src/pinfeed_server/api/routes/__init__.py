@@ -1,0 +1,1 @@
+"""One router module per resource (``APIRouter``), included by ``main.create_app``."""

@@ -3,8 +3,9 @@ process, as DataLoader's main process makes them.
 
 Augmentations draw from RNGs owned by the loader: for its batches the process's global
 ``torch``/``random``/numpy states are the loader's, under one process-wide lock
-(``GlobalRngs``: they are swapped back only when another loader, or the server's own
-code, takes them), so loaders in the same server never disturb each other. The
+(``pinfeed_server/global_rng.py``: they are swapped back only when another loader, or
+the server's own code, takes them), so loaders in the same server never disturb each
+other. The
 loader's RNGs are seeded as DataLoader seeds the one worker of a
 ``num_workers=1, persistent_workers=False`` loader (``seeding.py``), each epoch afresh:
 the batches equal that DataLoader's, and a resume replays at most one epoch.
@@ -18,12 +19,9 @@ batches stay ``DataLoader(num_workers=N)``'s.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import itertools
-import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -45,66 +43,8 @@ from pinfeed_server.engine.producers.base import (
 from pinfeed_server.engine.producers.iterating import IterStreams, make_turn, write_samples
 from pinfeed_server.engine.producers.seeding import Streams, WorkerRngs, apply, history_of
 from pinfeed_server.engine.ring import Ring
+from pinfeed_server.global_rng import GLOBAL_RNG
 from pinfeed_server.malloc import keep_inline_batches, release_inline_batches
-
-
-class GlobalRngs:
-    """The process's global RNGs (``torch``, ``random``, numpy) and whose states they hold.
-
-    One lock: one inline batch at a time draws from them, and other code that may draw
-    in the server (the service's probe of a first sample, a trainer's objects loaded)
-    holds it too (``with GLOBAL_RNG:``), getting the server's own states. An inline
-    loader's states stay in the globals after its batch (``lent_to``: the loader is
-    their holder) and go back into it only when another takes them: a loader alone in
-    its server swaps nothing per batch, where two captures and two restores took ~0.2
-    ms a batch (a third of W1's time through a ``python`` dataset). So nothing in the
-    server may draw from the global RNGs without holding this, which was already so: a
-    draw while a batch had a loader's states swapped in would have moved them too. The
-    holder is held weakly: a loader closed while it holds them leaves its states behind,
-    and the next to enter puts the server's back."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._holder: weakref.ref[InlineProducer] | None = None
-        self._server: RngState | None = None  # the server's states while a loader's are in
-
-    def __enter__(self) -> None:
-        """Take the global RNGs as the server: with its own states in them."""
-        self._lock.acquire()
-        try:
-            self._evict()
-        except BaseException:
-            self._lock.release()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        self._lock.release()
-
-    @contextlib.contextmanager
-    def lent_to(self, producer: InlineProducer) -> Iterator[bool]:
-        """Take the global RNGs for ``producer``'s batch; yields whether they already hold
-        its states (else the caller puts them in), which they keep after it."""
-        with self._lock:
-            holder = self._holder() if self._holder is not None else None
-            if holder is not producer:
-                self._evict()
-                self._server = capture()
-                self._holder = weakref.ref(producer)
-            yield holder is producer
-
-    def _evict(self) -> None:
-        """Under the lock: the holder's states back into it, the server's into the globals."""
-        if self._holder is None:
-            return
-        holder = self._holder()
-        if holder is not None:
-            holder._rng = capture()
-        assert self._server is not None
-        restore(self._server)
-        self._holder = self._server = None
-
-
-GLOBAL_RNG = GlobalRngs()
 
 
 class InlineProducer:
@@ -121,7 +61,7 @@ class InlineProducer:
         if ctx.ring is not None:
             keep_inline_batches(self, ctx.ring.slot_bytes)  # malloc.py says why
         # The loader's RNG states between its batches, while the globals hold another's.
-        self._rng: RngState | None = None
+        self.rng_state: RngState | None = None
         # A trainer-fed loader's last batch made on the trainer's states: (epoch, index,
         # the states after it), the states a batch fed ahead of its own is made on.
         self._after: tuple[int, int, bytes] | None = None
@@ -213,8 +153,8 @@ class InlineProducer:
             reseed = self.streams.prepare(task.epoch, task.index, task.seq)
             if reseed is not None:
                 apply(reseed, self._dataset, worker=False, collate_fn=self._collate)
-            elif not held and self._rng is not None:
-                restore(self._rng)
+            elif not held and self.rng_state is not None:
+                restore(self.rng_state)
             return self._make(task.seq, task.slot, indices)
 
     def _on_trainer_rngs(self, plan: FedPlan, task: Task, make: Callable[[], Result]) -> Result:
