@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-heavy test-ray compile lint typecheck pytest deploy-check bench clean
+.PHONY: run test test-heavy test-ray compile lint typecheck pytest deploy-check docs docs-gen bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,8 +19,8 @@ run: $(STAMP)
 	$(BIN)/pinfeed serve --demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests bench examples
-	$(BIN)/ruff format --check src tests bench examples
+	$(BIN)/ruff check src tests bench examples docs
+	$(BIN)/ruff format --check src tests bench examples docs
 
 typecheck: $(STAMP)
 	$(BIN)/mypy -p pinfeed -p pinfeed_server
@@ -29,7 +29,7 @@ typecheck: $(STAMP)
 # and not at all where PYTHONDONTWRITEBYTECODE is set (CI's machines): then every server
 # and trainer process the tests start compiles pinfeed again (~0.5 s each). Incremental.
 compile: $(STAMP)
-	$(BIN)/python -m compileall -q src tests bench examples
+	$(BIN)/python -m compileall -q src tests bench examples docs
 
 # Two passes (pyproject's [tool.pytest.ini_options] says why): the parallel one, then the
 # tests that measure the machine, alone. PYTEST_WORKERS=auto: one worker per CPU.
@@ -46,7 +46,12 @@ test-heavy: $(STAMP) compile
 	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile -m 'heavy and not serial'
 	$(BIN)/pytest -m 'heavy and serial'
 
-test: lint typecheck deploy-check pytest
+test: lint typecheck deploy-check docs pytest
+
+# The documentation site (mkdocs.yml, docs/) into build/site: --strict fails on a broken
+# link or anchor. tests/docs opens it in a headless Chromium, offline.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 # tests/ray: a real Ray cluster (a head, two workers, the server's node) in network
 # namespaces of its own; needs root. Heavy, so not in `make test`; CI runs both.
@@ -67,4 +72,4 @@ bench: $(STAMP) compile
 	$(BIN)/python -m bench
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache build/site build/site-home.png

@@ -1,7 +1,9 @@
-"""``python -m bench report``: every benchmark table in README.md and ``docs/*.md``, made
-from the result files in ``docs/results/`` (``bench.results``) and nothing else.
+"""``python -m bench report``: every benchmark table in README.md and the site's pages
+(``docs/**/*.md``), made from the result files in ``docs/results/`` (``bench.results``)
+and nothing else.
 
-A table lives between two marker comments, which name the table and its arguments::
+A table lives between two marker comments (``docs.blocks``), which name the table and
+its arguments::
 
     <!-- bench:throughput W6 W7 W8 -->
     ... (generated: edits here are overwritten) ...
@@ -28,13 +30,13 @@ marker in a doc; a new workload (W9) needs none: the suite's tables list
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from bench import data, results
+from docs import blocks
 
 TIE = 1.05  # the tie band: within 5% either way is a tie
 MiB = 2**20
@@ -64,14 +66,7 @@ def ordered(cells: dict[str, Any]) -> list[str]:
     return sorted(cells, key=lambda s: (ORDER.index(s) if s in ORDER else len(ORDER), s))
 
 
-MARKER = re.compile(
-    r"(<!-- bench:(?P<name>[\w-]+)(?P<args>[^>]*?) -->\n)(?P<body>.*?)(<!-- /bench:(?P=name) -->)",
-    re.S,
-)
-
-
-def docs() -> list[Path]:
-    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+MARKER = blocks.marker("bench")
 
 
 # --- small formatters ------------------------------------------------------------------
@@ -1021,9 +1016,10 @@ def soak(r: Results, args: list[str]) -> str:
 
 
 def plot_ref(r: Results, args: list[str]) -> str:
+    """The figure, by its path from the page (``args[0]``; the README's by default)."""
     if not any(r.get(k) for k in data.MAKERS):
         return missing("W1", "python -m bench")
-    return "![benchmark](docs/bench.png)"
+    return f"![benchmark]({args[0] if args else 'docs/bench.png'})"
 
 
 # --- W9: the node's sample cache (bench.w9) ------------------------------------------------
@@ -1265,14 +1261,12 @@ RENDERERS: dict[str, Callable[[Results, list[str]], str]] = {
 
 
 def render(text: str, r: Results) -> str:
-    def one(m: re.Match[str]) -> str:
-        name = m.group("name")
+    def one(name: str, args: list[str]) -> str:
         if name not in RENDERERS:
             raise KeyError(f"unknown bench table {name!r}")
-        body = RENDERERS[name](r, m.group("args").split())
-        return m.group(1) + body.rstrip("\n") + "\n" + m.group(5)
+        return RENDERERS[name](r, args)
 
-    return MARKER.sub(one, text)
+    return blocks.fill(text, MARKER, one)
 
 
 def check(folder: Path | None = None) -> list[str]:
@@ -1280,7 +1274,7 @@ def check(folder: Path | None = None) -> list[str]:
     that do not name their commit: one line per problem."""
     r = Results(folder if folder is not None else results.RESULTS)
     problems = []
-    for path in docs():
+    for path in blocks.pages():
         text = path.read_text()
         if render(text, r) != text:
             problems.append(f"{path.relative_to(REPO)}: tables differ from the result files")
@@ -1368,7 +1362,7 @@ def main(argv: list[str] | None = None) -> int:
             print(p, file=sys.stderr)
         return 1 if problems else 0
     r = Results(args.results)
-    for path in docs():
+    for path in blocks.pages():
         text = path.read_text()
         new = render(text, r)
         if new != text:

@@ -15,7 +15,7 @@ epoch, loader and job of the dataset.
     fingerprint.py  what made a file: kind, params, the files' sizes and mtimes, code
     stats.py        CacheStats: the one snapshot every view reads
 
-docs/cache.md has the design.
+docs/architecture/cache.md has the design.
 """
 
 from __future__ import annotations
