@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-heavy test-ray compile lint typecheck pytest deploy-check docs docs-gen bench clean
+.PHONY: run test test-heavy test-ray compile lint typecheck pytest deploy-check docs docs-gen docs-page bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -52,6 +52,17 @@ test: lint typecheck deploy-check docs pytest
 # link or anchor. tests/docs opens it in a headless Chromium, offline.
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+# The reference pages' generated tables (HTTP API, CLI, settings, metrics, loader fields,
+# dataset kinds, errors), rewritten from the code; tests/docs/test_reference.py fails
+# when a committed page differs. The benchmark tables: python -m bench report.
+docs-gen: $(STAMP)
+	$(BIN)/python -m docs.gen
+
+# docs/page.png, the operator's page of a node running three trainers under the arbiter
+# (a real server and trainers, headless Chromium; about a minute).
+docs-page: $(STAMP)
+	$(BIN)/python -m tests.browser docs/page.png
 
 # tests/ray: a real Ray cluster (a head, two workers, the server's node) in network
 # namespaces of its own; needs root. Heavy, so not in `make test`; CI runs both.
