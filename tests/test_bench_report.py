@@ -19,6 +19,7 @@ from tests.conftest import REPO
 # generated one (between bench markers), so no hand-typed figure can hide there.
 BENCHMARK_SECTIONS = {
     "README.md": ["## Benchmarks"],
+    "docs/benchmarks/index.md": ["# Benchmarks"],
     "docs/how-to/formats.md": ["## Benchmarks"],
     "docs/architecture/scale.md": ["## Measured"],
     "docs/architecture/control-plane.md": ["## The benchmark"],
