@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,15 @@ ORDER = (
     "dataloader",
     "dataloader-tuned",
 )
+
+
+# One colour per system, the same in every panel of the figure (matplotlib's tab10, by
+# the system's place in ORDER; a system outside ORDER takes the next colour).
+PALETTE = ("#1f77b4", "#17becf", "#9467bd", "#8c564b", "#ff7f0e", "#2ca02c", "#e377c2")
+
+
+def color(system: str) -> str:
+    return PALETTE[ORDER.index(system) if system in ORDER else len(ORDER)]
 
 
 def ordered(cells: dict[str, Any]) -> list[str]:
@@ -1302,10 +1312,10 @@ def plot(r: Results, path: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"pinfeed": "#1f77b4", "dataloader": "#ff7f0e", "dataloader-tuned": "#2ca02c"}
     cols = 3
     rows = -(-len(keys) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(15, 4 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(15, 4.2 * rows), squeeze=False)
+    legend: dict[str, Any] = {}  # label -> handle, one entry per system over all panels
     for ax, key in zip(axes.flat, keys + [None] * (rows * cols - len(keys)), strict=True):
         if key is None:
             ax.axis("off")
@@ -1327,22 +1337,21 @@ def plot(r: Results, path: Path) -> Path | None:
                 ys.append(s["median"])
                 lo.append(s["median"] - s["min"])
                 hi.append(s["max"] - s["median"])
-            ax.bar(
-                xs,
-                ys,
-                width,
-                yerr=[lo, hi],
-                label=SYSTEM_NAMES.get(system, system),
-                color=colors.get(system),
-            )
+            label = SYSTEM_NAMES.get(system, system)
+            bars = ax.bar(xs, ys, width, yerr=[lo, hi], label=label, color=color(system))
+            legend.setdefault(label, bars)
         roof = res["roofline"]["cell"]["samples_per_s"]["median"]
         if roof:
-            ax.axhline(roof, color="gray", ls="--", lw=1, label="roofline (1 process)")
+            line = ax.axhline(roof, color="gray", ls="--", lw=1)
+            legend.setdefault("roofline (1 process)", line)
         ax.set_xticks(range(len(nws)), [f"nw={nw}" for nw in nws])
-        ax.set_title(_title(key, res), fontsize=9)
+        ax.set_title(textwrap.fill(_title(key, res), 48), fontsize=9)
         ax.set_ylabel("samples/s")
-        ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
+    # one legend for every panel, below them: no legend over a panel's bars
+    fig.legend(
+        legend.values(), legend.keys(), loc="lower center", ncol=min(4, len(legend)), fontsize=9
+    )
+    fig.tight_layout(rect=(0, 0.5 / (4.2 * rows) + 0.04, 1, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
