@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-heavy test-ray compile lint typecheck pytest deploy-check docs docs-gen docs-page bench clean
+.PHONY: run test test-heavy test-ray compile lint typecheck pytest deploy-check docs docs-gen docs-diagrams docs-page bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -58,6 +58,11 @@ docs: $(STAMP)
 # when a committed page differs. The benchmark tables: python -m bench report.
 docs-gen: $(STAMP)
 	$(BIN)/python -m docs.gen
+
+# The diagrams (docs/**/*.mmd, Mermaid) drawn as SVG by Mermaid in headless Chromium
+# (mermaid from the npm registry, kept in .cache/); tests/docs checks each is current.
+docs-diagrams: $(STAMP)
+	$(BIN)/python -m docs.diagrams
 
 # docs/page.png, the operator's page of a node running three trainers under the arbiter
 # (a real server and trainers, headless Chromium; about a minute).

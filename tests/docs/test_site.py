@@ -134,3 +134,12 @@ def _slug(heading: str) -> str:
     """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to '-'."""
     text = re.sub(r"[`*]", "", heading.strip().lower())
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def test_every_diagram_is_drawn_from_its_text() -> None:
+    """A diagram's SVG names the digest of its Mermaid text: one changed without the
+    other fails (python -m docs.diagrams draws them again)."""
+    from docs import diagrams
+
+    assert diagrams.sources(), "no diagram found"
+    assert diagrams.check() == [], "run `make docs-diagrams` and commit the SVG"
