@@ -469,7 +469,7 @@ class _Owned:
             persistent_workers=loader.persistent_workers,
             iterable=iterable,
             length=_length(dataset),
-            batches_per_epoch=_length(loader),
+            batches_per_epoch=_batches(loader),
             samples=None if iterable else _length(loader.sampler),
             drop_last=loader.drop_last,
             cache=cache is not None and cache is not False,
@@ -866,6 +866,16 @@ def _digest(fd: int, config: bytes) -> str:
     return h.hexdigest()
 
 
+def _batches(loader: DataLoader[Any]) -> int | None:
+    """``len(loader)`` where it has one, taken as if it had not been: DataLoader remembers
+    that an IterableDataset's length was asked for, and warns if an epoch outgrows it."""
+    asked = loader._IterableDataset_len_called
+    try:
+        return _length(loader)
+    finally:
+        loader._IterableDataset_len_called = asked
+
+
 def _length(obj: Any) -> int | None:
     try:
         return len(obj)
@@ -883,12 +893,18 @@ class _Iter(_BaseDataLoaderIter):
         if resume is not None and resume.get("start"):
             _restore(loader, resume["start"])  # the sampler draws what it drew then
         owned.epoch_start = _taken(loader)
-        # DataLoader hands its (new) workers the objects as they are now, or, without
-        # workers, uses them as they are (persistent workers come here once: later
-        # epochs are _reset's, whose workers keep what they have). Before the iterator
-        # draws anything: objects that cannot go fall back to torch's, which draws then.
-        objects = owned.follow(loader)
         super().__init__(loader)  # DataLoader's own: the base seed, the sampler's iterator
+        # DataLoader hands its (new) workers the objects as they are now (a datapipe
+        # graph with the shuffle seed its iterator just set), or, without workers, uses
+        # them as they are (persistent workers come here once: later epochs are
+        # _reset's, whose workers keep what they have).
+        try:
+            objects = owned.follow(loader)
+        except Unshippable:
+            # torch's iterator takes over (DataLoader._get_iterator): it draws what this
+            # one drew, from where it drew it
+            _restore(loader, owned.epoch_start)
+            raise
         self._start(resume, objects)
 
     def __next__(self) -> Any:

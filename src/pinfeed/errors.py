@@ -84,6 +84,12 @@ class PinfeedError(Exception):
     def type(self) -> str:
         return PROBLEM_PREFIX + self.slug
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled by slug (a SampleError joined with the dataset's own exception class
+        is made anew where it is loaded): it crosses processes as DataLoader's errors do
+        (a test's child process sends its exception to its parent)."""
+        return _rebuilt, (self.slug, self.detail, self.extra)
+
     def info(self) -> ErrorInfo:
         """This error as a data-plane ERROR's payload (``epoch``/``batch_index`` of
         ``extra``, if any, in their own fields)."""
@@ -415,6 +421,14 @@ def _as_raised(module: Any, name: Any) -> type[PinfeedError]:
                 joined = SampleError
         _RAISED[key] = joined
     return _RAISED[key]
+
+
+def _rebuilt(slug: str, detail: str, extra: dict[str, Any]) -> PinfeedError:
+    """An unpickled pinfeed error (``PinfeedError.__reduce__``)."""
+    cls = _BY_SLUG.get(slug, PinfeedError)
+    if cls is SampleError:
+        cls = _as_raised(extra.get("error_module"), extra.get("error_type"))
+    return cls(detail, **extra)
 
 
 def error_from_slug(slug: str, detail: str, **extra: Any) -> PinfeedError:
