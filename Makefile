@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-heavy test-ray compile lint typecheck pytest deploy-check bench clean
+.PHONY: run test test-heavy test-ray compile lint typecheck pytest deploy-check docs docs-gen docs-diagrams docs-page bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,8 +19,8 @@ run: $(STAMP)
 	$(BIN)/pinfeed serve --demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests bench examples
-	$(BIN)/ruff format --check src tests bench examples
+	$(BIN)/ruff check src tests bench examples docs
+	$(BIN)/ruff format --check src tests bench examples docs
 
 typecheck: $(STAMP)
 	$(BIN)/mypy -p pinfeed -p pinfeed_server
@@ -29,7 +29,7 @@ typecheck: $(STAMP)
 # and not at all where PYTHONDONTWRITEBYTECODE is set (CI's machines): then every server
 # and trainer process the tests start compiles pinfeed again (~0.5 s each). Incremental.
 compile: $(STAMP)
-	$(BIN)/python -m compileall -q src tests bench examples
+	$(BIN)/python -m compileall -q src tests bench examples docs
 
 # Two passes (pyproject's [tool.pytest.ini_options] says why): the parallel one, then the
 # tests that measure the machine, alone. PYTEST_WORKERS=auto: one worker per CPU.
@@ -46,7 +46,28 @@ test-heavy: $(STAMP) compile
 	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile -m 'heavy and not serial'
 	$(BIN)/pytest -m 'heavy and serial'
 
-test: lint typecheck deploy-check pytest
+test: lint typecheck deploy-check docs pytest
+
+# The documentation site (mkdocs.yml, docs/) into build/site: --strict fails on a broken
+# link or anchor. tests/docs opens it in a headless Chromium, offline.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+# The reference pages' generated tables (HTTP API, CLI, settings, metrics, loader fields,
+# dataset kinds, errors), rewritten from the code; tests/docs/test_reference.py fails
+# when a committed page differs. The benchmark tables: python -m bench report.
+docs-gen: $(STAMP)
+	$(BIN)/python -m docs.gen
+
+# The diagrams (docs/**/*.mmd, Mermaid) drawn as SVG by Mermaid in headless Chromium
+# (mermaid from the npm registry, kept in .cache/); tests/docs checks each is current.
+docs-diagrams: $(STAMP)
+	$(BIN)/python -m docs.diagrams
+
+# docs/page.png, the operator's page of a node running three trainers under the arbiter
+# (a real server and trainers, headless Chromium; about a minute).
+docs-page: $(STAMP)
+	$(BIN)/python -m tests.browser docs/page.png
 
 # tests/ray: a real Ray cluster (a head, two workers, the server's node) in network
 # namespaces of its own; needs root. Heavy, so not in `make test`; CI runs both.
@@ -67,4 +88,4 @@ bench: $(STAMP) compile
 	$(BIN)/python -m bench
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache build/site build/site-home.png

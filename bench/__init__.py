@@ -2,5 +2,5 @@
 
 ``python -m bench`` runs every section (``python -m bench --list``), each writing a
 result file under ``docs/results/`` (``bench.results``), then ``python -m bench report``
-makes every table in README.md and ``docs/*.md`` from those files (``bench.report``).
+makes every table in README.md and ``docs/**/*.md`` from those files (``bench.report``).
 """

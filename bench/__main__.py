@@ -8,7 +8,7 @@
     python -m bench report [--check]
 
 Each section writes ``docs/results/<name>.json`` (``bench.results``); ``report`` makes
-every table in README.md and ``docs/*.md`` from those files (``bench.report``).
+every table in README.md and ``docs/**/*.md`` from those files (``bench.report``).
 """
 
 from __future__ import annotations

@@ -38,6 +38,15 @@ ORDER = (
 )
 
 
+# One colour per system, the same in every panel of the figure (matplotlib's tab10, by
+# the system's place in ORDER; a system outside ORDER takes the next colour).
+PALETTE = ("#1f77b4", "#17becf", "#9467bd", "#8c564b", "#ff7f0e", "#2ca02c", "#e377c2")
+
+
+def color(system: str) -> str:
+    return PALETTE[ORDER.index(system) if system in ORDER else len(ORDER)]
+
+
 def ordered(cells: dict[str, Any]) -> list[str]:
     """A result's systems, pinfeed first, then DataLoader, tuned, then any other."""
     return sorted(cells, key=lambda s: (ORDER.index(s) if s in ORDER else len(ORDER), s))

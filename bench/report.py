@@ -1,7 +1,9 @@
-"""``python -m bench report``: every benchmark table in README.md and ``docs/*.md``, made
-from the result files in ``docs/results/`` (``bench.results``) and nothing else.
+"""``python -m bench report``: every benchmark table in README.md and the site's pages
+(``docs/**/*.md``), made from the result files in ``docs/results/`` (``bench.results``)
+and nothing else.
 
-A table lives between two marker comments, which name the table and its arguments::
+A table lives between two marker comments (``docs.blocks``), which name the table and
+its arguments::
 
     <!-- bench:throughput W6 W7 W8 -->
     ... (generated: edits here are overwritten) ...
@@ -21,37 +23,30 @@ The tables are ``bench.tables``' (one function each, named by the marker), their
 from __future__ import annotations
 
 import argparse
-import re
 import sys
+import textwrap
 from pathlib import Path
+from typing import Any
 
 from bench import data, results
-from bench.cells import SYSTEM_NAMES, Results, ordered, workload_title
+from bench.cells import SYSTEM_NAMES, Results, color, ordered, workload_title
 from bench.tables import RENDERERS
+from docs import blocks
 
 REPO = results.REPO
 PLOT = REPO / "docs" / "bench.png"
 
 
-MARKER = re.compile(
-    r"(<!-- bench:(?P<name>[\w-]+)(?P<args>[^>]*?) -->\n)(?P<body>.*?)(<!-- /bench:(?P=name) -->)",
-    re.S,
-)
-
-
-def docs() -> list[Path]:
-    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+MARKER = blocks.marker("bench")
 
 
 def render(text: str, r: Results) -> str:
-    def one(m: re.Match[str]) -> str:
-        name = m.group("name")
+    def one(name: str, args: list[str]) -> str:
         if name not in RENDERERS:
             raise KeyError(f"unknown bench table {name!r}")
-        body = RENDERERS[name](r, m.group("args").split())
-        return m.group(1) + body.rstrip("\n") + "\n" + m.group(5)
+        return RENDERERS[name](r, args)
 
-    return MARKER.sub(one, text)
+    return blocks.fill(text, MARKER, one)
 
 
 def check(folder: Path | None = None) -> list[str]:
@@ -59,7 +54,7 @@ def check(folder: Path | None = None) -> list[str]:
     that do not name their commit: one line per problem."""
     r = Results(folder if folder is not None else results.RESULTS)
     problems = []
-    for path in docs():
+    for path in blocks.pages():
         text = path.read_text()
         if render(text, r) != text:
             problems.append(f"{path.relative_to(REPO)}: tables differ from the result files")
@@ -87,10 +82,10 @@ def plot(r: Results, path: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"pinfeed": "#1f77b4", "dataloader": "#ff7f0e", "dataloader-tuned": "#2ca02c"}
     cols = 3
     rows = -(-len(keys) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(15, 4 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(15, 4.2 * rows), squeeze=False)
+    legend: dict[str, Any] = {}  # label -> handle, one entry per system over all panels
     for ax, key in zip(axes.flat, keys + [None] * (rows * cols - len(keys)), strict=True):
         if key is None:
             ax.axis("off")
@@ -112,22 +107,21 @@ def plot(r: Results, path: Path) -> Path | None:
                 ys.append(s["median"])
                 lo.append(s["median"] - s["min"])
                 hi.append(s["max"] - s["median"])
-            ax.bar(
-                xs,
-                ys,
-                width,
-                yerr=[lo, hi],
-                label=SYSTEM_NAMES.get(system, system),
-                color=colors.get(system),
-            )
+            label = SYSTEM_NAMES.get(system, system)
+            bars = ax.bar(xs, ys, width, yerr=[lo, hi], label=label, color=color(system))
+            legend.setdefault(label, bars)
         roof = res["roofline"]["cell"]["samples_per_s"]["median"]
         if roof:
-            ax.axhline(roof, color="gray", ls="--", lw=1, label="roofline (1 process)")
+            line = ax.axhline(roof, color="gray", ls="--", lw=1)
+            legend.setdefault("roofline (1 process)", line)
         ax.set_xticks(range(len(nws)), [f"nw={nw}" for nw in nws])
-        ax.set_title(workload_title(key, res), fontsize=9)
+        ax.set_title(textwrap.fill(workload_title(key, res), 48), fontsize=9)
         ax.set_ylabel("samples/s")
-        ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
+    # one legend for every panel, below them: no legend over a panel's bars
+    fig.legend(
+        legend.values(), legend.keys(), loc="lower center", ncol=min(4, len(legend)), fontsize=9
+    )
+    fig.tight_layout(rect=(0, 0.5 / (4.2 * rows) + 0.04, 1, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
@@ -147,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             print(p, file=sys.stderr)
         return 1 if problems else 0
     r = Results(args.results)
-    for path in docs():
+    for path in blocks.pages():
         text = path.read_text()
         new = render(text, r)
         if new != text:

@@ -2,7 +2,7 @@
 it comes from (commit, machine, software, load) and holding every run's raw numbers.
 
 Every ``python -m bench`` subcommand writes its file through :func:`write`; ``python -m
-bench report`` (``bench.report``) makes every table in README.md and ``docs/*.md`` from
+bench report`` (``bench.report``) makes every table in README.md and ``docs/**/*.md`` from
 these files alone, so a figure in the docs is always one of these numbers.
 
 The envelope, the same in every file::

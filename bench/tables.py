@@ -809,9 +809,10 @@ def soak(r: Results, args: list[str]) -> str:
 
 
 def plot_ref(r: Results, args: list[str]) -> str:
+    """The figure, by its path from the page (``args[0]``; the README's by default)."""
     if not any(r.get(k) for k in data.MAKERS):
         return missing("W1", "python -m bench")
-    return "![benchmark](docs/bench.png)"
+    return f"![benchmark]({args[0] if args else 'docs/bench.png'})"
 
 
 # --- W9: the node's sample cache (bench.w9) ------------------------------------------------

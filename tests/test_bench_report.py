@@ -19,10 +19,11 @@ from tests.conftest import REPO
 # generated one (between bench markers), so no hand-typed figure can hide there.
 BENCHMARK_SECTIONS = {
     "README.md": ["## Benchmarks"],
-    "docs/formats.md": ["## Benchmarks"],
-    "docs/scale.md": ["## Measured"],
-    "docs/control-plane.md": ["## The benchmark"],
-    "docs/ray.md": ["## Benchmark"],
+    "docs/benchmarks/index.md": ["# Benchmarks"],
+    "docs/how-to/formats.md": ["## Benchmarks"],
+    "docs/architecture/scale.md": ["## Measured"],
+    "docs/architecture/control-plane.md": ["## The benchmark"],
+    "docs/how-to/ray.md": ["## Benchmark"],
 }
 
 

@@ -111,7 +111,8 @@ class PinfeedError(Exception):
 
 # -- HTTP problems (RFC 9457) -----------------------------------------------------------
 class ProblemError(PinfeedError):
-    """An HTTP problem+json response; ``status`` is the response's."""
+    """An HTTP problem+json response of a status no other class names; the base of
+    every problem, ``status`` is the response's."""
 
     slug = "http-error"
     status: int = 500  # the client sets the status it received
@@ -119,6 +120,11 @@ class ProblemError(PinfeedError):
 
 
 class InvalidRequest(ProblemError):
+    """The body or a parameter is invalid, the JSON is malformed, a dataset's params are
+    wrong, a file is missing or outside the data root (``extra["errors"]``: the schema's
+    complaints, each ``loc``, ``msg``, ``type``); on the data plane, a
+    ``pinfeed.DataLoader``'s loader refused."""
+
     slug = "invalid-request"
     status = 422
     title = "Invalid request"
@@ -126,24 +132,35 @@ class InvalidRequest(ProblemError):
 
 
 class Unauthorized(ProblemError):
+    """``PINFEED_TOKEN`` is set and a mutating request lacks ``Authorization: Bearer
+    <token>`` (the response says ``WWW-Authenticate: Bearer``)."""
+
     slug = "unauthorized"
     status = 401
     title = "Unauthorized"
 
 
 class NotFound(ProblemError):
+    """No such dataset, loader or route."""
+
     slug = "not-found"
     status = 404
     title = "Not found"
 
 
 class MethodNotAllowed(ProblemError):
+    """The route does not take this method (``Allow`` lists those it takes)."""
+
     slug = "method-not-allowed"
     status = 405
     title = "Method not allowed"
 
 
 class Conflict(ProblemError):
+    """The name exists; the dataset is used by a loader; an IterableDataset's loader asked
+    to switch live between 0 and more workers; on the data plane, a named loader that
+    already runs another configuration."""
+
     slug = "conflict"
     status = 409
     title = "Conflict"
@@ -151,8 +168,9 @@ class Conflict(ProblemError):
 
 
 class WorkerLimit(Conflict):
-    """``max_workers``: the server's PINFEED_MAX_WORKERS; ``free_workers``: what other
-    loaders leave of it."""
+    """The loader's workers, with the other loaders' workers, would exceed
+    ``PINFEED_MAX_WORKERS`` (at creation or a PATCH): ``max_workers`` is that setting,
+    ``free_workers`` what the other loaders leave of it."""
 
     slug = "worker-limit"
     title = "Worker limit reached"
@@ -167,37 +185,50 @@ class WorkerLimit(Conflict):
 
 
 class PayloadTooLarge(ProblemError):
+    """The body exceeds ``PINFEED_MAX_BODY_BYTES``."""
+
     slug = "payload-too-large"
     status = 413
     title = "Payload too large"
 
 
 class UnsupportedMediaType(ProblemError):
+    """The body is not ``application/json``."""
+
     slug = "unsupported-media-type"
     status = 415
     title = "Unsupported media type"
 
 
 class InternalError(ProblemError):
+    """A bug: the server's log has the details (no stack trace leaves the server)."""
+
     slug = "internal"
     status = 500
     title = "Internal error"
 
 
 class NotReady(ProblemError):
+    """``/readyz`` while a loader is still starting (``extra["loaders"]`` names them)."""
+
     slug = "not-ready"
     status = 503
     title = "Not ready"
 
 
 class Overloaded(ProblemError):
+    """The control plane serves this client ``PINFEED_HTTP_MAX_RPS`` requests a second
+    and this one would wait over 5 s for its turn (``Retry-After: 1``)."""
+
     slug = "overloaded"
     status = 503
     title = "Overloaded"
 
 
 class InsufficientMemory(ProblemError):
-    """``need_bytes``: the ring the loader asked for; ``free_bytes``: what the budget has left."""
+    """The loader's ring (or a dataset's cache) would exceed the free part of
+    ``PINFEED_MAX_SHM_BYTES``: ``need_bytes`` is what it asked for, ``free_bytes`` what
+    the budget has left."""
 
     slug = "insufficient-memory"
     status = 507
@@ -243,6 +274,9 @@ class DataPlaneError(PinfeedError):
 
 
 class ProtocolError(DataPlaneError):
+    """An unexpected message on the data plane: a bug, or a trainer and a server of
+    different protocol versions."""
+
     slug = "protocol-error"
     fatal = True
 
@@ -272,11 +306,17 @@ class InvalidState(DataPlaneError, InvalidRequest, ValueError):
 
 
 class LoaderBusy(DataPlaneError):
+    """Every consumer the loader has is attached already (one trainer, or
+    ``group_size`` members)."""
+
     slug = "loader-busy"
     fatal = True
 
 
 class LoaderFailed(DataPlaneError):
+    """The loader could not start (its file is gone, the budget shrank before a
+    restart): ``GET /v1/loaders/{name}`` says why."""
+
     slug = "loader-failed"
     fatal = True
 

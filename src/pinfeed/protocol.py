@@ -1,5 +1,5 @@
 """The data-plane wire format, shared by ``pinfeed.Loader`` and
-``pinfeed_server.engine.dataplane``. Its complete table is ``docs/protocol.md``.
+``pinfeed_server.engine.dataplane``. Its complete table is ``docs/reference/protocol.md``.
 
 One ``SOCK_SEQPACKET`` Unix socket per consumer; the first byte of a message is its
 kind. Control messages carry one JSON object, typed here (``Attach``, ``Attached`` and

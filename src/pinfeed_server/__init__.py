@@ -3,7 +3,7 @@
 Entry points: ``main`` below (the ``pinfeed`` command: ``cli.py``), ``main.create_app``
 (the FastAPI app, whose lifespan starts and stops a ``service.Service``), and
 ``service.Service`` itself (the rules over the engine, the registry and the node).
-docs/architecture.md maps the packages and what each may never do.
+docs/architecture/index.md maps the packages and what each may never do.
 
 Its dependencies are the ``server`` extra (``pip install 'pinfeed[server]'``); a trainer
 image that installs ``pinfeed`` alone gets the client library and no server packages.

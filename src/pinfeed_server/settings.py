@@ -90,8 +90,8 @@ class Settings(BaseSettings):
     max_shm_bytes: int = Field(
         default_factory=lambda: physical_memory() // 2,
         gt=0,
-        description="memory budget for all rings together (default: half the RAM); "
-        "more than the RAM is refused",
+        description="memory budget for all rings and sample caches together (default: half "
+        "the RAM); a loader or cache over it gets 507; more than the RAM is refused",
     )
     cache_max_bytes: int | None = Field(
         None,

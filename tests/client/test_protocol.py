@@ -1,5 +1,5 @@
 """The wire format in-process: every message kind round-trips through its encoder and
-decoder, malformed control messages are refused, and docs/protocol.md names every
+decoder, malformed control messages are refused, and docs/reference/protocol.md names every
 kind and every error slug."""
 
 from __future__ import annotations
@@ -334,7 +334,7 @@ def test_an_attached_without_a_field_is_a_value_error(missing: str) -> None:
 
 
 def test_docs_table_names_every_kind_slug_and_attached_field() -> None:
-    doc = (REPO / "docs" / "protocol.md").read_text()
+    doc = (REPO / "docs" / "reference" / "protocol.md").read_text()
     for kind, name in p.KIND_NAMES.items():
         assert f"| {name} | `{chr(kind)}` |" in doc, name
     for slug, cls in DATA_PLANE_ERRORS.items():

@@ -11,9 +11,10 @@ rank saves the samples it trained on to ``OUT/first-rank{r}.pt``. PHASE ``resume
 (epoch, batch) pairs to ``OUT/resume-rank{r}.pt``.
 
 The module loads the loader's state itself in ``train_dataloader()`` (from the
-checkpoint ``on_load_checkpoint`` sees), the recipe of docs/integrations.md: Lightning
-sizes the epoch with ``len(loader)`` before it loads the loader's state, and a resumed
-epoch at a larger world size may number its batches past the plain ``len()``.
+checkpoint ``on_load_checkpoint`` sees), the recipe of
+docs/how-to/lightning-accelerate.md: Lightning sizes the epoch with ``len(loader)``
+before it loads the loader's state, and a resumed epoch at a larger world size may
+number its batches past the plain ``len()``.
 """
 
 from __future__ import annotations

@@ -149,25 +149,98 @@ class Series(NamedTuple):
     """One per-loader family and the ``LoaderRow`` field it reads."""
 
     metric: str
-    head: str  # its # HELP and # TYPE lines
+    kind: str
+    help: str
     read: Callable[[LoaderRow], Any]
     write: Writer
+
+    @property
+    def head(self) -> str:
+        """Its # HELP and # TYPE lines."""
+        return f"# HELP {self.metric} {self.help}\n# TYPE {self.metric} {self.kind}\n"
 
 
 def _series(part: str, model: type[BaseModel]) -> list[Series]:
     out = []
     for field, m in metric_fields(model):
-        metric = f"pinfeed_loader_{m.name}"
-        head = f"# HELP {metric} {m.help}\n# TYPE {metric} {m.kind}\n"
         write = _writer(model.model_fields[field].annotation)
-        out.append(Series(metric, head, attrgetter(f"{part}.{field}"), write))
+        out.append(
+            Series(f"pinfeed_loader_{m.name}", m.kind, m.help, attrgetter(f"{part}.{field}"), write)
+        )
     return out
 
 
 # Every per-loader family, from the fields that declare one (status, then stats).
 SERIES = [*_series("status", LoaderStatus), *_series("stats", StatsSnapshot)]
+HEADS = [series.head for series in SERIES]
 # Every per-dataset family of a cached dataset (each an int or bool field).
 CACHE_SERIES = metric_fields(CacheStats)
+
+
+class Gauge(NamedTuple):
+    """A gauge of the whole server, read from the service, its loaders and its caches."""
+
+    metric: str
+    help: str
+    read: Callable[[Service, list[LoaderRow], dict[str, CacheStats]], int]
+
+
+GAUGES = (
+    Gauge(
+        "pinfeed_shm_budget_bytes",
+        "PINFEED_MAX_SHM_BYTES",
+        lambda s, r, c: s.settings.max_shm_bytes,
+    ),
+    Gauge(
+        "pinfeed_shm_used_bytes",
+        "Bytes of the budget held by rings and caches",
+        lambda s, r, c: s.shm_used(),
+    ),
+    Gauge(
+        "pinfeed_cache_budget_bytes",
+        "PINFEED_CACHE_MAX_BYTES",
+        lambda s, r, c: s.settings.cache_budget,
+    ),
+    Gauge(
+        "pinfeed_cache_reserved_bytes",
+        "Bytes of the budget reserved by sample caches",
+        lambda s, r, c: sum(cache.max_bytes for cache in c.values()),
+    ),
+    Gauge("pinfeed_loaders", "Loaders registered", lambda s, r, c: len(r)),
+    Gauge("pinfeed_workers", "Worker processes of all loaders", lambda s, r, c: s.workers_used()),
+    Gauge("pinfeed_workers_max", "PINFEED_MAX_WORKERS", lambda s, r, c: s.settings.max_workers),
+)
+BUILD_INFO = "pinfeed version"
+LOADER_INFO = "A loader's dataset and batch size"
+
+
+class Family(NamedTuple):
+    """A family as ``GET /metrics`` declares it: the reference's row (docs.gen)."""
+
+    metric: str
+    kind: str
+    help: str
+    labels: tuple[str, ...]
+
+
+def families() -> list[Family]:
+    """Every pinfeed family ``render`` writes, in its order (not prometheus_client's
+    process and platform collectors)."""
+    labels: dict[Writer, tuple[str, ...]] = {
+        _state: ("loader", "state"),
+        _slots: ("loader", "state"),
+        _histogram: ("loader", "le"),
+    }
+    return [
+        *(Family(g.metric, "gauge", g.help, ()) for g in GAUGES),
+        Family("pinfeed_build_info", "gauge", BUILD_INFO, ("version",)),
+        Family("pinfeed_loader_info", "gauge", LOADER_INFO, ("loader", "dataset", "batch_size")),
+        *(Family(s.metric, s.kind, s.help, labels.get(s.write, ("loader",))) for s in SERIES),
+        *(
+            Family(f"pinfeed_dataset_cache_{m.name}", m.kind, m.help, ("dataset",))
+            for _, m in CACHE_SERIES
+        ),
+    ]
 
 
 def render(service: Service) -> str:
@@ -176,36 +249,20 @@ def render(service: Service) -> str:
     names = [_esc(row.name) for row in rows]
     caches = service.cache_stats()
     out: list[str] = []
-    for name, doc, value in (
-        ("pinfeed_shm_budget_bytes", "PINFEED_MAX_SHM_BYTES", service.settings.max_shm_bytes),
-        (
-            "pinfeed_shm_used_bytes",
-            "Bytes of the budget held by rings and caches",
-            service.shm_used(),
-        ),
-        ("pinfeed_cache_budget_bytes", "PINFEED_CACHE_MAX_BYTES", service.settings.cache_budget),
-        (
-            "pinfeed_cache_reserved_bytes",
-            "Bytes of the budget reserved by sample caches",
-            sum(c.max_bytes for c in caches.values()),
-        ),
-        ("pinfeed_loaders", "Loaders registered", len(rows)),
-        ("pinfeed_workers", "Worker processes of all loaders", service.workers_used()),
-        ("pinfeed_workers_max", "PINFEED_MAX_WORKERS", service.settings.max_workers),
-    ):
-        _family(out, name, "gauge", doc)
-        out.append(f"{name} {_num(value)}\n")
-    _family(out, "pinfeed_build_info", "gauge", "pinfeed version")
+    for gauge in GAUGES:
+        _family(out, gauge.metric, "gauge", gauge.help)
+        out.append(f"{gauge.metric} {_num(gauge.read(service, rows, caches))}\n")
+    _family(out, "pinfeed_build_info", "gauge", BUILD_INFO)
     out.append(f'pinfeed_build_info{{version="{__version__}"}} 1\n')
 
-    _family(out, "pinfeed_loader_info", "gauge", "A loader's dataset and batch size")
+    _family(out, "pinfeed_loader_info", "gauge", LOADER_INFO)
     for row, n in zip(rows, names, strict=True):
         out.append(
             f'pinfeed_loader_info{{loader="{n}",dataset="{_esc(row.dataset)}",'
             f'batch_size="{row.batch_size}"}} 1\n'
         )
-    for series in SERIES:
-        out.append(series.head)
+    for series, head in zip(SERIES, HEADS, strict=True):
+        out.append(head)
         series.write(out, series.metric, names, list(map(series.read, rows)))
     datasets = [_esc(name) for name in caches]
     for field, m in CACHE_SERIES:

@@ -17,7 +17,7 @@ epoch, loader and job of the dataset.
 
 Entry points: ``build`` and ``check`` (a registered dataset's cache, made when the
 service opens it), ``CachedDataset`` (what loaders read), ``ShippedCaches`` (a
-trainer's). docs/cache.md has the design.
+trainer's). docs/architecture/cache.md has the design.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ as under DataLoader). With ``"crop": false`` the resized image is kept whole
 (``[3, H, W]``, the shorter side ``size``): the deterministic stage of an ImageNet
 pipeline, cached once per node, whose random crop is the loader's ``transform``.
 ``"decode": "draft"`` decodes a JPEG at a reduced scale first (``Image.draft``):
-faster for large JPEGs, not bit-identical with a full decode (docs/cache.md has the
-figures).
+faster for large JPEGs, not bit-identical with a full decode (docs/architecture/cache.md
+has the figures).
 
 Every class folder, subfolder and file must resolve inside the data root: a symlink
 that leads out is refused when the dataset is built, a link back to an enclosing
