@@ -67,6 +67,7 @@ from pinfeed_server.malloc import return_big_buffers
 from pinfeed_server.node.arbiter import NodeArbiter
 from pinfeed_server.node.budget import NodeBudget
 from pinfeed_server.registry import DuplicateName, Registry
+from pinfeed_server.remote import Remote
 from pinfeed_server.schemas import (
     DEMO_PARAMS,
     ArbiterPublic,
@@ -137,7 +138,9 @@ class Owned:
 class Service:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.context = DatasetContext(settings.data_root, tuple(settings.allowed_plugins))
+        self.context = DatasetContext(
+            settings.data_root, tuple(settings.allowed_plugins), Remote(settings.remote)
+        )
         self.registry = Registry(settings.registry_path)
         self.loaders: dict[str, LoaderEngine] = {}
         # Registered loaders that could not start after a restart (dataset file gone,
@@ -260,6 +263,8 @@ class Service:
             self._datasets.clear()
         self.shipped_caches.close()
         self.registry.close()
+        if isinstance(self.context.remote, Remote):
+            self.context.remote.close()
 
     def _ensure_demo(self) -> None:
         names = {d["name"] for d in self.registry.datasets()}

@@ -8,6 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from pinfeed import Client
+from tests.launcher import Server
 from tests.remote.proxy import FaultProxy
 from tests.remote.s3server import S3Server
 
@@ -31,3 +33,38 @@ def proxy(s3: S3Server) -> Iterator[FaultProxy]:
 @pytest.fixture()
 def prefix() -> str:
     return f"t-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture(scope="module")
+def link(s3: S3Server) -> Iterator[FaultProxy]:
+    """The module's proxy: the one its pinfeed server reads the store through."""
+    with FaultProxy(s3.endpoint) as p:
+        yield p
+
+
+def remote_env(s3: S3Server, endpoint: str, **settings: str) -> dict[str, str]:
+    """A pinfeed server's environment to read the test bucket through ``endpoint``:
+    small blocks (several a test object), short retries."""
+    return {
+        **s3.env(endpoint),
+        "PINFEED_REMOTE_ALLOW": '["s3://pinfeed/"]',
+        "PINFEED_REMOTE_BLOCK_BYTES": str(1 << 16),
+        "PINFEED_REMOTE_RETRY_S": "20",
+        "PINFEED_MAX_WORKERS": "64",
+        **settings,
+    }
+
+
+@pytest.fixture(scope="module")
+def remote_server(
+    tmp_path_factory: pytest.TempPathFactory, s3: S3Server, link: FaultProxy
+) -> Iterator[Server]:
+    """A pinfeed server that reads the test bucket through the module's proxy."""
+    with Server(tmp_path_factory.mktemp("remote"), env=remote_env(s3, link.endpoint)) as srv:
+        yield srv
+
+
+@pytest.fixture()
+def admin(remote_server: Server) -> Iterator[Client]:
+    with remote_server.client() as c:
+        yield c

@@ -1,6 +1,6 @@
 """A fault-injecting HTTP/1.1 proxy in front of the test S3 server, on loopback.
 
-    with FaultProxy(s3.endpoint) as proxy:      # its own event loop, in a thread
+    with FaultProxy(s3.endpoint) as proxy:      # its own process (spawned), its own loop
         proxy.latency_s, proxy.bandwidth = 0.02, 100e6   # a cloud-like link
         proxy.inject("503", count=3)            # the next 3 GETs: 503 SlowDown
         proxy.inject("reset", count=1, path="/train/")   # RST halfway through a body
@@ -8,8 +8,11 @@
         proxy.down(); ...; proxy.up()           # connections refused, then served again
         proxy.counts.bytes, proxy.counts.requests        # what clients got
 
-Each client connection gets its own upstream connection (keep-alive passes through);
-request and response bodies are relayed by Content-Length or chunked framing. A fault
+The proxy runs in a process of its own, driven over a pipe: a test process that forks
+(a reference DataLoader's workers) must not fork its sockets, and the proxy's relaying
+does not take the test's GIL. Each client connection gets its own upstream connection
+(keep-alive passes through); request and response bodies are relayed by Content-Length
+or chunked framing. A fault
 applies to the next ``count`` GET requests whose path starts with ``path``. The byte
 count is response body bytes delivered to clients: what a store would bill as egress.
 ``latency_s`` is added once per request before it is forwarded; ``bandwidth`` (bytes a
@@ -20,12 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import multiprocessing as mp
 import socket
 import struct
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from types import TracebackType
 from typing import Literal
 from urllib.parse import urlsplit
@@ -60,7 +65,7 @@ class _Rule:
     path: str
 
 
-class FaultProxy:
+class _Proxy:
     def __init__(self, upstream: str, port: int = 0) -> None:
         u = urlsplit(upstream)
         assert u.hostname is not None and u.port is not None
@@ -212,6 +217,124 @@ class FaultProxy:
                 if w is not None and not w.is_closing():
                     w.close()
 
+
+def _run(upstream: str, conn: Connection) -> None:
+    """The proxy process: serve, and answer the handle's commands until told to stop."""
+    proxy = _Proxy(upstream)
+    proxy.start()
+    conn.send(proxy.port)
+    while True:
+        try:
+            cmd, *args = conn.recv()
+        except EOFError:
+            break
+        if cmd == "stop":
+            break
+        if cmd == "set":
+            setattr(proxy, args[0], args[1])
+            conn.send(None)
+        elif cmd == "counts":
+            c = proxy.counts
+            with c.lock:
+                conn.send((c.requests, c.bytes, dict(c.by_method), dict(c.faults)))
+        elif cmd == "reset":
+            proxy.counts.reset()
+            conn.send(None)
+        else:
+            conn.send(getattr(proxy, cmd)(*args))
+    proxy.close()
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What the proxy's clients got, as of when asked."""
+
+    requests: int
+    bytes: int
+    by_method: dict[str, int]
+    faults: dict[str, int]
+
+
+class FaultProxy:
+    """The handle of a proxy process (see the module docstring)."""
+
+    def __init__(self, upstream: str) -> None:
+        self._upstream = upstream
+        self._conn: Connection | None = None
+        self._proc: mp.process.BaseProcess | None = None
+        self.port = 0
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        ctx = mp.get_context("spawn")
+        mine, theirs = ctx.Pipe()
+        self._proc = ctx.Process(target=_run, args=(self._upstream, theirs), daemon=True)
+        self._proc.start()
+        theirs.close()
+        self._conn = mine
+        if not mine.poll(60):
+            raise TimeoutError("the fault proxy did not start")
+        self.port = mine.recv()
+
+    def _ask(self, *cmd: object) -> object:
+        assert self._conn is not None
+        self._conn.send(cmd)
+        return self._conn.recv()
+
+    def close(self) -> None:
+        if self._proc is None:
+            return
+        with contextlib.suppress(OSError):
+            assert self._conn is not None
+            self._conn.send(("stop",))
+        self._proc.join(10)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+        self._proc = None
+
+    @property
+    def latency_s(self) -> float:
+        raise AttributeError("write-only")
+
+    @latency_s.setter
+    def latency_s(self, value: float) -> None:
+        self._ask("set", "latency_s", value)
+
+    @property
+    def bandwidth(self) -> float:
+        raise AttributeError("write-only")
+
+    @bandwidth.setter
+    def bandwidth(self, value: float) -> None:
+        self._ask("set", "bandwidth", value)
+
+    @property
+    def counts(self) -> Seen:
+        requests, nbytes, by_method, faults = self._ask("counts")  # type: ignore[misc]
+        return Seen(requests, nbytes, by_method, faults)
+
+    def reset_counts(self) -> None:
+        self._ask("reset")
+
+    def inject(self, fault: Fault, count: int = 1, path: str = "/") -> None:
+        self._ask("inject", fault, count, path)
+
+    def clear(self) -> None:
+        self._ask("clear")
+
+    def pending(self) -> int:
+        return int(self._ask("pending"))  # type: ignore[call-overload]
+
+    def down(self) -> None:
+        self._ask("down")
+
+    def up(self) -> None:
+        self._ask("up")
+
     def __enter__(self) -> FaultProxy:
         self.start()
         return self
@@ -258,7 +381,7 @@ async def _relay_body(
     request: bool = False,
     method: str = "GET",
     status: bytes = b"",
-    proxy: FaultProxy | None = None,
+    proxy: _Proxy | None = None,
     cut: str | None = None,
 ) -> None:
     """Relay one message body from ``r`` to ``w`` (None: read and drop it). A response
@@ -298,6 +421,6 @@ async def _relay_body(
             return
 
 
-async def _count(proxy: FaultProxy, n: int) -> None:
+async def _count(proxy: _Proxy, n: int) -> None:
     with proxy.counts.lock:
         proxy.counts.bytes += n

@@ -12,6 +12,8 @@ import torch
 import torch.utils.data
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from pinfeed_server.remote import Manifest, Remote, RemoteError, RemoteLink
+
 
 class DatasetError(ValueError):
     """A dataset cannot be built from its kind and params (shown to users as 422)."""
@@ -23,6 +25,23 @@ class DatasetContext:
 
     data_root: Path
     allowed_plugins: tuple[str, ...] = field(default_factory=tuple)
+    # s3:// paths: the node's object store and cache (None: PINFEED_REMOTE_ALLOW unset);
+    # in a worker's zygote, its link to the server's
+    remote: Remote | RemoteLink | None = None
+
+    def manifest(self, urls: str | list[str], *, blocks: bool, single: bool = False) -> Manifest:
+        """The objects at ``urls`` (a prefix, or with ``single`` object URLs) as a
+        manifest; what the store or the allow-list refuses is a ``DatasetError``."""
+        if not isinstance(self.remote, Remote):
+            raise DatasetError(
+                f"{urls if isinstance(urls, str) else urls[0]}: this server reads no object "
+                "store; its operator sets PINFEED_REMOTE_ALLOW (the buckets it may read) "
+                "and the AWS chain (AWS_ENDPOINT_URL, AWS_REGION, credentials)"
+            )
+        try:
+            return self.remote.manifest(urls, blocks=blocks, single=single)
+        except (RemoteError, ValueError) as exc:
+            raise DatasetError(str(exc)) from None
 
     def _inside(self, relative: str) -> tuple[Path, Path]:
         """(root, path): ``relative`` resolved inside the data root, symlinks followed."""
