@@ -67,7 +67,7 @@ from pinfeed_server.malloc import return_big_buffers
 from pinfeed_server.node.arbiter import NodeArbiter
 from pinfeed_server.node.budget import NodeBudget
 from pinfeed_server.registry import DuplicateName, Registry
-from pinfeed_server.remote import Remote
+from pinfeed_server.remote import Remote, RemoteStats
 from pinfeed_server.schemas import (
     DEMO_PARAMS,
     ArbiterPublic,
@@ -831,7 +831,13 @@ class Service:
             ),
             loaders=loaders,
             decisions=[NodeDecision.model_validate(asdict(d)) for d in state.decisions],
+            remote=None if (remote := self.remote_stats()) is None else remote.to_json(),
         )
+
+    def remote_stats(self) -> RemoteStats | None:
+        """The object store's and the node's object cache's counts (None: none read)."""
+        remote = self.context.remote
+        return remote.stats() if isinstance(remote, Remote) else None
 
     def loader_stats(self, name: str) -> StatsSnapshot:
         if name in self._unstarted:

@@ -231,7 +231,51 @@ def render(service: Service) -> str:
             f'{metric}{{dataset="{d}"}} {int(getattr(c, field))}\n'
             for d, c in zip(datasets, caches.values(), strict=True)
         )
+    _remote(out, service)
     return "".join(out)
+
+
+# the object store and the node's object cache (remote/stats.py): name, kind, help
+REMOTE_SERIES = (
+    ("requests", "counter", "Requests sent to the object store, retries included"),
+    ("bytes", "counter", "Body bytes received from the object store"),
+    ("retries", "counter", "Requests to the object store tried again"),
+    ("throttled", "counter", "Answers of 503 SlowDown or 429 from the object store"),
+    ("errors", "counter", "Reads from the object store that failed for good"),
+    ("hits", "counter", "Units a batch read found in the node's object cache"),
+    ("misses", "counter", "Units a batch read had to fetch"),
+    ("prefetched", "counter", "Units fetched ahead of their batch"),
+    ("wait_s", "counter", "Seconds batches waited for the object store"),
+)
+
+
+def _remote(out: list[str], service: Service) -> None:
+    stats = service.remote_stats()
+    if stats is None:
+        return
+    for key, kind, doc in REMOTE_SERIES:
+        metric = f"pinfeed_remote_{key.removesuffix('_s')}" + (
+            "_seconds" if key == "wait_s" else ""
+        )
+        metric += "_total"
+        _family(out, metric, kind, doc + " (node)")
+        out.append(f"{metric} {_num(stats.counts[key])}\n")
+        per = metric.replace("pinfeed_remote_", "pinfeed_remote_loader_")
+        _family(out, per, kind, doc + " (per loader)")
+        out.extend(
+            f'{per}{{loader="{_esc(name)}"}} {_num(c[key])}\n' for name, c in stats.loaders.items()
+        )
+    cache = stats.cache
+    for name, doc, value in (
+        ("pinfeed_remote_cache_max_bytes", "PINFEED_REMOTE_CACHE_MAX_BYTES", cache.max_bytes),
+        ("pinfeed_remote_cache_held_bytes", "Bytes the object cache holds", cache.held_bytes),
+        ("pinfeed_remote_cache_entries", "Units the object cache holds", cache.entries),
+        ("pinfeed_remote_cache_pinned", "Units pinned by batches in the making", cache.pinned),
+    ):
+        _family(out, name, "gauge", doc)
+        out.append(f"{name} {_num(value)}\n")
+    _family(out, "pinfeed_remote_cache_evictions_total", "counter", "Units evicted")
+    out.append(f"pinfeed_remote_cache_evictions_total {_num(cache.evictions)}\n")
 
 
 class MetricsCache:
