@@ -58,7 +58,7 @@ class TokensDataset:
                 f"{shown}: {count} tokens, fewer than seq_len + 1 = {seq_len + 1} (one sample)"
             )
         self.tokens: Any = (
-            RemoteArray(path, np.dtype(dtype), 0, count)
+            RemoteArray(path, np.dtype(dtype), 0, (count,))
             if isinstance(path, RemoteObject)
             else np.memmap(path, dtype=dtype, mode="r")
         )

@@ -93,6 +93,15 @@ class RemoteObject:
     def open(self) -> RemoteFile:
         return RemoteFile(self)
 
+    def open_fd(self) -> int:
+        """A descriptor of the cached file of this object, the caller's to close (a
+        manifest of whole objects): for readers that map a file (``mmap``, or by its
+        name ``/proc/self/fd/<fd>``: ``torch.load``, pyarrow), whose mapping outlives
+        an eviction of the file."""
+        first, last = self.manifest.span(self.k, 0, self.size)
+        assert first == last, "a whole object is one unit"
+        return os.dup(FDS.get(self.manifest.unit(first), self.remote, self.manifest.name))
+
 
 class RemoteFile(io.RawIOBase):
     def __init__(self, obj: RemoteObject) -> None:

@@ -27,6 +27,9 @@ from pinfeed_server.remote.retry import Backoff
 from pinfeed_server.remote.stats import Counts, RemoteStats
 from pinfeed_server.remote.url import S3Url, check_allowed
 
+# what a loader's reads count and the node's totals add up (the rest the client counts)
+LOADER_TOTALS = ("hits", "misses", "prefetched", "wait_s")
+
 
 @dataclass(frozen=True)
 class RemoteConfig:
@@ -128,7 +131,10 @@ class Remote:
     def forget(self, reader: Reader) -> None:
         reader.close()
         with self._lock:
-            self._readers.pop(id(reader), None)
+            if self._readers.pop(id(reader), None) is not None:
+                # the node's totals keep what a deleted loader's reads found
+                snap = reader.counts.snapshot()
+                self.counts.add(**{k: snap[k] for k in LOADER_TOTALS})
 
     def stats(self) -> RemoteStats | None:
         with self._lock:
@@ -143,7 +149,7 @@ class Remote:
             for k, v in snap.items():
                 mine[k] += v
         node = self.counts.snapshot()
-        for k in ("hits", "misses", "prefetched", "wait_s"):
+        for k in LOADER_TOTALS:
             node[k] = sum(r[k] for r in loaders.values()) + node[k]
         return RemoteStats(node, cache.state(), loaders)
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
+from numpy.typing import NDArray
 
 from pinfeed_server.remote.url import S3Url
 
@@ -88,10 +89,10 @@ class Manifest:
             length = min(self.block, obj.size - start)
         return Unit(uid, obj, start, length, digest(self.endpoint, obj, start, length))
 
-    def whole(self, k: int) -> Unit:
-        """Object ``k`` as its one unit (a manifest of whole objects)."""
-        assert self.block is None, "a manifest of blocks"
-        return self.unit(k)
+    def select(self, keep: list[int]) -> Manifest:
+        """The objects ``keep`` (indices into ``objects``), in that order: a kind's
+        samples over part of a listing (its images, its shards)."""
+        return Manifest(self.name, self.endpoint, [self.objects[k] for k in keep], self.block)
 
     def span(self, k: int, start: int, stop: int) -> tuple[int, int]:
         """The units ``[first, last]`` holding bytes ``[start, stop)`` of object ``k``."""
@@ -100,12 +101,20 @@ class Manifest:
         base = int(self.first[k])
         return base + start // self.block, base + max(start, stop - 1) // self.block
 
-    def spans(self, k: int, starts: np.ndarray, stops: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``span`` of many byte ranges of object ``k`` at once (numpy)."""
-        base = int(self.first[k])
+    def spans(
+        self, k: int | NDArray[np.int64], starts: NDArray[np.int64], stops: NDArray[np.int64]
+    ) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+        """``span`` of many byte ranges at once (numpy): of object ``k``, or of object
+        ``k[j]`` for range ``j``."""
+        base = np.broadcast_to(self.first[k], np.shape(starts)).astype(np.int64)
         if self.block is None:
-            at = np.full(len(starts), base, dtype=np.int64)
-            return at, at.copy()
+            return base, base.copy()
         first = base + starts // self.block
         last = base + np.maximum(starts, stops - 1) // self.block
         return first.astype(np.int64), last.astype(np.int64)
+
+    def objects_units(self, k: NDArray[np.int64]) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+        """Whole objects ``k`` (a manifest of whole objects) as ``spans`` gives them."""
+        assert self.block is None, "a manifest of blocks"
+        uid = self.first[k].astype(np.int64)
+        return uid, uid.copy()
