@@ -262,6 +262,7 @@ class FaultProxy:
         self._upstream = upstream
         self._conn: Connection | None = None
         self._proc: mp.process.BaseProcess | None = None
+        self._lock = threading.Lock()
         self.port = 0
 
     @property
@@ -281,8 +282,9 @@ class FaultProxy:
 
     def _ask(self, *cmd: object) -> object:
         assert self._conn is not None
-        self._conn.send(cmd)
-        return self._conn.recv()
+        with self._lock:  # a test's timer thread may ask too (proxy.up later)
+            self._conn.send(cmd)
+            return self._conn.recv()
 
     def close(self) -> None:
         if self._proc is None:

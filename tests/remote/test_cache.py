@@ -1,0 +1,150 @@
+"""The node's object cache in-process, over the real test store: which unit each rule
+evicts, pinned units kept, single flight, and what a new cache finds on the disk an
+earlier one left."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pinfeed_server.remote.cache import ObjectCache
+from pinfeed_server.remote.client import S3Client
+from pinfeed_server.remote.objects import Manifest, Unit
+from pinfeed_server.remote.retry import Backoff
+from pinfeed_server.remote.schedule import Schedule
+from pinfeed_server.remote.stats import Counts
+from pinfeed_server.remote.url import S3Url
+from tests.remote.s3server import S3Server
+
+SIZE = 10_000  # bytes an object; the caches below hold five
+OWNER = "test"
+
+
+@pytest.fixture()
+def client(s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Client:
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    return S3Client(Counts(), Backoff(3, deadline_s=5))
+
+
+@pytest.fixture()
+def manifest(s3: S3Server, client: S3Client, prefix: str) -> Manifest:
+    """Eight whole objects of SIZE bytes (units 0-7)."""
+    for k in range(8):
+        s3.put("pinfeed", f"{prefix}/{k}", os.urandom(SIZE))
+    objects = client.list(S3Url("pinfeed", prefix), prefix)
+    return Manifest(prefix, client.endpoint, objects, None)
+
+
+def _cache(root: Path, client: S3Client, eviction: str, units: int = 5) -> ObjectCache:
+    # a quarter unit spare: with the low-water mark (max/50), an insert evicts one unit
+    return ObjectCache(root, units * SIZE + SIZE // 4, client, eviction=eviction, concurrency=4)
+
+
+def _units(m: Manifest) -> list[Unit]:
+    return [m.unit(k) for k in range(len(m))]
+
+
+def _held(cache: ObjectCache, units: list[Unit]) -> set[int]:
+    return {u.uid for u in units if cache.has(u.digest)}
+
+
+@pytest.mark.parametrize(("eviction", "gone"), [("lru", 4), ("next-use", 0)])
+def test_each_rule_evicts_its_unit(
+    tmp_path: Path, client: S3Client, manifest: Manifest, eviction: str, gone: int
+) -> None:
+    """Units read 4, 3, 2, 1, 0 (4 the least recently used); the loader's known order
+    from here is 5, 4, 3, 2, 1, 0 (0 needed furthest). Fetching 5: LRU evicts 4, the
+    next-use rule 0."""
+    cache = _cache(tmp_path, client, eviction)
+    schedule = Schedule()
+    schedule.set_epoch(0, np.array([5, 4, 3, 2, 1, 0], dtype=np.int64))
+    cache.schedule(OWNER, schedule)
+    units = _units(manifest)
+    for k in (4, 3, 2, 1, 0):
+        cache.get(units[k], "d", owner=OWNER)
+    cache.get(units[5], "d", owner=OWNER)
+    assert _held(cache, units) == {0, 1, 2, 3, 4, 5} - {gone}
+    assert (cache.state().evictions, cache.state().held_bytes) == (1, 5 * SIZE)
+    assert not (tmp_path / units[gone].digest[:2] / units[gone].digest).exists()
+
+
+def test_next_use_evicts_what_no_loader_needs_first(
+    tmp_path: Path, client: S3Client, manifest: Manifest
+) -> None:
+    """Of units in sight and units no order names, those out of sight go first (least
+    recently used among them), however soon a unit in sight is needed."""
+    cache = _cache(tmp_path, client, "next-use")
+    schedule = Schedule()
+    schedule.set_epoch(0, np.array([0, 1, 2, 5], dtype=np.int64))
+    cache.schedule(OWNER, schedule)
+    units = _units(manifest)
+    for k in (3, 0, 1, 2, 4):  # 3 and 4 out of sight, 3 the older
+        cache.get(units[k], "d", owner=OWNER)
+    cache.get(units[5], "d", owner=OWNER)
+    assert _held(cache, units) == {0, 1, 2, 4, 5}
+    schedule.advance(0, 3)  # 0, 1 and 2 are behind now (out of sight), 5 next
+    cache.get(units[6], "d", owner=OWNER)
+    assert _held(cache, units) == {1, 2, 4, 5, 6}
+
+
+def test_pinned_units_are_never_evicted(
+    tmp_path: Path, client: S3Client, manifest: Manifest
+) -> None:
+    cache = _cache(tmp_path, client, "lru")
+    units = _units(manifest)
+    for k in range(5):
+        cache.get(units[k], "d", pin=True)
+    cache.get(units[5], "d")  # nothing evictable: the cache runs over, for now
+    assert _held(cache, units) == {0, 1, 2, 3, 4, 5}
+    assert cache.state().pinned == 5
+    cache.unpin([units[k].digest for k in range(5)])
+    cache.get(units[6], "d")
+    assert len(_held(cache, units)) <= 5 and 6 in _held(cache, units)
+
+
+def test_one_download_for_many_readers(
+    tmp_path: Path, client: S3Client, manifest: Manifest
+) -> None:
+    cache = _cache(tmp_path, client, "lru")
+    unit = _units(manifest)[0]
+    before = client.counts.requests
+    paths: list[Path] = []
+    threads = [
+        threading.Thread(target=lambda: paths.append(cache.get(unit, "d"))) for _ in range(8)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(paths)) == 1 and len(paths) == 8
+    assert client.counts.requests - before == 1
+
+
+def test_a_new_cache_finds_the_units_left_and_drops_the_rest(
+    tmp_path: Path, client: S3Client, manifest: Manifest
+) -> None:
+    """A server restarted on the same directory: complete units counted and read
+    without a request; a download cut short (``.part``) removed; a unit file of the
+    wrong size fetched again."""
+    units = _units(manifest)
+    first = _cache(tmp_path, client, "next-use")
+    for k in range(3):
+        first.get(units[k], "d")
+    part = tmp_path / units[3].digest[:2] / f".{units[3].digest}.1.0.part"
+    part.parent.mkdir(exist_ok=True)
+    part.write_bytes(b"half")
+    (tmp_path / units[2].digest[:2] / units[2].digest).write_bytes(b"short")
+    again = _cache(tmp_path, client, "next-use")
+    assert not part.exists()
+    assert again.state().entries == 3
+    before = client.counts.requests
+    for k in (0, 1):
+        again.get(units[k], "d")
+    assert client.counts.requests == before
+    path = again.get(units[2], "d")
+    assert client.counts.requests == before + 1 and path.stat().st_size == SIZE
