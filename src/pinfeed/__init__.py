@@ -1,6 +1,8 @@
-"""pinfeed's trainer library: ``Loader`` (batches over shared memory), ``Client`` (HTTP)
-and ``Transformed`` (a dataset and its per-loader transform, the reference of a cached
-dataset's loader)."""
+"""pinfeed's trainer library: ``Loader`` (batches over shared memory), ``Client`` (HTTP),
+``DataLoader`` (torch's, its batches made by the server), ``ServerDataset`` (a dataset
+the server builds from one of its kinds: data in a store, read with the server's
+credentials) and ``Transformed`` (a dataset and its per-loader transform, the reference
+of a cached dataset's loader)."""
 
 from pinfeed._admin import Client
 from pinfeed._dataloader import DataLoader, FallbackWarning
@@ -34,6 +36,7 @@ from pinfeed.errors import (
     UnsupportedMediaType,
     WorkerLimit,
 )
+from pinfeed.served import ServerDataset
 from pinfeed.transformed import Transformed
 
 __version__ = "0.1.0"  # the distribution's version (pyproject reads it from here)
@@ -64,6 +67,7 @@ __all__ = [
     "ProblemError",
     "ProtocolError",
     "SampleError",
+    "ServerDataset",
     "ServerUnavailable",
     "Transformed",
     "Unauthorized",

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
-from pinfeed import errors, payload, protocol
+from pinfeed import errors, payload, protocol, served
 from pinfeed.payload import Chain
 from pinfeed_server import cache
 from pinfeed_server.cache import CachedDataset, CacheSpec, NotCacheable
@@ -179,7 +179,10 @@ class Service:
             group=settings.socket_gid,
             create=self.create_owned if settings.accept_objects else None,
             owner_gone=self.owner_gone,
+            describe=self.describe_spec,
         )
+        # a trainer's pinfeed.ServerDataset reads what the kind builds here
+        served.install(lambda kind, params: build_dataset(kind, params, self.context))
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
@@ -348,6 +351,15 @@ class Service:
             except DuplicateName:
                 raise errors.Conflict(f"dataset {body.name!r} exists") from None
             return self.describe_dataset(body.name)
+
+    def describe_spec(self, kind: str, params: dict[str, Any]) -> protocol.Described:
+        """A DESCRIBE (``pinfeed.ServerDataset``): what ``kind`` builds from ``params``
+        here (its length, whether it is iterable), registering nothing."""
+        try:
+            ds = build_dataset(kind, params, self.context)
+        except DatasetError as exc:
+            raise errors.InvalidRequest(str(exc)) from None
+        return protocol.Described(dataset_len(ds), is_iterable(ds))
 
     def list_datasets(self) -> list[dict[str, Any]]:
         return [self.describe_dataset(row["name"]) for row in self.registry.datasets()]

@@ -10,6 +10,7 @@ import pytest
 
 from pinfeed import Client
 from tests.launcher import Server
+from tests.remote.data import Workload, make
 from tests.remote.proxy import FaultProxy
 from tests.remote.s3server import S3Server
 
@@ -50,6 +51,7 @@ def remote_env(s3: S3Server, endpoint: str, **settings: str) -> dict[str, str]:
         "PINFEED_REMOTE_ALLOW": '["s3://pinfeed/"]',
         "PINFEED_REMOTE_BLOCK_BYTES": str(1 << 16),
         "PINFEED_REMOTE_RETRY_S": "20",
+        "PINFEED_REMOTE_RETRIES": "40",  # an outage is waited out by time, not by tries
         "PINFEED_MAX_WORKERS": "64",
         **settings,
     }
@@ -68,3 +70,9 @@ def remote_server(
 def admin(remote_server: Server) -> Iterator[Client]:
     with remote_server.client() as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def workloads(remote_server: Server, s3: S3Server) -> dict[str, Workload]:
+    """The benchmarks' workloads, small, under the server's data root and in the store."""
+    return make(remote_server.data_root, f"kinds-{uuid.uuid4().hex[:8]}", s3)

@@ -1,11 +1,12 @@
 """The node's object cache in-process, over the real test store: which unit each rule
 evicts, pinned units kept, single flight, and what a new cache finds on the disk an
-earlier one left."""
+earlier one left; the retries' deadline."""
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -148,3 +149,13 @@ def test_a_new_cache_finds_the_units_left_and_drops_the_rest(
     assert client.counts.requests == before
     path = again.get(units[2], "d")
     assert client.counts.requests == before + 1 and path.stat().st_size == SIZE
+
+
+def test_retries_wait_out_their_deadline_whatever_the_draws() -> None:
+    """A pause drawn past the deadline is cut to it: the last try comes at the deadline
+    (an outage shorter than it is waited out), never before, never much after."""
+    backoff = Backoff(100, base_s=1.0, cap_s=5.0, deadline_s=0.2)
+    t0 = time.monotonic()
+    for pause in backoff.pauses():
+        time.sleep(pause)
+    assert 0.2 <= time.monotonic() - t0 < 0.5

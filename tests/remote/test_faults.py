@@ -53,6 +53,7 @@ def own_server(tmp_path: Path, s3: S3Server, proxy: FaultProxy) -> Iterator[Serv
         proxy.endpoint,
         PINFEED_REMOTE_AHEAD_BYTES="0",
         PINFEED_REMOTE_RETRY_S="3",
+        PINFEED_REMOTE_RETRIES="40",  # the deadline decides, not the draws
         PINFEED_REMOTE_CACHE_DIR=str(tmp_path / "objects"),
     )
     with Server(tmp_path / "srv", env=env) as srv:

@@ -20,7 +20,7 @@ from tests.datasets.parity import check_parity
 from tests.fixtures.elastic import check_once, distributed
 from tests.helpers import assert_same, unique
 from tests.launcher import Server
-from tests.remote.data import BUCKET, Workload, make
+from tests.remote.data import BUCKET, Workload
 from tests.remote.s3server import S3Server
 
 KEYS = [
@@ -28,11 +28,6 @@ KEYS = [
     # webdataset's gopen leaves shard files for the garbage collector to close
     pytest.param("W8", marks=pytest.mark.filterwarnings("ignore::ResourceWarning")),
 ]
-
-
-@pytest.fixture(scope="module")
-def workloads(remote_server: Server, s3: S3Server) -> dict[str, Workload]:
-    return make(remote_server.data_root, unique("kinds"), s3)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

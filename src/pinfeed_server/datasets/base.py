@@ -42,13 +42,13 @@ class DatasetContext:
             if self.pinned.name != shown:  # a kind that lists twice: a bug, said here
                 raise DatasetError(f"{shown}: not the listing pinned ({self.pinned.name})")
             return self.pinned
-        if not isinstance(self.remote, Remote):
+        if self.remote is None:
             raise DatasetError(
                 f"{shown}: this server reads no object store; its operator sets "
                 "PINFEED_REMOTE_ALLOW (the buckets it may read) and the AWS chain "
                 "(AWS_ENDPOINT_URL, AWS_REGION, credentials)"
             )
-        try:
+        try:  # a zygote's link asks the server, which lends it the listing it made
             return self.remote.manifest(urls, blocks=blocks, single=single)
         except (RemoteError, ValueError) as exc:
             raise DatasetError(str(exc)) from None

@@ -11,6 +11,7 @@ answers ``local`` the same way. Nothing starts before the first remote dataset.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,7 @@ from pinfeed_server.remote.retry import Backoff
 from pinfeed_server.remote.stats import Counts, RemoteStats
 from pinfeed_server.remote.url import S3Url, check_allowed
 
+LISTINGS_LENT = 64  # listings kept for zygotes to ask for (``Remote.lent``)
 # what a loader's reads count and the node's totals add up (the rest the client counts)
 LOADER_TOTALS = ("hits", "misses", "prefetched", "wait_s")
 
@@ -61,6 +63,8 @@ class Remote:
         self._pool: ThreadPoolExecutor | None = None
         self._link: LinkServer | None = None
         self._readers: dict[int, Reader] = {}
+        # the latest listing of each request, lent to zygotes that ask (``lent``)
+        self._listings: OrderedDict[tuple[str, bool, bool], Manifest] = OrderedDict()
 
     def _open(self) -> tuple[S3Client, ObjectCache]:
         with self._lock:
@@ -101,7 +105,22 @@ class Remote:
             if not objects:
                 raise ObjectMissing(f"no object under {shown} (dataset {shown})")
         block = self.config.block_bytes if blocks else None
-        return Manifest(shown, client.endpoint, objects, block)
+        found = Manifest(shown, client.endpoint, objects, block)
+        with self._lock:
+            self._listings[(shown, blocks, single)] = found
+            self._listings.move_to_end((shown, blocks, single))
+            while len(self._listings) > LISTINGS_LENT:
+                self._listings.popitem(last=False)
+        return found
+
+    def lent(self, urls: str | list[str], blocks: bool, single: bool) -> Manifest:
+        """What a zygote that builds a dataset over ``urls`` is given: the listing this
+        server made for the same request last (the objects and ETags the server's own
+        build of it reads), or one made now."""
+        shown = urls if isinstance(urls, str) else ", ".join(urls)
+        with self._lock:
+            found = self._listings.get((shown, blocks, single))
+        return found or self.manifest(urls, blocks=blocks, single=single)
 
     def local(self, unit: Unit, dataset: str) -> Path:
         return self.cache.get(unit, dataset)
@@ -110,7 +129,7 @@ class Remote:
         _, cache = self._open()
         with self._lock:
             if self._link is None:
-                self._link = LinkServer(self.local)
+                self._link = LinkServer(self.local, self.lent)
             link = self._link
         return (RemoteLink, (cache.root, link.address, link.authkey))
 

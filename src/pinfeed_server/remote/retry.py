@@ -31,13 +31,15 @@ class Backoff:
     deadline_s: float = 60.0
 
     def pauses(self) -> Iterator[float]:
-        """The pause before each retry; stops when the budget is spent."""
+        """The pause before each retry; stops when the budget is spent. A pause that
+        would end past the deadline ends at it: the last try is made then (an outage
+        shorter than the deadline is waited out, whatever the draws)."""
         start = time.monotonic()
         for n in range(self.attempts - 1):
-            pause = random.uniform(0, min(self.cap_s, self.base_s * 2**n))
-            if time.monotonic() + pause - start > self.deadline_s:
+            left = self.deadline_s - (time.monotonic() - start)
+            if left <= 0:
                 return
-            yield pause
+            yield min(left, random.uniform(0, min(self.cap_s, self.base_s * 2**n)))
 
 
 def final(exc: BaseException, what: str, dataset: str) -> RemoteError | None:
