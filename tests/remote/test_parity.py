@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
+from typer.testing import CliRunner
 
 from bench.references import MemmapTokens
 from pinfeed import Client, InvalidRequest, Loader
+from pinfeed_server.cli import app
 from tests.datasets.parity import check_parity
 from tests.datasets.test_tokens import write_tokens
 from tests.helpers import unique
@@ -122,4 +126,26 @@ def test_faults_mid_epoch_same_batches(
         assert after["retries"] - before >= 4 and after["throttled"] >= 2
     finally:
         link.clear()
+        admin.delete_dataset(name)
+
+
+def test_status_shows_the_store(admin: Client, remote_server: Server, token_url: str) -> None:
+    """``pinfeed status``: the store's requests, bytes and retries, the object cache,
+    and each loader's hits, within 80 columns."""
+    name, lname = unique("rstatus"), unique("rstatus-l")
+    admin.create_dataset(name, "tokens", {"path": f"s3://pinfeed/{token_url}", "seq_len": 900})
+    admin.create_loader(lname, dataset=name, batch_size=5)
+    try:
+        with Loader(lname, socket=remote_server.socket) as loader:
+            assert sum(1 for _ in loader) == len(loader)
+        env: dict[str, str | None] = {"COLUMNS": "80", "PINFEED_TOKEN": None}
+        result = CliRunner().invoke(app, ["status", "--url", remote_server.url], env=env)
+        assert result.exit_code == 0, result.output
+        out = result.output
+        assert re.search(r"store: \d+ requests, [\d.]+ MB, \d+ retries", out), out
+        assert re.search(r"object cache: [\d.]+/[\d.]+ MB, \d+ units", out), out
+        assert re.search(rf"{lname}: hits \d+% of \d+", out), out
+        assert all(len(line) <= 80 for line in out.splitlines()), out
+    finally:
+        admin.delete_loader(lname)
         admin.delete_dataset(name)
