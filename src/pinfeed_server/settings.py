@@ -224,7 +224,8 @@ class Settings(BaseSettings):
     remote_ahead_bytes: int = Field(
         512 << 20,
         ge=0,
-        description="bytes each loader fetches ahead of the batch it is making",
+        description="bytes each loader fetches ahead of the batch it is making (at most a "
+        "quarter of PINFEED_REMOTE_CACHE_MAX_BYTES)",
     )
     remote_eviction: Literal["next-use", "lru"] = Field(
         "next-use",

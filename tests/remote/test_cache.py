@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.data import _jpeg_folder
+from pinfeed import Loader
 from pinfeed_server.remote.cache import ObjectCache
 from pinfeed_server.remote.client import S3Client
 from pinfeed_server.remote.objects import Manifest, Unit
@@ -19,6 +21,9 @@ from pinfeed_server.remote.retry import Backoff
 from pinfeed_server.remote.schedule import Schedule
 from pinfeed_server.remote.stats import Counts
 from pinfeed_server.remote.url import S3Url
+from tests.launcher import Server
+from tests.remote.conftest import remote_env
+from tests.remote.proxy import FaultProxy
 from tests.remote.s3server import S3Server
 
 SIZE = 10_000  # bytes an object; the caches below hold five
@@ -159,3 +164,33 @@ def test_retries_wait_out_their_deadline_whatever_the_draws() -> None:
     for pause in backoff.pauses():
         time.sleep(pause)
     assert 0.2 <= time.monotonic() - t0 < 0.5
+
+
+def test_a_cache_smaller_than_the_dataset_fetches_each_object_about_once_an_epoch(
+    tmp_path: Path, s3: S3Server, proxy: FaultProxy, prefix: str
+) -> None:
+    """128 images in the store, a cache of half their bytes, the least recently used
+    evicted: what the loader fetches ahead stays in the cache until its batch (a quarter
+    of the cache at most), so an epoch GETs each image about once (28 GETs an image
+    when the look-ahead ran past the cache)."""
+    folder = tmp_path / "w3"
+    _jpeg_folder(folder, {"n": 128, "classes": 2, "source": [64, 48], "seed": 3})
+    s3.upload("pinfeed", prefix, folder)
+    size = sum(p.stat().st_size for p in folder.rglob("*.jpg"))
+    env = remote_env(
+        s3,
+        proxy.endpoint,
+        PINFEED_REMOTE_CACHE_MAX_BYTES=str(size // 2),
+        PINFEED_REMOTE_EVICTION="lru",
+        PINFEED_REMOTE_CACHE_DIR=str(tmp_path / "objects"),
+    )
+    with Server(tmp_path / "srv", env=env) as srv, srv.client() as admin:
+        admin.create_dataset("w3", "images", {"path": f"s3://pinfeed/{prefix}", "size": 16})
+        admin.create_loader("w3", dataset="w3", batch_size=4, shuffle=True, seed=1, num_workers=2)
+        gets = []
+        with Loader("w3", socket=srv.socket) as loader:
+            for _ in range(2):
+                proxy.reset_counts()
+                assert sum(1 for _ in loader) == len(loader)
+                gets.append(proxy.counts.by_method.get("GET", 0))
+    assert all(g <= 1.25 * 128 for g in gets), gets
