@@ -39,9 +39,10 @@ from pinfeed.errors import DataPlaneError, error_from_info
 _BUILD: Callable[[str, dict[str, Any]], Any] | None = None
 
 
-def install(build: Callable[[str, dict[str, Any]], Any]) -> None:
+def install(build: Callable[[str, dict[str, Any]], Any] | None) -> None:
     """Make ``ServerDataset``s read what ``build(kind, params)`` builds, in this process
-    and the processes forked from it (a server, a zygote)."""
+    and the processes forked from it (a server while it serves, a zygote); None: no
+    more (a server closed)."""
     global _BUILD
     _BUILD = build
 

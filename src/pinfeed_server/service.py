@@ -181,8 +181,6 @@ class Service:
             owner_gone=self.owner_gone,
             describe=self.describe_spec,
         )
-        # a trainer's pinfeed.ServerDataset reads what the kind builds here
-        served.install(lambda kind, params: build_dataset(kind, params, self.context))
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
@@ -199,6 +197,8 @@ class Service:
         # Once the forkserver is forked from this process (it and the workers forked
         # from it keep glibc's adaptive threshold), before any loader allocates.
         return_big_buffers()
+        # a trainer's pinfeed.ServerDataset reads what the kind builds here
+        served.install(lambda kind, params: build_dataset(kind, params, self.context))
         self.dataplane.start()
         self.restore()
         if self.settings.demo:
@@ -247,6 +247,7 @@ class Service:
 
     def close(self) -> None:
         self._closed.set()
+        served.install(None)
         self.arbiter.close()
         with self._lock:
             engines = list(self.loaders.values())
