@@ -136,23 +136,80 @@ class PilImageFolder(Dataset[tuple[torch.Tensor, int]]):
         return len(self.samples)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        from PIL import Image
-
         path, label = self.samples[index]
         with open(path, "rb") as f:
-            img = Image.open(f).convert("RGB")
-        w, h = img.size
-        short, long = (w, h) if w <= h else (h, w)
-        new_short, new_long = self.size, int(self.size * long / short)
-        new_w, new_h = (new_short, new_long) if w <= h else (new_long, new_short)
-        if (new_w, new_h) != (w, h):
-            img = img.resize((new_w, new_h), Image.Resampling.BILINEAR)
-        if not self.crop:
-            return torch.from_numpy(np.array(img)).permute(2, 0, 1), label
-        top = round((new_h - self.size) / 2.0)
-        left = round((new_w - self.size) / 2.0)
-        img = img.crop((left, top, left + self.size, top + self.size))
-        return torch.from_numpy(np.array(img)).permute(2, 0, 1), label
+            return _pil_fit(f, self.size, self.crop), label
+
+
+def _pil_fit(f: Any, size: int, crop: bool) -> torch.Tensor:
+    """The image in file ``f`` as RGB: Resize(size), CenterCrop(size) with ``crop``,
+    PILToTensor (torchvision's, written out with Pillow)."""
+    from PIL import Image
+
+    img = Image.open(f).convert("RGB")
+    w, h = img.size
+    short, long = (w, h) if w <= h else (h, w)
+    new_short, new_long = size, int(size * long / short)
+    new_w, new_h = (new_short, new_long) if w <= h else (new_long, new_short)
+    if (new_w, new_h) != (w, h):
+        img = img.resize((new_w, new_h), Image.Resampling.BILINEAR)
+    if not crop:
+        return torch.from_numpy(np.array(img)).permute(2, 0, 1)
+    top = round((new_h - size) / 2.0)
+    left = round((new_w - size) / 2.0)
+    img = img.crop((left, top, left + size, top + size))
+    return torch.from_numpy(np.array(img)).permute(2, 0, 1)
+
+
+class S3ImageFolder(Dataset[tuple[torch.Tensor, int]]):
+    """What a trainer writes without pinfeed for an ImageFolder in a bucket: the keys
+    listed once (obstore, the AWS chain of this process), each sample one GET of its
+    object in the process that reads it (a client per process: DataLoader's workers
+    fork), decoded as :class:`PilImageFolder` decodes. Nothing is cached: every epoch
+    reads the store again."""
+
+    def __init__(self, bucket: str, prefix: str, size: int, crop: bool = True) -> None:
+        import obstore
+
+        self.bucket, self.size, self.crop = bucket, size, crop
+        prefix = prefix.strip("/") + "/"
+        keys = [str(m["path"]) for page in obstore.list(self._store(), prefix) for m in page]
+        by_class: dict[str, list[tuple[str, str, str]]] = {}
+        for key in keys:
+            cls, _, rest = key[len(prefix) :].partition("/")
+            if rest and key.lower().endswith((".jpg", ".jpeg", ".png")):
+                folder, _, name = key.rpartition("/")
+                by_class.setdefault(cls, []).append((folder, name, key))
+        self.classes = sorted(by_class)
+        self.samples = [
+            (key, label)
+            for label, cls in enumerate(self.classes)
+            for _, _, key in sorted(by_class[cls])
+        ]
+        self._pid, self._client = -1, None
+
+    def _store(self) -> Any:
+        from obstore.store import S3Store
+
+        endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
+        return S3Store(self.bucket, client_options={"allow_http": endpoint.startswith("http:")})
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_pid": -1, "_client": None}
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        import io
+
+        import obstore
+
+        if self._pid != os.getpid():
+            self._pid, self._client = os.getpid(), self._store()
+        key, label = self.samples[index]
+        data = obstore.get(self._client, key).bytes()
+        return _pil_fit(io.BytesIO(bytes(data)), self.size, self.crop), label
 
 
 def imagefolder(root: Path, params: dict[str, Any]) -> PilImageFolder:

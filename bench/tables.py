@@ -1026,6 +1026,56 @@ def node(r: Results, args: list[str]) -> str:
     return "\n".join(lines)
 
 
+S3_LAYOUTS = {
+    "images": "JPEG objects, 110 KB (one a sample)",
+    "tokens": "token file, 8 MiB blocks",
+    "tokens-64k": "token file, 64 KiB blocks",
+    "shards": "tar shards, 256 MB",
+}
+
+
+def s3_model(r: Results, args: list[str]) -> str:
+    """docs/how-to/object-storage.md: a node's bytes, the store's, its GETs and prefixes,
+    by layout and order (``bench.s3_model``)."""
+    res = r.get("s3-model")
+    if res is None:
+        return missing("s3-model", "python -m bench s3-model")
+    rows = []
+    for key, shown in S3_LAYOUTS.items():
+        m = res["layouts"][key]
+        for order in ("global", "shard-aware"):
+            o = m[order]
+            rows.append(
+                [
+                    shown,
+                    order,
+                    f"{o['node_bytes_epoch'] / 1e12:.2f} TB",
+                    f"{o['amplification']:.1f}",
+                    f"{o['gets_per_s']:,.0f}",
+                    f"{o['prefixes']:,}",
+                ]
+            )
+    p = res["params"]
+    head = ["layout (unit)", "order", "a node fetches an epoch", "the store sends (x dataset)"]
+    head += ["GET/s, all nodes", f"prefixes at {res['get_per_prefix']:,} GET/s"]
+    checks = "; ".join(
+        f"{c['nodes']} nodes x {c['gpus']}, {c['k']} samples a unit: {c['simulated']:.4f} "
+        f"simulated, {c['formula']:.4f} computed"
+        for c in res.get("checks", [])
+    )
+    return "\n".join(
+        [
+            f"{p['nodes']:,} nodes x {p['gpus']} GPUs, {p['tb']:g} TB.",
+            "",
+            table(head, rows),
+            "",
+            f"The formula against the simulation: {checks}.",
+            "",
+            provenance([res]),
+        ]
+    )
+
+
 RENDERERS: dict[str, Callable[[Results, list[str]], str]] = {
     "headline": headline,
     "throughput": throughput,
@@ -1049,5 +1099,6 @@ RENDERERS: dict[str, Callable[[Results, list[str]], str]] = {
     "gpu": gpu,
     "soak": soak,
     "w9": w9,
+    "s3-model": s3_model,
     "plot": plot_ref,
 }

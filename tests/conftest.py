@@ -73,6 +73,15 @@ def admin(server: Server) -> Iterator[Client]:
         yield c
 
 
+@pytest.fixture()
+def registered(admin: Client) -> Iterator[list[str]]:
+    """Datasets a test registers (its names appended), deleted after it."""
+    names: list[str] = []
+    yield names
+    for name in names:
+        admin.delete_dataset(name)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return

@@ -1,9 +1,10 @@
 """pinfeed's trainer library. Entry points: ``DataLoader`` (torch's DataLoader, its very
 signature over the script's own objects, with the batches made by a pinfeed server:
-the one-line switch), ``Loader`` (a loader registered by name: batches over shared
-memory), ``Client`` (the HTTP admin), ``Transformed`` (a dataset and its per-loader
-transform, the reference of a cached dataset's loader); the errors of ``errors``, the
-tree both sides raise."""
+the one-line switch), ``ServerDataset`` (a dataset the server builds from one of its
+kinds: data in a store, read with the server's credentials), ``Loader`` (a loader
+registered by name: batches over shared memory), ``Client`` (the HTTP admin),
+``Transformed`` (a dataset and its per-loader transform, the reference of a cached
+dataset's loader); the errors of ``errors``, the tree both sides raise."""
 
 from pinfeed._admin import Client
 from pinfeed._dataloader import DataLoader, FallbackWarning
@@ -37,6 +38,7 @@ from pinfeed.errors import (
     UnsupportedMediaType,
     WorkerLimit,
 )
+from pinfeed.served import ServerDataset
 from pinfeed.transformed import Transformed
 
 __version__ = "0.1.0"  # the distribution's version (pyproject reads it from here)
@@ -67,6 +69,7 @@ __all__ = [
     "ProblemError",
     "ProtocolError",
     "SampleError",
+    "ServerDataset",
     "ServerUnavailable",
     "Transformed",
     "Unauthorized",

@@ -97,6 +97,7 @@ from pinfeed.errors import (
     WorkerLimit,
     error_from_info,
 )
+from pinfeed.served import served
 from pinfeed.unbatched import Unbatched
 
 _NEXT, _BATCH, _END, _ERROR = p.NEXT, p.BATCH, p.END, p.ERROR
@@ -277,8 +278,11 @@ class DataLoader(TorchDataLoader[_T_co]):
 
     def _fall_back(self, exc: PinfeedError) -> None:
         """Run torch's own DataLoader in this process from now on, with one warning that
-        says why and what to do (``strict``: raise ``exc`` instead)."""
+        says why and what to do (``strict``: raise ``exc`` instead). Over a
+        ``pinfeed.ServerDataset`` it raises ``exc`` too: only the server can read it."""
         if self.strict or self.device is not None or self.copy or self.cache not in (None, False):
+            raise exc
+        if served(self.dataset):
             raise exc
         if self._owned is not None:
             self._owned.close()

@@ -26,6 +26,8 @@ so the hot path neither pickles nor parses JSON::
     RESUME  U  JSON {"state": state_dict}    RESUMED  u  JSON Resumed (after RESUME)
     REPLAY  V  JSON Replay (a connection's   REPLAYED v  JSON Replayed + a one-slot ring
                first message)                            memfd, then its BATCH or ERROR
+    DESCRIBE Q JSON Describe (a connection's DESCRIBED q JSON Described (or ERROR)
+               first message)
 
 CREATE, EPOCH, OBJECTS, FEED, FEEDS and RNG are ``pinfeed.DataLoader``'s: the trainer
 ships its objects (``pinfeed.payload``) and gets a loader of its own (the reply is
@@ -39,7 +41,9 @@ samplers), many at once (FEEDS).
 RESUME is ``load_state_dict`` (a version 2 state, ``pinfeed.elastic``: it may make one
 epoch the rest of a run at another world size); REPLAY, on a connection of its own,
 asks for one batch made again (``Loader.replay``), into a ring of one slot that the
-server makes for it and the client maps, copies and lets go.
+server makes for it and the client maps, copies and lets go. DESCRIBE, on a connection
+of its own, asks what a dataset the server would build from a kind and its params is
+(``pinfeed.ServerDataset``: its length, and whether it is iterable), registering nothing.
 
 An ERROR's slug names a class of ``pinfeed.errors``, which this module does not import:
 it imports neither pinfeed nor torch (a stdlib-only trainer loads it by path)."""
@@ -56,16 +60,18 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 # HTTP, not the socket: the header a client names itself with; the control plane paces
 # each (address, this header) apart (pinfeed_server/api/throttle.py).
 HTTP_CLIENT_HEADER = "x-pinfeed-client"
 
 ATTACH, NEXT, RELEASE, SKIP, SEEK, CUDA = map(ord, "ANRSKC")  # client -> server
 CREATE, EPOCH, FEED, FEEDS, OBJECTS = map(ord, "OHFMJ")  # client -> server: pinfeed.DataLoader's
-RESUME, REPLAY = map(ord, "UV")  # client -> server: load_state_dict, Loader.replay
+RESUME, REPLAY, DESCRIBE = map(
+    ord, "UVQ"
+)  # client -> server: load_state_dict, replay, ServerDataset
 ATTACHED, BATCH, END, POSITION, ERROR, SEGMENT, RNG, RING = map(ord, "aBEPXGYW")  # server -> client
-RESUMED, REPLAYED = map(ord, "uv")  # server -> client
+RESUMED, REPLAYED, DESCRIBED = map(ord, "uvq")  # server -> client
 KIND_NAMES = {
     ATTACH: "ATTACH", NEXT: "NEXT", RELEASE: "RELEASE", SKIP: "SKIP", SEEK: "SEEK",
     CUDA: "CUDA", CREATE: "CREATE", EPOCH: "EPOCH", FEED: "FEED", FEEDS: "FEEDS",
@@ -73,7 +79,7 @@ KIND_NAMES = {
     ATTACHED: "ATTACHED",
     BATCH: "BATCH", END: "END", POSITION: "POSITION", ERROR: "ERROR", SEGMENT: "SEGMENT",
     RNG: "RNG", RING: "RING", RESUME: "RESUME", RESUMED: "RESUMED", REPLAY: "REPLAY",
-    REPLAYED: "REPLAYED",
+    REPLAYED: "REPLAYED", DESCRIBE: "DESCRIBE", DESCRIBED: "DESCRIBED",
 }  # fmt: skip
 
 # kind | flags << 8, slot, seq, epoch, index in epoch, length of the trailing body
@@ -723,6 +729,51 @@ class Replayed:
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"REPLAYED lacks a field: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Describe:
+    """A connection's first message asking what dataset ``kind`` builds from ``params``
+    in the server (nothing registered)."""
+
+    kind: str
+    params: dict[str, Any]
+    version: int = PROTOCOL_VERSION
+
+    def encode(self) -> bytes:
+        return _encode_json(DESCRIBE, asdict(self))
+
+    @classmethod
+    def decode(cls, data: Buffer) -> Describe:
+        obj = _decode_json(DESCRIBE, data)
+        try:
+            params = obj["params"]
+            if not isinstance(params, dict):
+                raise TypeError("params is not an object")
+            return cls(str(obj["kind"]), params, int(obj["version"]))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"DESCRIBE lacks a field: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Described:
+    """The reply to DESCRIBE: the dataset's ``length`` (None: it has none, an iterable's
+    may not) and whether it is an ``IterableDataset``."""
+
+    length: int | None
+    iterable: bool
+
+    def encode(self) -> bytes:
+        return _encode_json(DESCRIBED, asdict(self))
+
+    @classmethod
+    def decode(cls, data: Buffer) -> Described:
+        obj = _decode_json(DESCRIBED, data)
+        try:
+            length = obj["length"]
+            return cls(None if length is None else int(length), bool(obj["iterable"]))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"DESCRIBED lacks a field: {exc}") from None
 
 
 # -- per-batch messages ----------------------------------------------------------------

@@ -247,6 +247,33 @@ def loaders_show(name: str, url: UrlOpt = None, token: TokenOpt = None) -> None:
         _json({"loader": c.loader(name), "stats": c.loader_stats(name)})
 
 
+def _remote(remote: dict[str, Any] | None) -> list[str]:
+    """The object store's counts (GET /v1/node's ``remote``): the node's requests,
+    bytes, retries and stall, its object cache, and each loader's reads."""
+    if remote is None:
+        return []
+    st, cache = remote["store"], remote["cache"]
+
+    def ratio(c: dict[str, Any]) -> str:
+        seen = c["hits"] + c["misses"]
+        return f"{c['hits'] / seen:.0%}" if seen else "-"
+
+    lines = [
+        f"store: {st['requests']:.0f} requests, {_mb(st['bytes'])} MB, {st['retries']:.0f} "
+        f"retries ({st['throttled']:.0f} throttled), {st['errors']:.0f} errors; waited "
+        f"{st['wait_s']:.1f} s",
+        f"object cache: {_mb(cache['held_bytes'])}/{_mb(cache['max_bytes'])} MB, "
+        f"{cache['entries']} units ({cache['pinned']} pinned), hits {ratio(st)}, "
+        f"{cache['evictions']} evicted ({cache['eviction']})",
+    ]
+    for name, c in sorted(remote["loaders"].items()):
+        lines.append(
+            f"  {name}: hits {ratio(c)} of {c['hits'] + c['misses']:.0f}, "
+            f"{c['prefetched']:.0f} ahead, waited {c['wait_s']:.1f} s for the store"
+        )
+    return lines
+
+
 def _ms(seconds: float | None) -> str:
     """A wait from the histogram's buckets (interpolated), in milliseconds."""
     return "-" if seconds is None else f"{seconds * 1e3:.1f} ms"
@@ -254,7 +281,8 @@ def _ms(seconds: float | None) -> str:
 
 def status(url: UrlOpt = None, token: TokenOpt = None, as_json: JsonOpt = False) -> None:
     """The node and its loaders: state, queue fill, samples/s, the trainers' wait share
-    and p99, workers; then the node arbiter's last decisions. Fits 80 columns."""
+    and p99, workers; the object store's counts where a dataset reads one; then the node
+    arbiter's last decisions. Fits 80 columns."""
     # The same types the server renders: the JSON parsed back, read by attribute.
     from pinfeed_server.engine.stats import StatsSnapshot
     from pinfeed_server.engine.status import LoaderStatus
@@ -287,6 +315,8 @@ def status(url: UrlOpt = None, token: TokenOpt = None, as_json: JsonOpt = False)
         soft_wrap=False,
     )
     console().print(_lifetime(node.lifetime), markup=False)
+    for line in _remote(node.remote):
+        console().print(line, markup=False, overflow="fold")
     prio = {lo.name: lo for lo in node.loaders}
     # Short, whole headers, no box, the box's one space between columns and no padding:
     # every column readable in 80 columns (rich cuts headers to their column's width, so

@@ -379,6 +379,12 @@ class NodePublic(BaseModel):
     arbiter: ArbiterPublic
     loaders: list[NodeLoader]
     decisions: list[NodeDecision]
+    remote: dict[str, Any] | None = Field(
+        None,
+        description="datasets in an object store: the node's requests, bytes, retries and "
+        "cache hits ('store'), its object cache ('cache'), each loader's ('loaders'); "
+        "null until a remote dataset is read",
+    )
 
 
 class Health(BaseModel):

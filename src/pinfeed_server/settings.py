@@ -22,6 +22,8 @@ from pinfeed._autostart import SCRIPT, StartedBy
 from pinfeed.protocol import DEFAULT_SOCKET_NAME, default_run_dir
 from pinfeed_server.engine.config import MAX_WORKERS  # a loader's bound
 from pinfeed_server.engine.producers.ray import check_ray_address
+from pinfeed_server.remote import RemoteConfig
+from pinfeed_server.remote.url import S3Url
 
 log = logging.getLogger("pinfeed")
 
@@ -190,6 +192,49 @@ class Settings(BaseSettings):
         "(pinfeed.DataLoader's autostart sets it): a script's server keeps a registry of "
         "its own, in memory, and never restores the one under PINFEED_STATE_DIR",
     )
+    remote_allow: list[str] = Field(
+        default_factory=list,
+        description="s3:// buckets or prefixes that datasets may read, as a JSON list, e.g. "
+        '["s3://corpus/train/"] (default: none). The store, region and credentials come from '
+        "the standard AWS chain in the server's environment (AWS_ENDPOINT_URL, AWS_REGION, "
+        "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ...), never from a request",
+    )
+    remote_cache_dir: Path | None = Field(
+        None,
+        description="the node's object cache of remote datasets, kept across restarts "
+        "(local disk; default <cache_dir>/objects)",
+    )
+    remote_cache_max_bytes: int = Field(
+        64 << 30, gt=0, description="bytes the object cache may hold on disk (default 64 GiB)"
+    )
+    remote_block_bytes: int = Field(
+        8 << 20,
+        ge=1 << 16,
+        le=1 << 30,
+        description="a range-read object (token file, .npy) is fetched and cached in blocks "
+        "of this size",
+    )
+    remote_concurrency: int = Field(
+        32, ge=1, le=1024, description="GETs to the store at once, for the whole node"
+    )
+    remote_ahead_bytes: int = Field(
+        512 << 20,
+        ge=0,
+        description="bytes each loader fetches ahead of the batch it is making (at most a "
+        "quarter of PINFEED_REMOTE_CACHE_MAX_BYTES)",
+    )
+    remote_eviction: Literal["next-use", "lru"] = Field(
+        "next-use",
+        description="next-use: evict what the loaders need furthest in the future (their "
+        "known order); lru: the least recently used",
+    )
+    remote_retries: int = Field(10, ge=1, le=100, description="tries of a failing request")
+    remote_retry_s: float = Field(
+        60.0, gt=0, description="seconds a request keeps being retried (backoff with jitter)"
+    )
+    remote_verify: bool = Field(
+        True, description="check a whole object's MD5 against its ETag where it is one"
+    )
     demo: bool = Field(False, description="register the demo dataset and loader at start")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="log level"
@@ -242,6 +287,28 @@ class Settings(BaseSettings):
     @property
     def cache_path(self) -> Path:
         return self.cache_dir or self.state_dir / "cache"
+
+    @property
+    def remote(self) -> RemoteConfig:
+        return RemoteConfig(
+            allow=tuple(self.remote_allow),
+            cache_dir=self.remote_cache_dir or self.cache_path / "objects",
+            max_bytes=self.remote_cache_max_bytes,
+            block_bytes=self.remote_block_bytes,
+            concurrency=self.remote_concurrency,
+            ahead_bytes=self.remote_ahead_bytes,
+            eviction=self.remote_eviction,
+            retries=self.remote_retries,
+            retry_s=self.remote_retry_s,
+            verify=self.remote_verify,
+        )
+
+    @field_validator("remote_allow")
+    @classmethod
+    def _s3_urls(cls, v: list[str]) -> list[str]:
+        for url in v:
+            S3Url.parse(url)  # a ValueError names the entry
+        return v
 
     @property
     def cache_budget(self) -> int:

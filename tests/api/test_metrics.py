@@ -201,6 +201,7 @@ def test_the_loader_series_are_byte_for_byte_the_ones_dashboards_know() -> None:
         shm_used=lambda: 0,
         workers_used=lambda: 0,
         cache_stats=dict,
+        remote_stats=lambda: None,  # no dataset in a store
     )
     assert _loader_families(render(service)) == _loader_families(ONE_LOADER.read_text())
     assert len({s.metric for s in SERIES}) == len(SERIES)  # no name declared twice

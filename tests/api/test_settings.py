@@ -54,6 +54,16 @@ def test_every_setting_reads_its_env_var(monkeypatch: pytest.MonkeyPatch, tmp_pa
         "ARBITER_INTERVAL_S": "0.5",
         "CACHE_MAX_BYTES": "524288",
         "CACHE_DIR": str(tmp_path / "caches"),
+        "REMOTE_ALLOW": '["s3://corpus/train/"]',
+        "REMOTE_CACHE_DIR": str(tmp_path / "objects"),
+        "REMOTE_CACHE_MAX_BYTES": str(1 << 30),
+        "REMOTE_BLOCK_BYTES": str(1 << 20),
+        "REMOTE_CONCURRENCY": "8",
+        "REMOTE_AHEAD_BYTES": str(1 << 24),
+        "REMOTE_EVICTION": "lru",
+        "REMOTE_RETRIES": "3",
+        "REMOTE_RETRY_S": "5",
+        "REMOTE_VERIFY": "false",
     }
     assert {f"PINFEED_{k.upper()}" for k in Settings.model_fields} == {f"PINFEED_{k}" for k in env}
     for key, value in env.items():

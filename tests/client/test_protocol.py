@@ -153,6 +153,17 @@ ROUND_TRIPS: dict[int, tuple[bytes, Callable[[bytes], object]]] = {
         p.Replayed("train-0", 4, 17, [3, 1], 1, 0, 4096, LAYOUT).encode(),
         lambda m: p.Replayed.decode(m) == p.Replayed("train-0", 4, 17, [3, 1], 1, 0, 4096, LAYOUT),
     ),
+    p.DESCRIBE: (
+        p.Describe("images", {"path": "s3://b/train/", "size": 224}).encode(),
+        lambda m: (
+            p.Describe.decode(m)
+            == p.Describe("images", {"path": "s3://b/train/", "size": 224}, p.PROTOCOL_VERSION)
+        ),
+    ),
+    p.DESCRIBED: (
+        p.Described(1281167, False).encode(),
+        lambda m: p.Described.decode(m) == p.Described(1281167, False),
+    ),
 }
 
 

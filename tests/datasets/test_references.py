@@ -9,7 +9,6 @@ against them: the same batches, read a batch at a time.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,14 +43,6 @@ def files(server: Server) -> Path:
     np.save(root / "ref-x.npy", x.numpy().astype(np.float32))
     np.save(root / "ref-y.npy", y.numpy())
     return root
-
-
-@pytest.fixture()
-def registered(admin: Client) -> Iterator[list[str]]:
-    names: list[str] = []
-    yield names
-    for name in names:
-        admin.delete_dataset(name)
 
 
 def _register(admin: Client, names: list[str], kind: str, params: dict[str, Any]) -> str:

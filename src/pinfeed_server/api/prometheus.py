@@ -223,6 +223,63 @@ class Family(NamedTuple):
     labels: tuple[str, ...]
 
 
+class RemoteCount(NamedTuple):
+    """A count of the object store's reads (remote/stats.py), for the node and per loader."""
+
+    key: str  # its key in RemoteStats' counts
+    help: str
+
+    @property
+    def metric(self) -> str:
+        """The node's family; the loaders' is ``pinfeed_remote_loader_..``."""
+        name = self.key.removesuffix("_s") + ("_seconds" if self.key.endswith("_s") else "")
+        return f"pinfeed_remote_{name}_total"
+
+    @property
+    def per_loader(self) -> str:
+        return self.metric.replace("pinfeed_remote_", "pinfeed_remote_loader_")
+
+
+# the object store and the node's object cache: written only where a dataset reads one
+REMOTE_COUNTS = (
+    RemoteCount("requests", "Requests sent to the object store, retries included"),
+    RemoteCount("bytes", "Body bytes received from the object store"),
+    RemoteCount("retries", "Requests to the object store tried again"),
+    RemoteCount("throttled", "Answers of 503 SlowDown or 429 from the object store"),
+    RemoteCount("errors", "Reads from the object store that failed for good"),
+    RemoteCount("hits", "Units a batch read found in the node's object cache"),
+    RemoteCount("misses", "Units a batch read had to fetch"),
+    RemoteCount("prefetched", "Units fetched ahead of their batch"),
+    RemoteCount("wait_s", "Seconds batches waited for the object store"),
+)
+REMOTE_CACHE = (  # gauge, help, the object cache's field
+    ("pinfeed_remote_cache_max_bytes", "PINFEED_REMOTE_CACHE_MAX_BYTES", "max_bytes"),
+    ("pinfeed_remote_cache_held_bytes", "Bytes the object cache holds", "held_bytes"),
+    ("pinfeed_remote_cache_entries", "Units the object cache holds", "entries"),
+    ("pinfeed_remote_cache_pinned", "Units pinned by batches in the making", "pinned"),
+)
+REMOTE_EVICTIONS = "Units evicted from the node's object cache"
+
+
+def _remote(out: list[str], service: Service) -> None:
+    stats = service.remote_stats()
+    if stats is None:
+        return
+    for count in REMOTE_COUNTS:
+        _family(out, count.metric, "counter", f"{count.help} (node)")
+        out.append(f"{count.metric} {_num(stats.counts[count.key])}\n")
+        _family(out, count.per_loader, "counter", f"{count.help} (per loader)")
+        out.extend(
+            f'{count.per_loader}{{loader="{_esc(name)}"}} {_num(c[count.key])}\n'
+            for name, c in stats.loaders.items()
+        )
+    for metric, doc, field in REMOTE_CACHE:
+        _family(out, metric, "gauge", doc)
+        out.append(f"{metric} {_num(getattr(stats.cache, field))}\n")
+    _family(out, "pinfeed_remote_cache_evictions_total", "counter", REMOTE_EVICTIONS)
+    out.append(f"pinfeed_remote_cache_evictions_total {_num(stats.cache.evictions)}\n")
+
+
 def families() -> list[Family]:
     """Every pinfeed family ``render`` writes, in its order (not prometheus_client's
     process and platform collectors)."""
@@ -240,6 +297,16 @@ def families() -> list[Family]:
             Family(f"pinfeed_dataset_cache_{m.name}", m.kind, m.help, ("dataset",))
             for _, m in CACHE_SERIES
         ),
+        *(
+            family
+            for c in REMOTE_COUNTS
+            for family in (
+                Family(c.metric, "counter", f"{c.help} (node)", ()),
+                Family(c.per_loader, "counter", f"{c.help} (per loader)", ("loader",)),
+            )
+        ),
+        *(Family(metric, "gauge", doc, ()) for metric, doc, _ in REMOTE_CACHE),
+        Family("pinfeed_remote_cache_evictions_total", "counter", REMOTE_EVICTIONS, ()),
     ]
 
 
@@ -272,4 +339,5 @@ def render(service: Service) -> str:
             f'{metric}{{dataset="{d}"}} {int(getattr(c, field))}\n'
             for d, c in zip(datasets, caches.values(), strict=True)
         )
+    _remote(out, service)
     return "".join(out)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -12,7 +13,9 @@ import torch
 import torch.utils.data
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from pinfeed_server.datasets.remote import RemoteDataset
 from pinfeed_server.errors import DomainError
+from pinfeed_server.remote import Manifest, Remote, RemoteError, RemoteLink
 
 
 class DatasetError(DomainError, ValueError):
@@ -25,6 +28,31 @@ class DatasetContext:
 
     data_root: Path
     allowed_plugins: tuple[str, ...] = field(default_factory=tuple)
+    # s3:// paths: the node's object store and cache (None: PINFEED_REMOTE_ALLOW unset);
+    # in a worker's zygote, its link to the server's
+    remote: Remote | RemoteLink | None = None
+    # a remote dataset built again in a zygote: the listing the server made (its
+    # objects and their ETags), which ``manifest`` answers instead of listing
+    pinned: Manifest | None = None
+
+    def manifest(self, urls: str | list[str], *, blocks: bool, single: bool = False) -> Manifest:
+        """The objects at ``urls`` (a prefix, or with ``single`` object URLs) as a
+        manifest; what the store or the allow-list refuses is a ``DatasetError``."""
+        shown = urls if isinstance(urls, str) else ", ".join(urls)
+        if self.pinned is not None:
+            if self.pinned.name != shown:  # a kind that lists twice: a bug, said here
+                raise DatasetError(f"{shown}: not the listing pinned ({self.pinned.name})")
+            return self.pinned
+        if self.remote is None:
+            raise DatasetError(
+                f"{shown}: this server reads no object store; its operator sets "
+                "PINFEED_REMOTE_ALLOW (the buckets it may read) and the AWS chain "
+                "(AWS_ENDPOINT_URL, AWS_REGION, credentials)"
+            )
+        try:  # a zygote's link asks the server, which lends it the listing it made
+            return self.remote.manifest(urls, blocks=blocks, single=single)
+        except (RemoteError, ValueError) as exc:
+            raise DatasetError(str(exc)) from None
 
     def _inside(self, relative: str) -> tuple[Path, Path]:
         """(root, path): ``relative`` resolved inside the data root, symlinks followed."""
@@ -148,4 +176,10 @@ class Kind(Generic[P]):
         return (self.doc or self.name).strip().splitlines()[0]
 
     def __call__(self, params: dict[str, Any], ctx: DatasetContext) -> Any:
-        return self.build(parse_params(self.params, params), ctx)
+        try:
+            built = self.build(parse_params(self.params, params), ctx)
+        except RemoteError as exc:  # a read of an object the build needed (a header)
+            raise DatasetError(str(exc)) from None
+        if isinstance(built, RemoteDataset):  # it pickles as this build, its listing pinned
+            built.source = (self, params, dataclasses.replace(ctx, pinned=None))
+        return built

@@ -19,24 +19,34 @@ Every class folder, subfolder and file must resolve inside the data root: a syml
 that leads out is refused when the dataset is built, a link back to an enclosing
 folder (a loop) is not followed, and files are opened by their resolved path with
 ``O_NOFOLLOW``, so a file swapped for a link later is refused too.
+
+``"path": "s3://bucket/train/"`` reads the folder from a store: the keys under the
+prefix are its files (the first folder below the prefix a class), in the same order,
+each object fetched whole into the node's object cache (``remote/``).
 """
 
 from __future__ import annotations
 
 import functools
+import io
 import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, overload
+from typing import Any, BinaryIO, Literal, overload
 
 import numpy as np
 import torch
+from numpy.typing import NDArray
 from PIL import Image, UnidentifiedImageError
 from pydantic import Field
 
 from pinfeed_server.datasets.base import DatasetContext, DatasetError, Kind, Params
+from pinfeed_server.datasets.remote import RemoteDataset
 from pinfeed_server.datasets.shared import SharedArrays, StringTable, string_arrays
+from pinfeed_server.remote import Manifest, RemoteObject, is_remote
+from pinfeed_server.remote.file import Local
+from pinfeed_server.remote.url import S3Url
 
 EXTENSIONS = (".jpg", ".jpeg", ".png")
 
@@ -161,15 +171,20 @@ def safe_formats() -> tuple[str, ...]:
     return tuple(f for f in Image.ID if f != "EPS")
 
 
-def decode(path: str, size: int, crop: bool = True, draft: bool = False) -> Image.Image:
-    """Open ``path`` (no symlink) as RGB, resize its shorter side to ``size`` and, with
-    ``crop``, center-crop; ``draft``: decode a JPEG at a reduced scale first."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as f:
+def decode(
+    source: str | BinaryIO, size: int, crop: bool = True, draft: bool = False
+) -> Image.Image:
+    """Open ``source`` (a path, no symlink; or an open binary file) as RGB, resize its
+    shorter side to ``size`` and, with ``crop``, center-crop; ``draft``: decode a JPEG
+    at a reduced scale first."""
+    if isinstance(source, str):
+        fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        source = os.fdopen(fd, "rb")
+    with source as f:
         img: Image.Image = Image.open(f, formats=safe_formats())
-        source = img.size
+        size_before = img.size
         if draft and img.format == "JPEG":
-            w, h = source
+            w, h = size_before
             scale = size / min(w, h)
             # libjpeg's scale: the largest reduction that keeps both sides >= these
             img.draft("RGB", (math.ceil(w * scale), math.ceil(h * scale)))
@@ -177,7 +192,7 @@ def decode(path: str, size: int, crop: bool = True, draft: bool = False) -> Imag
         # convert() copies even an RGB image: skip it then (the same pixels)
         if img.mode != "RGB":
             img = img.convert("RGB")
-    return fit(img, size, crop, source)
+    return fit(img, size, crop, size_before)
 
 
 def fit(
@@ -217,14 +232,63 @@ class Samples(Sequence[tuple[str, int]]):
         return self._dataset.sample(index)
 
 
+class Files:
+    """A local folder's samples, in ``SharedArrays`` (``scan``): built once in the
+    server, mapped by its zygote and workers, pickled as a file descriptor; no list of
+    paths anywhere."""
+
+    def __init__(self, index: SharedArrays) -> None:
+        self._index = index
+        self._dirs = StringTable(index["dir_bytes"], index["dir_offsets"])
+        self._names = StringTable(index["name_bytes"], index["name_offsets"])
+        self._sample_dir = index["sample_dir"]
+        self._dir_label = index["dir_label"]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Files, (self._index,))
+
+    def __len__(self) -> int:
+        return len(self._sample_dir)
+
+    def sample(self, index: int) -> tuple[str, int]:
+        d = int(self._sample_dir[index])
+        name = self._names[index]
+        path = name if name.startswith(os.sep) else os.path.join(self._dirs[d], name)
+        return path, int(self._dir_label[d])
+
+    def open(self, index: int) -> str:
+        return self.sample(index)[0]
+
+
+class Objects:
+    """A folder's samples in a store: ``manifest``'s objects, whole, in ImageFolder's
+    order, and each one's label; read through the node's object cache."""
+
+    def __init__(self, remote: Local, manifest: Manifest, labels: NDArray[np.int64]) -> None:
+        self.remote, self.manifest, self.labels = remote, manifest, labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def sample(self, index: int) -> tuple[str, int]:
+        return self.manifest.objects[index].url, int(self.labels[index])
+
+    def open(self, index: int) -> BinaryIO:
+        return io.BufferedReader(RemoteObject(self.remote, self.manifest, index).open())
+
+    def units(
+        self, indices: NDArray[np.int64]
+    ) -> list[tuple[NDArray[np.int64], NDArray[np.int64]]]:
+        return [self.manifest.objects_units(indices)]
+
+
 class ImagesDataset:
-    """The samples live in ``SharedArrays`` (``scan``): built once in the server, mapped
-    by its zygote and workers, pickled as a file descriptor; no list of paths anywhere."""
+    """ImageFolder's samples (``files``: a local folder's, or a store's), decoded."""
 
     def __init__(
         self,
         classes: list[str],
-        index: SharedArrays,
+        files: Files | Objects,
         size: int,
         crop: bool = True,
         decode: str = "full",
@@ -234,28 +298,20 @@ class ImagesDataset:
         self.size = size
         self.crop = crop
         self.decode = decode
-        self._index = index
-        self._dirs = StringTable(index["dir_bytes"], index["dir_offsets"])
-        self._names = StringTable(index["name_bytes"], index["name_offsets"])
-        self._sample_dir = index["sample_dir"]
-        self._dir_label = index["dir_label"]
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (ImagesDataset, (self.classes, self._index, self.size, self.crop, self.decode))
+        self.files = files
 
     def __len__(self) -> int:
-        return len(self._sample_dir)
+        return len(self.files)
 
-    def sample(self, index: int) -> tuple[str, int]:
-        """ImageFolder's ``samples[index]``: (real path, label)."""
-        n = len(self._sample_dir)
+    def _index(self, index: int) -> int:
+        n = len(self.files)
         if not -n <= index < n:
             raise IndexError(f"index {index} out of range for {n} images")
-        index %= n
-        d = int(self._sample_dir[index])
-        name = self._names[index]
-        path = name if name.startswith(os.sep) else os.path.join(self._dirs[d], name)
-        return path, int(self._dir_label[d])
+        return index % n
+
+    def sample(self, index: int) -> tuple[str, int]:
+        """ImageFolder's ``samples[index]``: (real path, or the object's URL; label)."""
+        return self.files.sample(self._index(index))
 
     @property
     def samples(self) -> Samples:
@@ -263,9 +319,10 @@ class ImagesDataset:
         return Samples(self)
 
     def _hwc(self, index: int) -> tuple[np.ndarray[Any, Any], int]:
-        path, label = self.sample(index)
+        i = self._index(index)
+        path, label = self.files.sample(i)
         try:
-            img = decode(path, self.size, self.crop, self.decode == "draft")
+            img = decode(self.files.open(i), self.size, self.crop, self.decode == "draft")
         except (OSError, UnidentifiedImageError, ValueError) as exc:
             raise DatasetError(f"cannot decode {path}: {exc}") from None
         return np.asarray(img), label  # read-only, HxWxC
@@ -291,9 +348,46 @@ class ImagesDataset:
         return f"ImagesDataset({len(self)} images, {len(self.classes)} classes)"
 
 
-def build(p: ImagesParams, ctx: DatasetContext) -> ImagesDataset:
+def scan_objects(listed: Manifest, prefix: str) -> tuple[list[str], list[int], list[int]]:
+    """``scan`` over a listing: the classes (the first folder below ``prefix``), and
+    which objects are samples (ImageFolder's order: by folder, then by name) with their
+    labels."""
+    files: dict[str, list[tuple[str, str, int]]] = {}
+    for k, obj in enumerate(listed.objects):
+        rel = obj.key[len(prefix) :]
+        cls, _, rest = rel.partition("/")
+        if not rest:
+            continue  # a file beside the class folders: ImageFolder skips it too
+        folder, _, name = f"{cls}/{rest}".rpartition("/")
+        found = files.setdefault(cls, [])
+        if name.lower().endswith(EXTENSIONS):
+            found.append((folder, name, k))
+    if not files:
+        raise DatasetError(f"no class folder in {listed.name!r}")
+    classes = sorted(files)
+    empty = [c for c in classes if not files[c]]
+    if empty:
+        raise DatasetError(f"class folders without a .jpg, .jpeg or .png file: {', '.join(empty)}")
+    keep: list[int] = []
+    labels: list[int] = []
+    for label, cls in enumerate(classes):
+        for _, _, k in sorted(files[cls]):
+            keep.append(k)
+            labels.append(label)
+    return classes, keep, labels
+
+
+def build(p: ImagesParams, ctx: DatasetContext) -> Any:
+    if is_remote(p.path):
+        url = p.path.rstrip("/") + "/"
+        listed = ctx.manifest(url, blocks=False)
+        classes, keep, labels = scan_objects(listed, S3Url.parse(url).key)
+        manifest = listed.select(keep)
+        files = Objects(ctx.remote, manifest, np.asarray(labels, dtype=np.int64))  # type: ignore[arg-type]
+        inner = ImagesDataset(classes, files, p.size, p.crop, p.decode)
+        return RemoteDataset(inner, manifest, files.units, listed)
     classes, index = scan(ctx.resolve_dir(p.path), ctx.data_root.resolve())
-    return ImagesDataset(classes, index, p.size, p.crop, p.decode)
+    return ImagesDataset(classes, Files(index), p.size, p.crop, p.decode)
 
 
 KIND = Kind("images", ImagesParams, build, __doc__, ship_build=True)

@@ -6,10 +6,16 @@ memory-mapped; their row groups are decoded when a batch needs them and the late
 decodes some of them more than once: Parquet has no random access below a row group.
 Rows are in file order then row order, as ``load_dataset("parquet", data_files=...)``
 gives them, and samples are what its ``.with_format("torch")`` gives (``arrow``).
+
+``s3://`` paths (a list of object URLs, or one URL, a glob in its last components) are
+read by range through the node's object cache (``remote/``): the footer, then each row
+group's column chunks, the blocks holding them fetched once for the node.
 """
 
 from __future__ import annotations
 
+import fnmatch
+import re
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -18,10 +24,14 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from numpy.typing import NDArray
 from pydantic import Field
 
 from pinfeed_server.datasets import arrow
 from pinfeed_server.datasets.base import DatasetContext, DatasetError, Kind
+from pinfeed_server.datasets.remote import RemoteDataset, Spans
+from pinfeed_server.remote import Manifest, RemoteObject, is_remote
+from pinfeed_server.remote.url import S3Url
 
 
 class ParquetParams(arrow.ArrowParams):
@@ -49,11 +59,73 @@ def _files(paths: list[str] | str, ctx: DatasetContext) -> list[tuple[str, Path]
     return [(rel, ctx.resolve(rel)) for rel in rels]
 
 
-def _open(shown: str, path: Path) -> pq.ParquetFile:
+def _open(shown: str, source: Path | RemoteObject) -> pq.ParquetFile:
     try:
-        return pq.ParquetFile(path, memory_map=True)
+        if isinstance(source, RemoteObject):
+            return pq.ParquetFile(source.open())
+        return pq.ParquetFile(source, memory_map=True)
     except (pa.ArrowInvalid, OSError) as exc:
         raise DatasetError(f"{shown}: not a readable Parquet file ({exc})") from None
+
+
+def _glob_match(key: str, pattern: str) -> bool:
+    """``key`` matches ``pattern`` component by component (``*`` stays within one, as
+    in the data root's glob)."""
+    parts, want = key.split("/"), pattern.split("/")
+    return len(parts) == len(want) and all(
+        fnmatch.fnmatchcase(a, b) for a, b in zip(parts, want, strict=True)
+    )
+
+
+def _objects(paths: list[str] | str, ctx: DatasetContext) -> tuple[Manifest, Manifest]:
+    """(the files' manifest, the listing it came from) for ``s3://`` paths."""
+    if isinstance(paths, list):
+        listed = ctx.manifest(paths, blocks=True, single=True)
+        return listed, listed
+    if not any(c in paths for c in "*?["):
+        listed = ctx.manifest([paths], blocks=True, single=True)
+        return listed, listed
+    url = S3Url.parse(paths)
+    fixed = re.split(r"[*?\[]", url.key, maxsplit=1)[0].rpartition("/")[0]
+    listed = ctx.manifest(str(S3Url(url.bucket, fixed)), blocks=True)
+    keep = [k for k, o in enumerate(listed.objects) if _glob_match(o.key, url.key)]
+    if not keep:
+        raise DatasetError(f"glob {paths!r} matches no object in the store")
+    return listed.select(keep), listed
+
+
+def _byte_ranges(pf: pq.ParquetFile, names: list[str]) -> list[tuple[int, int]]:
+    """Per row group, the bytes ``[start, stop)`` its chunks of columns ``names`` span."""
+    wanted = set(names)
+    out = []
+    meta = pf.metadata
+    for g in range(meta.num_row_groups):
+        rg = meta.row_group(g)
+        chunks = []
+        for c in range(rg.num_columns):
+            col = rg.column(c)
+            if col.path_in_schema.split(".")[0] not in wanted:
+                continue
+            first = col.data_page_offset
+            if col.has_dictionary_page and col.dictionary_page_offset is not None:
+                first = min(first, col.dictionary_page_offset)
+            chunks.append((first, first + col.total_compressed_size))
+        out.append((min(c[0] for c in chunks), max(c[1] for c in chunks)))
+    return out
+
+
+class GroupSpans:
+    """The blocks each sample's row group lies in (its selected columns' chunks)."""
+
+    def __init__(self, manifest: Manifest, groups: RowGroups, ranges: list[tuple[int, int]]):
+        self.manifest, self.groups = manifest, groups
+        self.starts = np.array([r[0] for r in ranges], dtype=np.int64)
+        self.stops = np.array([r[1] for r in ranges], dtype=np.int64)
+
+    def __call__(self, indices: NDArray[np.int64]) -> Spans:
+        k = np.searchsorted(self.groups.starts, indices, side="right") - 1
+        files = self.groups.file_of[k].astype(np.int64)
+        return [self.manifest.spans(files, self.starts[k], self.stops[k])]
 
 
 class RowGroups:
@@ -66,7 +138,7 @@ class RowGroups:
             for f, (_, pf) in enumerate(files)
             for g in range(pf.metadata.num_row_groups)
         ]
-        self._file = np.array([c[0] for c in counts], dtype=np.int32)
+        self.file_of = np.array([c[0] for c in counts], dtype=np.int32)
         self._group = np.array([c[1] for c in counts], dtype=np.int32)
         self.starts = np.cumsum([0, *(c[2] for c in counts)], dtype=np.int64)
         self._cache: OrderedDict[int, arrow.Frame] = OrderedDict()
@@ -83,7 +155,7 @@ class RowGroups:
             if frame is not None:
                 self._cache.move_to_end(k)
         if frame is None:
-            shown, pf = self._files[int(self._file[k])]
+            shown, pf = self._files[int(self.file_of[k])]
             try:
                 table = pf.read_row_group(int(self._group[k]), columns=self._names)
             except (pa.ArrowInvalid, OSError) as exc:
@@ -97,7 +169,15 @@ class RowGroups:
 
 
 def build(p: ParquetParams, ctx: DatasetContext) -> Any:
-    files = [(shown, _open(shown, path)) for shown, path in _files(p.paths, ctx)]
+    remote = is_remote(p.paths if isinstance(p.paths, str) else (p.paths or [""])[0])
+    if remote:
+        manifest, listed = _objects(p.paths, ctx)
+        files = [
+            (o.url, _open(o.url, RemoteObject(ctx.remote, manifest, k)))  # type: ignore[arg-type]
+            for k, o in enumerate(manifest.objects)
+        ]
+    else:
+        files = [(shown, _open(shown, path)) for shown, path in _files(p.paths, ctx)]
     schema = files[0][1].schema_arrow
     for shown, pf in files[1:]:
         arrow.same_schema(pf.schema_arrow, schema, shown, files[0][0])
@@ -107,7 +187,12 @@ def build(p: ParquetParams, ctx: DatasetContext) -> Any:
         raise DatasetError(f"{files[0][0]}: no rows")
     decoder = arrow.image_decoder(p.image_size, ctx.resolve)
     groups.make = lambda table: arrow.Frame(table, specs, decoder)
-    return arrow.dataset(len(groups), specs, keys, groups)
+    dataset = arrow.dataset(len(groups), specs, keys, groups)
+    if not remote:
+        return dataset
+    names = [s.name for s in specs]
+    ranges = [r for _, pf in files for r in _byte_ranges(pf, names)]
+    return RemoteDataset(dataset, manifest, GroupSpans(manifest, groups, ranges), listed)
 
 
 KIND = Kind("parquet", ParquetParams, build, __doc__)

@@ -4,21 +4,27 @@ Like ``TensorDataset``: a tuple (or list) of tensors gives tuple (list) samples,
 a dict gives dict samples; sample ``i`` indexes every tensor at ``i``.
 ``.pt`` files are loaded with ``weights_only=True`` only, memory-mapped so loaders
 and workers share the file's pages; ``.safetensors`` files are memory-mapped
-copy-on-write, never read whole.
+copy-on-write, never read whole. An ``s3://`` path is fetched whole into the node's
+object cache and mapped from there, as a local file is.
 """
 
 from __future__ import annotations
 
 import json
 import mmap
+import os
 import struct
 from collections.abc import Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
+import numpy as np
 import torch
+from numpy.typing import NDArray
 
 from pinfeed_server.datasets.base import DatasetContext, DatasetError, Kind, Params, gather_rows
+from pinfeed_server.datasets.remote import RemoteDataset, Spans
+from pinfeed_server.remote import RemoteObject, is_remote
 
 _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -38,7 +44,7 @@ class TensorsParams(Params):
     path: str
 
 
-def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def _load_safetensors(path: Path, shown: str) -> dict[str, torch.Tensor]:
     with path.open("rb") as f:
         # ACCESS_COPY: a private mapping, so tensors are writable views that share
         # the page cache until someone writes (nobody does).
@@ -47,7 +53,7 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
         (header_len,) = struct.unpack_from("<Q", mm, 0)
         header = json.loads(mm[8 : 8 + header_len])
     except (struct.error, ValueError) as exc:
-        raise DatasetError(f"{path.name} is not a safetensors file: {exc}") from None
+        raise DatasetError(f"{shown} is not a safetensors file: {exc}") from None
     base = 8 + header_len
     out: dict[str, torch.Tensor] = {}
     for name, info in header.items():
@@ -62,16 +68,18 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _load(path: Path) -> Any:
-    if path.suffix == ".safetensors":
-        return _load_safetensors(path)
-    if path.suffix in (".pt", ".pth"):
+def _load(path: Path, shown: str) -> Any:
+    """The file at ``path``, whose name (``shown``) says its format."""
+    suffix = PurePosixPath(shown).suffix
+    if suffix == ".safetensors":
+        return _load_safetensors(path, shown)
+    if suffix in (".pt", ".pth"):
         try:
             return torch.load(path, weights_only=True, mmap=True, map_location="cpu")
         except Exception as exc:
             # weights_only refuses pickled code; say so instead of a pickle trace.
-            raise DatasetError(f"cannot load {path.name} with weights_only=True: {exc}") from None
-    raise DatasetError(f"{path.name}: expected a .pt, .pth or .safetensors file")
+            raise DatasetError(f"cannot load {shown} with weights_only=True: {exc}") from None
+    raise DatasetError(f"{shown}: expected a .pt, .pth or .safetensors file")
 
 
 class TensorsDataset:
@@ -110,8 +118,23 @@ class TensorsDataset:
         gather_rows(self.tensors, indices, out)
 
 
-def build(p: TensorsParams, ctx: DatasetContext) -> TensorsDataset:
-    return TensorsDataset(_load(ctx.resolve(p.path)))
+def _whole(indices: NDArray[np.int64]) -> Spans:
+    """Every sample reads the one object (unit 0), mapped whole."""
+    uid = np.zeros(len(indices), dtype=np.int64)
+    return [(uid, uid.copy())]
+
+
+def build(p: TensorsParams, ctx: DatasetContext) -> Any:
+    if is_remote(p.path):
+        manifest = ctx.manifest([p.path], blocks=False, single=True)
+        fd = RemoteObject(ctx.remote, manifest, 0).open_fd()  # type: ignore[arg-type]
+        try:  # mapped by its name: the mapping outlives the descriptor and an eviction
+            data = _load(Path(f"/proc/self/fd/{fd}"), p.path)
+        finally:
+            os.close(fd)
+        return RemoteDataset(TensorsDataset(data), manifest, _whole)
+    path = ctx.resolve(p.path)
+    return TensorsDataset(_load(path, path.name))
 
 
 KIND = Kind("tensors", TensorsParams, build, __doc__)

@@ -7,7 +7,8 @@ defaults to ``seq_len``: non-overlapping windows) and is ``(x, y)``: tokens
 ``[start, start + seq_len)`` and ``[start + 1, start + seq_len + 1)``, both int64, so
 ``y`` is ``x`` shifted by one (the next-token targets). There are
 ``(tokens - seq_len - 1) // stride + 1`` samples: the last window needs its one extra
-target token. The file is memory-mapped read-only, never read whole.
+target token. The file is memory-mapped read-only, never read whole; an ``s3://`` path
+is read by blocks through the node's object cache, each window from the blocks it spans.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import torch
 from pydantic import Field
 
 from pinfeed_server.datasets.base import DatasetContext, DatasetError, Kind, Params
+from pinfeed_server.datasets.remote import RemoteArray, RemoteDataset, Spans
+from pinfeed_server.remote import Manifest, RemoteObject, is_remote
 
 
 class TokensParams(Params):
@@ -38,9 +41,11 @@ def samples(tokens: int, seq_len: int, stride: int) -> int:
 
 
 class TokensDataset:
-    def __init__(self, path: Path, shown: str, dtype: str, seq_len: int, stride: int) -> None:
+    def __init__(
+        self, path: Path | RemoteObject, shown: str, dtype: str, seq_len: int, stride: int
+    ) -> None:
         itemsize = np.dtype(dtype).itemsize
-        size = path.stat().st_size
+        size = path.size if isinstance(path, RemoteObject) else path.stat().st_size
         if size % itemsize:
             raise DatasetError(
                 f"{shown}: size {size} bytes is not a multiple of {dtype}'s {itemsize} bytes "
@@ -52,7 +57,11 @@ class TokensDataset:
             raise DatasetError(
                 f"{shown}: {count} tokens, fewer than seq_len + 1 = {seq_len + 1} (one sample)"
             )
-        self.tokens: np.memmap[Any, Any] = np.memmap(path, dtype=dtype, mode="r")
+        self.tokens: Any = (
+            RemoteArray(path, np.dtype(dtype), 0, (count,))
+            if isinstance(path, RemoteObject)
+            else np.memmap(path, dtype=dtype, mode="r")
+        )
         self.seq_len = seq_len
         self.stride = stride
         self._length = n
@@ -91,9 +100,33 @@ class TokensDataset:
         )
 
 
-def build(p: TokensParams, ctx: DatasetContext) -> TokensDataset:
+class WindowSpans:
+    """The blocks each sample's window of ``seq_len + 1`` tokens lies in."""
+
+    def __init__(self, manifest: Manifest, itemsize: int, seq_len: int, stride: int) -> None:
+        self.manifest, self.itemsize, self.seq_len, self.stride = (
+            manifest,
+            itemsize,
+            seq_len,
+            stride,
+        )
+
+    def __call__(self, indices: np.ndarray[Any, Any]) -> Spans:
+        starts = indices * (self.stride * self.itemsize)
+        stops = starts + (self.seq_len + 1) * self.itemsize
+        return [self.manifest.spans(0, starts, stops)]
+
+
+def build(p: TokensParams, ctx: DatasetContext) -> Any:
+    stride = p.stride or p.seq_len
+    if is_remote(p.path):
+        manifest = ctx.manifest([p.path], blocks=True, single=True)
+        obj = RemoteObject(ctx.remote, manifest, 0)  # type: ignore[arg-type]
+        inner = TokensDataset(obj, p.path, p.dtype, p.seq_len, stride)
+        spans = WindowSpans(manifest, np.dtype(p.dtype).itemsize, p.seq_len, stride)
+        return RemoteDataset(inner, manifest, spans)
     path = ctx.resolve(p.path)
-    return TokensDataset(path, p.path, p.dtype, p.seq_len, p.stride or p.seq_len)
+    return TokensDataset(path, p.path, p.dtype, p.seq_len, stride)
 
 
 KIND = Kind("tokens", TokensParams, build, __doc__)

@@ -58,6 +58,10 @@ headers are read once when the dataset is built: a missing or truncated shard, a
 whose name is absolute or has a ``..`` component, or a sample missing a field is
 refused naming the shard. Samples are read from
 memory-mapped shards through the offsets found then (compact numpy arrays).
+
+``s3://`` patterns (``s3://bucket/train/shard-{000000..000099}.tar``) read the shards
+from a store: each shard is fetched whole into the node's object cache (the scan at
+registration fetches every one once) and mapped from there.
 """
 
 from __future__ import annotations
@@ -76,17 +80,21 @@ import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import msgpack
 import numpy as np
 import torch
 from braceexpand import braceexpand
+from numpy.typing import NDArray
 from PIL import Image
 from pydantic import Field
 
 from pinfeed_server.datasets.base import DatasetContext, DatasetError, Kind, Params
 from pinfeed_server.datasets.images import fit, safe_formats
+from pinfeed_server.datasets.remote import RemoteIterable, Spans
+from pinfeed_server.remote import Manifest, RemoteObject, is_remote
+from pinfeed_server.remote.url import S3Url
 
 # webdataset.autodecode.IMAGE_EXTENSIONS (1.0.2: Pillow's formats), less ps/eps (REFUSED)
 _IMAGE_EXTENSIONS = """
@@ -177,7 +185,7 @@ class Shard:
     """One tar's samples: member ``m`` of sample ``s`` is ``first[s] <= m < first[s+1]``."""
 
     shown: str
-    path: Path
+    source: Path | RemoteObject  # a file under the data root, or an object in a store
     first: np.ndarray[Any, Any]  # int64 [samples + 1]
     offset: np.ndarray[Any, Any]  # int64 [members]: where a member's data starts
     size: np.ndarray[Any, Any]  # int64 [members]
@@ -192,7 +200,30 @@ def _unsafe(name: str) -> bool:
     return name.startswith("/") or ".." in name.split("/")
 
 
-def scan(shown: str, path: Path, exts: dict[str, int]) -> Shard:
+def _size(source: Path | RemoteObject) -> int:
+    return source.size if isinstance(source, RemoteObject) else source.stat().st_size
+
+
+def _file(source: Path | RemoteObject) -> BinaryIO:
+    if isinstance(source, RemoteObject):
+        return io.BufferedReader(source.open(), 1 << 16)
+    return source.open("rb")
+
+
+def _map(source: Path | RemoteObject) -> mmap.mmap:
+    """The whole shard, mapped (a store's: its file in the node's object cache)."""
+    fd = (
+        source.open_fd()
+        if isinstance(source, RemoteObject)
+        else os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+    )
+    try:
+        return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+
+
+def scan(shown: str, source: Path | RemoteObject, exts: dict[str, int]) -> Shard:
     """Read a shard's headers: its samples as WebDataset's ``group_by_keys`` forms them."""
     first: list[int] = []
     offset: list[int] = []
@@ -200,8 +231,9 @@ def scan(shown: str, path: Path, exts: dict[str, int]) -> Shard:
     ext: list[int] = []
     key: str | None = None
     seen: set[str] = set()
+    total = _size(source)
     try:
-        with tarfile.open(path, "r:") as tar:
+        with _file(source) as f, tarfile.open(fileobj=f, mode="r:") as tar:
             for info in tar:
                 link = (info.issym() or info.islnk()) and _unsafe(info.linkname)
                 if _unsafe(info.name) or link:
@@ -223,14 +255,13 @@ def scan(shown: str, path: Path, exts: dict[str, int]) -> Shard:
                 if suffix in seen:
                     raise DatasetError(f"{shown}: {info.name}: duplicate file name in the sample")
                 seen.add(suffix)
-                if info.offset_data + info.size > path.stat().st_size:
+                if info.offset_data + info.size > total:
                     raise DatasetError(f"{shown}: truncated in member {info.name!r}")
                 offset.append(info.offset_data)
                 size.append(info.size)
                 ext.append(exts.setdefault(suffix, len(exts)))
             end = tar.offset  # tarfile stops quietly at a cut header: the archive must end
-        with path.open("rb") as f:  # with a zero block, as every tar writer ends it
-            f.seek(end)
+            f.seek(end)  # with a zero block, as every tar writer ends it
             if f.read(512) != bytes(512):
                 raise DatasetError(f"{shown}: truncated at byte {end} (no end-of-archive block)")
     except (tarfile.TarError, OSError, EOFError) as exc:
@@ -238,7 +269,7 @@ def scan(shown: str, path: Path, exts: dict[str, int]) -> Shard:
     first.append(len(offset))
     return Shard(
         shown,
-        path,
+        source,
         np.array(first, dtype=np.int64),
         np.array(offset, dtype=np.int64),
         np.array(size, dtype=np.int64),
@@ -376,7 +407,7 @@ class WebDatasetShards(torch.utils.data.IterableDataset[Any]):
         self._wanted = wanted
         self.image_size, self.shuffle_buffer, self.seed = p.image_size, p.shuffle_buffer, p.seed
         self._rank = None if p.rank is None else (p.rank, p.world_size or 1)
-        self._counts = np.array([sh.samples for sh in shards], dtype=np.int64)
+        self.counts = np.array([sh.samples for sh in shards], dtype=np.int64)
         for shard in shards:
             self._check_fields(shard)
 
@@ -400,7 +431,7 @@ class WebDatasetShards(torch.utils.data.IterableDataset[Any]):
 
     def __len__(self) -> int:
         rank, world = self._rank_shards()
-        return int(self._counts[rank::world].sum())
+        return int(self.counts[rank::world].sum())
 
     def _sample(self, shard: Shard, mm: mmap.mmap, s: int) -> Any:
         members = range(int(shard.first[s]), int(shard.first[s + 1]))
@@ -425,24 +456,23 @@ class WebDatasetShards(torch.utils.data.IterableDataset[Any]):
         refs: Iterator[tuple[Shard, int]] = ((sh, s) for sh in shards for s in range(sh.samples))
         if self.shuffle_buffer is not None:
             refs = _shuffle(refs, self.shuffle_buffer, random.Random(self.seed))
-        maps: dict[Path, mmap.mmap] = {}
+        maps: dict[str, mmap.mmap] = {}
         try:
             for shard, s in refs:
-                mm = maps.get(shard.path)
+                mm = maps.get(shard.shown)
                 if mm is None:
                     if self.shuffle_buffer is None:  # in order: a shard at a time
                         for old in maps.values():
                             old.close()
                         maps.clear()
-                    with shard.path.open("rb") as f:
-                        mm = maps[shard.path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                    mm = maps[shard.shown] = _map(shard.source)
                 yield self._sample(shard, mm, s)
         finally:
             for mm in maps.values():
                 mm.close()
 
     def __repr__(self) -> str:
-        return f"WebDatasetShards({len(self.shards)} shards, {self._counts.sum()} samples)"
+        return f"WebDatasetShards({len(self.shards)} shards, {self.counts.sum()} samples)"
 
 
 def _shuffle(data: Iterator[Any], bufsize: int, rng: random.Random) -> Iterator[Any]:
@@ -468,7 +498,36 @@ def _shuffle(data: Iterator[Any], bufsize: int, rng: random.Random) -> Iterator[
         yield pick()
 
 
-def build(p: WebDatasetParams, ctx: DatasetContext) -> WebDatasetShards:
+class ShardSpans:
+    """Each sample's shard (one whole object), samples numbered across the shards."""
+
+    def __init__(self, manifest: Manifest, counts: np.ndarray[Any, Any]) -> None:
+        self.manifest = manifest
+        self.starts = np.cumsum([0, *counts.tolist()], dtype=np.int64)
+
+    def __call__(self, indices: NDArray[np.int64]) -> Spans:
+        k = np.searchsorted(self.starts, indices, side="right") - 1
+        return [self.manifest.objects_units(k.astype(np.int64))]
+
+
+def _objects(names: list[str], ctx: DatasetContext) -> tuple[Manifest, Manifest]:
+    """(the shards' manifest, the listing it came from): one listing of the folder the
+    shards are in (LIST answers a thousand keys a request; a HEAD each would be one)."""
+    urls = [S3Url.parse(n) for n in names]
+    folders = {(u.bucket, u.key.rpartition("/")[0]) for u in urls}
+    if len(folders) != 1:
+        listed = ctx.manifest(names, blocks=False, single=True)
+        return listed, listed
+    bucket, folder = folders.pop()
+    listed = ctx.manifest(str(S3Url(bucket, folder)), blocks=False)
+    where = {o.key: k for k, o in enumerate(listed.objects)}
+    missing = [str(u) for u in urls if u.key not in where]
+    if missing:
+        raise DatasetError(f"{missing[0]}: no such object in the store ({len(missing)} missing)")
+    return listed.select([where[u.key] for u in urls]), listed
+
+
+def build(p: WebDatasetParams, ctx: DatasetContext) -> Any:
     if (p.rank is None) != (p.world_size is None):
         raise DatasetError("rank and world_size go together")
     if p.rank is not None and p.world_size is not None and p.rank >= p.world_size:
@@ -487,8 +546,18 @@ def build(p: WebDatasetParams, ctx: DatasetContext) -> WebDatasetShards:
         if why is not None:
             raise DatasetError(why)
     exts: dict[str, int] = {}
-    shards = [scan(name, ctx.resolve(name), exts) for name in names]
-    return WebDatasetShards(shards, exts, p)
+    remote = [is_remote(name) for name in names]
+    if not any(remote):
+        return WebDatasetShards([scan(name, ctx.resolve(name), exts) for name in names], exts, p)
+    if not all(remote):
+        raise DatasetError("shards must be all s3:// URLs or all files under the data root")
+    manifest, listed = _objects(names, ctx)
+    sources = [RemoteObject(ctx.remote, manifest, k) for k in range(len(names))]  # type: ignore[arg-type]
+    inner = WebDatasetShards(
+        [scan(n, o, exts) for n, o in zip(names, sources, strict=True)], exts, p
+    )
+    spans = ShardSpans(manifest, inner.counts)
+    return RemoteIterable(inner, manifest, spans, listed)
 
 
 KIND = Kind("webdataset", WebDatasetParams, build, __doc__)

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 from pinfeed import protocol as p
 from pinfeed._autostart import answers
@@ -87,8 +88,12 @@ class Peer:
 # loader of its own or raises the pinfeed error that says why not (``service.py``).
 # a trainer's CREATE, its payload's fd, the shared memory fds its objects map, the peer
 Create = Callable[[p.Create, int, list[int], Peer], LoaderEngine]
+_First = TypeVar("_First", p.Replay, p.Describe)
 # The connection that owned loader ``name`` ended (its trainer left, however it left).
 OwnerGone = Callable[[str], None]
+# A DESCRIBE (pinfeed.ServerDataset): what the kind builds from the params, or the
+# pinfeed error (InvalidRequest) that says why it cannot
+Describe = Callable[[str, dict[str, Any]], p.Described]
 
 
 class DataPlaneServer:
@@ -100,14 +105,17 @@ class DataPlaneServer:
         group: int | None = None,
         create: Create | None = None,
         owner_gone: OwnerGone | None = None,
+        describe: Describe | None = None,
     ) -> None:
         """``create``: how a trainer's CREATE becomes a loader; None: objects are not
-        accepted (PINFEED_ACCEPT_OBJECTS=false): a CREATE gets an error saying so."""
+        accepted (PINFEED_ACCEPT_OBJECTS=false): a CREATE gets an error saying so.
+        ``describe``: how a DESCRIBE is answered (None: refused)."""
         self.path = path
         self.group = group  # besides our own uid (and root), peers in this gid may attach
         self._lookup = lookup
         self._create = create
         self._owner_gone = owner_gone
+        self._describe = describe
         self._attach_timeout = attach_timeout_s
         self._stop = threading.Event()
         self._sock: socket.socket | None = None
@@ -279,6 +287,9 @@ class DataPlaneServer:
         if buf[0] == p.REPLAY:
             self._replay(conn, memoryview(buf)[:n])
             return None
+        if buf[0] == p.DESCRIBE:
+            self._described(conn, memoryview(buf)[:n])
+            return None
         owned: str | None = None
         engine: LoaderEngine | None = None
         try:
@@ -340,15 +351,35 @@ class DataPlaneServer:
             raise
         return engine, member, owned, ring is not None
 
+    def _request(self, cls: type[_First], message: memoryview) -> _First:
+        """A connection's first message of its own (REPLAY, DESCRIBE), decoded, of this
+        protocol version (a ProtocolError if not)."""
+        try:
+            request = cls.decode(message)
+        except ValueError as exc:
+            raise ProtocolError(f"a malformed {cls.__name__.upper()}: {exc}") from None
+        self._check_version(request.version)
+        return request
+
+    def _described(self, conn: socket.socket, message: memoryview) -> None:
+        """A DESCRIBE: DESCRIBED, or the ERROR that says why the dataset cannot be built."""
+        try:
+            request = self._request(p.Describe, message)
+            if self._describe is None:
+                raise ProtocolError("this server does not describe datasets")
+            conn.settimeout(None)  # a kind's build may list a store, read its headers
+            reply = self._describe(request.kind, request.params)
+        except (PinfeedError, DomainError) as exc:
+            error = exc.as_problem() if isinstance(exc, DomainError) else exc
+            conn.send(error.info().encode())
+            return
+        conn.send(reply.encode())
+
     def _replay(self, conn: socket.socket, message: memoryview) -> None:
         """A REPLAY: REPLAYED with the ring of one slot the batch was made into, then
         its BATCH (or its ERROR); an ERROR alone if there is no such batch."""
         try:
-            try:
-                request = p.Replay.decode(message)
-            except ValueError as exc:
-                raise ProtocolError(f"a malformed REPLAY: {exc}") from None
-            self._check_version(request.version)
+            request = self._request(p.Replay, message)
             engine = self._lookup(request.loader)
             if engine is None:
                 raise LoaderNotFound(f"no loader named {request.loader!r}")

@@ -53,6 +53,7 @@ from pinfeed_server.engine.config import (
 from pinfeed_server.engine.consumers import BatchItem, Consumers, EndItem, ErrorItem, Item
 from pinfeed_server.engine.custom_sampler import oversize
 from pinfeed_server.engine.fed_plan import FedPlan
+from pinfeed_server.engine.fetching import fetching_for
 from pinfeed_server.engine.iterable import MAX_TURN, IterablePlan, is_iterable, plan_len
 from pinfeed_server.engine.producer_handle import ProducerHandle
 from pinfeed_server.engine.producers import (
@@ -62,6 +63,7 @@ from pinfeed_server.engine.producers import (
     Result,
     Task,
 )
+from pinfeed_server.engine.producers.base import error_info
 from pinfeed_server.engine.producers.seeding import History, history_of
 from pinfeed_server.engine.publisher import Publisher
 from pinfeed_server.engine.resizer import RingResizer
@@ -186,6 +188,8 @@ class LoaderEngine:
         self._keep = keep
         self._history: History | None = None  # the batch lookup's (HTTP, replay)
         self._history_lock = threading.Lock()
+        # a dataset in an object store: its batches wait for their objects (fetching.py)
+        self.fetching = fetching_for(config.name, dataset, context.remote, plan, config.batch_size)
         if resumed is not None:
             self._restore(resumed)
 
@@ -389,6 +393,8 @@ class LoaderEngine:
             if t is not threading.current_thread():
                 t.join(10)
         self.producer.close()
+        if self.fetching is not None:
+            self.fetching.close()
         if self.ring is not None:
             self.ring.close()
         if self.objects is not None:
@@ -413,6 +419,8 @@ class LoaderEngine:
         plan = self.sampler
         fed = plan if isinstance(plan, FedPlan) else None
         index = max(index, plan.span(epoch)[0])  # an elastic epoch starts at its first
+        if self.fetching is not None:
+            self.fetching.start(epoch, index)
         while not self._stop.is_set():
             batches = plan.batches(epoch, index)
             # A trainer-fed epoch's end is known only once its sampler ran out, after its
@@ -433,6 +441,12 @@ class LoaderEngine:
                     error = oversize(indices, self.layout.batch_size)
                     if error is not None:  # a batch_sampler's batch larger than the slots
                         self._on_result(Result(seq, error=error))
+                        continue
+                if self.fetching is not None:
+                    try:
+                        self.fetching.gate(seq, epoch, i, indices)
+                    except Exception as exc:  # the store's error is the batch's
+                        self._on_result(Result(seq, error=error_info(exc)))
                         continue
                 seed = None if fed is None else fed.base_seed(epoch)
                 self.producer.submit(Task(seq, epoch, i, slot, indices, seed))
@@ -461,6 +475,8 @@ class LoaderEngine:
     # -- publisher -----------------------------------------------------------------------
     def _on_result(self, result: Result) -> None:
         """A producer's result, from any thread, in any order: publish in sampler order."""
+        if self.fetching is not None:
+            self.fetching.release(result.seq)
         if result.proposal is not None and self.ring is None:
             self._size_ring(result.proposal)
         with self._cond:

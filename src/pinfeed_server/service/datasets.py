@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from pinfeed import errors
+from pinfeed import errors, protocol
 from pinfeed_server import cache
 from pinfeed_server.cache import CachedDataset, CacheSpec
 from pinfeed_server.datasets import KINDS, DatasetContext, build_dataset
@@ -122,6 +122,12 @@ class Datasets:
             spec = None if body.cache is None else body.cache.model_dump()
             self.open(body.name, body.kind, params, spec)
             self._registry.add_dataset(body.name, body.kind, params, spec)
+
+    def describe_spec(self, kind: str, params: dict[str, Any]) -> protocol.Described:
+        """A DESCRIBE (``pinfeed.ServerDataset``): what ``kind`` builds from ``params``
+        here (its length, whether it is iterable), registering nothing."""
+        ds = build_dataset(kind, params, self._context)
+        return protocol.Described(dataset_len(ds), is_iterable(ds))
 
     def describe(self, name: str) -> dict[str, Any]:
         """Dataset ``name`` as ``GET /v1/datasets/{name}`` shows it (``DatasetPublic``):

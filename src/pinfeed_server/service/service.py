@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from pinfeed import errors, protocol
+from pinfeed import errors, protocol, served
 from pinfeed_server.cache.shipped import ShippedCaches
-from pinfeed_server.datasets import KINDS, DatasetContext
+from pinfeed_server.datasets import KINDS, DatasetContext, build_dataset
 from pinfeed_server.engine import (
     LIVE,
     DataPlaneServer,
@@ -55,6 +55,7 @@ from pinfeed_server.malloc import return_big_buffers
 from pinfeed_server.node.arbiter import NodeArbiter
 from pinfeed_server.node.budget import NodeBudget
 from pinfeed_server.registry import Registry
+from pinfeed_server.remote import Remote, RemoteStats
 from pinfeed_server.schemas import (
     DEMO_PARAMS,
     ArbiterPublic,
@@ -83,7 +84,9 @@ DEMO_LOADER = LoaderCreate(name="demo", dataset="demo", batch_size=10)
 class Service:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.context = DatasetContext(settings.data_root, tuple(settings.allowed_plugins))
+        self.context = DatasetContext(
+            settings.data_root, tuple(settings.allowed_plugins), Remote(settings.remote)
+        )
         self.registry = Registry(settings.registry_path)
         self.table = LoaderTable()
         self._lock = threading.RLock()
@@ -126,6 +129,7 @@ class Service:
             group=settings.socket_gid,
             create=self.create_owned if settings.accept_objects else None,
             owner_gone=self.owner_gone,
+            describe=self.datasets.describe_spec,
         )
 
     @property
@@ -148,6 +152,8 @@ class Service:
         # Once the forkserver is forked from this process (it and the workers forked
         # from it keep glibc's adaptive threshold), before any loader allocates.
         return_big_buffers()
+        # a trainer's pinfeed.ServerDataset reads what the kind builds here
+        served.install(lambda kind, params: build_dataset(kind, params, self.context))
         self.dataplane.start()
         self.restore()
         if self.settings.demo:
@@ -196,6 +202,7 @@ class Service:
 
     def close(self) -> None:
         self._closed.set()
+        served.install(None)
         self.arbiter.close()
         with self._lock:
             engines = [r.engine for r in self.table.clear() if r.engine is not None]
@@ -210,6 +217,8 @@ class Service:
         self.datasets.close()
         self.shipped_caches.close()
         self.registry.close()
+        if isinstance(self.context.remote, Remote):
+            self.context.remote.close()
 
     def _ensure_demo(self) -> None:
         if self.registry.dataset(DEMO_DATASET.name) is None:
@@ -472,7 +481,13 @@ class Service:
             ),
             loaders=loaders,
             decisions=[NodeDecision.model_validate(asdict(d)) for d in state.decisions],
+            remote=None if (remote := self.remote_stats()) is None else remote.to_json(),
         )
+
+    def remote_stats(self) -> RemoteStats | None:
+        """The object store's and the node's object cache's counts (None: none read)."""
+        remote = self.context.remote
+        return remote.stats() if isinstance(remote, Remote) else None
 
     # -- loaders a trainer makes (pinfeed.DataLoader) ----------------------------------------
     def create_owned(

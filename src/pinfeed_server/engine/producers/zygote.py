@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from pinfeed import payload as payload_format
+from pinfeed import served
 from pinfeed_server.cache import shipped as shipped_cache
 from pinfeed_server.cache.region import Region
 from pinfeed_server.datasets import KINDS, DatasetContext, build_dataset, shipped
@@ -101,10 +102,13 @@ def _main(listener: int, alive: int, payload: tuple[Any, ...], ready: Any) -> No
         if payload[0] == "build":
             HELD = build_dataset(*payload[1:])
         elif payload[0] == "payload":  # a trainer's objects: load them from their memfds
-            fds, shared = payload[1], payload[2]
+            fds, shared, context = payload[1], payload[2], payload[4]
+            served.install(lambda kind, params: build_dataset(kind, params, context))
             HELD = shipped.load(fds, shared)
             for fd in (*fds, *shared):
                 os.close(fd)
+            if served.served(HELD.dataset):  # built here, once, for every worker
+                served.build(HELD.dataset)
             if payload[3] is not None:  # and the node's cache of their dataset, mapped
                 HELD.dataset = shipped_cache.attached(HELD.dataset, payload[3], payload[4])
         else:
