@@ -21,6 +21,7 @@ import enum
 import time
 from typing import Any, NoReturn
 
+from pinfeed import elastic
 from pinfeed import protocol as p
 from pinfeed._connection import Connection
 from pinfeed.elastic import NO_ELASTIC, STATE_VERSION
@@ -293,14 +294,14 @@ class Epochs:
         info = self._conn.info
         config = info.config
         own = config.sampler is None and config.batch_sampler is None
-        if config.world_size is None or not own or info.sampler_length is None:
+        if config.world_size is None or not own or info.dataset_length is None:
             return None
-        return {
-            "length": info.dataset_length,
-            "shuffle": config.shuffle,
-            "seed": config.seed,
-            "drop_last": config.drop_last,
-        }
+        if info.sampler_length is None:
+            return None
+        plan = elastic.Plan(
+            info.dataset_length, config.shuffle, config.seed, config.drop_last, config.shard_size
+        )
+        return plan.to_json()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``: the next ``for`` loop yields the rest of that epoch,

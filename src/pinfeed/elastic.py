@@ -89,6 +89,7 @@ class Plan:
     shuffle: bool
     seed: int
     drop_last: bool
+    shard_size: int | None = None  # the shard-aware order's samples a shard (None: global)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -96,6 +97,7 @@ class Plan:
             "shuffle": self.shuffle,
             "seed": self.seed,
             "drop_last": self.drop_last,
+            "shard_size": self.shard_size,
         }
 
     @classmethod
@@ -103,11 +105,13 @@ class Plan:
         if data is None:
             return None
         try:
+            shard_size = data.get("shard_size")  # absent in states saved before it
             return cls(
                 int(data["length"]),
                 bool(data["shuffle"]),
                 int(data["seed"]),
                 bool(data["drop_last"]),
+                None if shard_size is None else int(shard_size),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidState(f"a state's plan is malformed: {exc!r}") from None
@@ -192,12 +196,60 @@ def spread(order: torch.Tensor, world: int, drop_last: bool) -> torch.Tensor:
     return torch.cat([order, order.repeat(math.ceil(pad / n))[:pad]])
 
 
-def epoch_order(plan: Plan, epoch: int) -> torch.Tensor:
-    """DistributedSampler's permutation of ``epoch`` (before padding)."""
+def epoch_order(plan: Plan, epoch: int, world: int) -> torch.Tensor:
+    """The order of ``epoch`` started at ``world`` ranks, before padding: rank r's
+    samples are ``spread(order, world)[r::world]``. DistributedSampler's permutation
+    (the same whatever the world), or with ``shard_size`` the shard-aware order."""
+    if plan.shard_size is not None:
+        return _interleaved(shard_sequence(plan, epoch), world, plan.drop_last)
     if plan.shuffle:
         g = torch.Generator().manual_seed(plan.seed + epoch)
         return torch.randperm(plan.length, generator=g)
     return torch.arange(plan.length)
+
+
+def shard_sequence(plan: Plan, epoch: int) -> torch.Tensor:
+    """The shard-aware order's sequence of ``epoch``: shard ``j`` is the samples
+    ``[j * shard_size, (j + 1) * shard_size)``; with ``shuffle``, the shards in a random
+    order and each shard's samples in a random order within it, both drawn from
+    ``Generator().manual_seed(seed + epoch)`` (as Mosaic Streaming's ``py1s``: shards,
+    then samples within each); without, the samples in order."""
+    assert plan.shard_size is not None
+    n, k = plan.length, plan.shard_size
+    if not plan.shuffle:
+        return torch.arange(n)
+    g = torch.Generator().manual_seed(plan.seed + epoch)
+    shards = math.ceil(n / k)
+    place = torch.empty(shards, dtype=torch.int64)
+    place[torch.randperm(shards, generator=g)] = torch.arange(shards)
+    within = torch.rand(n, generator=g, dtype=torch.float64)
+    # By (the shard's place in the epoch, the sample's draw): one stable sort of each key.
+    by_draw = torch.argsort(within, stable=True)
+    by_shard = torch.argsort(place[by_draw // k], stable=True)
+    return by_draw[by_shard]
+
+
+def _interleaved(sequence: torch.Tensor, world: int, drop_last: bool) -> torch.Tensor:
+    """``sequence`` cut into ``world`` consecutive blocks, one a rank, and laid out so
+    that ``spread(result, world)[r::world]`` is block r: row-major over a grid of a row
+    per position and a column per rank. Without ``drop_last`` the blocks are
+    DistributedSampler's ``num_samples`` long but the last ``pad`` ranks', one shorter:
+    their last places are the padding ``spread`` fills with the order's first samples
+    (one sample of another rank's first shard each); with it, the samples past
+    ``num_samples * world`` go last, where ``spread`` cuts them."""
+    n = len(sequence)
+    rows = per_rank(n, world, drop_last)
+    if drop_last and rows * world < n:
+        kept = sequence[: rows * world].view(world, rows)
+        return torch.cat([kept.t().reshape(-1), sequence[rows * world :]])
+    pad = rows * world - n
+    grid = torch.full((rows, world), -1, dtype=torch.int64)
+    at = 0
+    for rank in range(world):
+        size = rows - (1 if rank >= world - pad else 0)
+        grid[:size, rank] = sequence[at : at + size]
+        at += size
+    return grid.reshape(-1)[:n]  # the empty places are the last ``pad`` of the grid
 
 
 def _batches(samples: int, batch_size: int, drop_last: bool) -> int:
@@ -212,7 +264,8 @@ def _ends(stage: Stage, samples: int, drop_last: bool) -> int:
 def remainder(plan: Plan, elastic: Elastic) -> torch.Tensor:
     """The samples of the epoch still due when the current stage began, in the epoch's
     order: every stage's deliverable samples minus those its ranks had consumed."""
-    left = epoch_order(plan, elastic.epoch)
+    started = elastic.stages[0].world_size if elastic.stages else 1
+    left = epoch_order(plan, elastic.epoch, started)
     for stage in elastic.stages:
         left = _after_stage(left, stage, plan)
     return left

@@ -509,6 +509,7 @@ class AttachedConfig:
     collate_fn: str | None  # 'module:callable' run in the server; None: default_collate
     sampler: str | None  # a sampler's factory 'module:callable'; None: DataLoader's own
     batch_sampler: str | None  # a batch sampler's factory; None: none
+    shard_size: int | None = None  # the shard-aware order's samples a shard; None: global
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> AttachedConfig:

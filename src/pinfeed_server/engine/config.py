@@ -17,7 +17,12 @@ from typing import Annotated, Any, Literal, Protocol, get_args
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pinfeed_server.engine.autotune import AutotuneSpec
-from pinfeed_server.engine.custom_sampler import BatchSamplerSpec, SamplerSpec, custom_plan
+from pinfeed_server.engine.custom_sampler import (
+    BatchSamplerSpec,
+    SamplerError,
+    SamplerSpec,
+    custom_plan,
+)
 from pinfeed_server.engine.iterable import IterablePlan, is_iterable
 from pinfeed_server.engine.sampler import BatchPlan, EpochSampler
 from pinfeed_server.plugins import SPEC, resolve
@@ -63,6 +68,17 @@ class LoaderFields(BaseModel):
         le=1 << 20,
         description="shard like DistributedSampler(num_replicas=world_size, rank=rank); "
         "null: no sharding (RandomSampler/SequentialSampler semantics)",
+    )
+    shard_size: int | None = Field(
+        None,
+        ge=1,
+        le=1 << 40,
+        description="the shard-aware order: runs of shard_size consecutive samples are "
+        "shards (e.g. the samples of one block of a token file in the node's object "
+        "cache); an epoch reads the shards in a random order, each shard's samples in a "
+        "random order within it (Mosaic Streaming's py1s), each rank a consecutive share "
+        "of that sequence, so a rank reads about 1/world_size of the shards. null: "
+        "DataLoader's order (RandomSampler, or DistributedSampler's with world_size)",
     )
     group_size: int = Field(
         1, ge=1, le=1024, description="trainer processes that attach to this loader as a group"
@@ -211,6 +227,8 @@ class LoaderFields(BaseModel):
                     f"sampler, and drop_last (got {', '.join(given)})"
                 )
         custom = "batch_sampler" if self.batch_sampler is not None else "sampler"
+        if self.shard_size is not None and getattr(self, custom) is not None:
+            raise ValueError(f"shard_size orders the samples itself, which a {custom} replaces")
         if self.world_size is not None and getattr(self, custom) is not None:
             raise ValueError(
                 f"world_size shards as DistributedSampler does, which a {custom} replaces: "
@@ -360,6 +378,12 @@ def make_sampler(
     """The loader's batch plan (``streams``: ``streams_of`` the loader as created);
     ``SamplerError`` when its sampler cannot be used."""
     if is_iterable(dataset):
+        if config.shard_size is not None:
+            raise SamplerError(
+                "shard_size orders a map-style dataset's samples; an IterableDataset reads "
+                "its own shards in its own order (the webdataset kind splits them by rank "
+                "and worker): leave shard_size out"
+            )
         return IterablePlan(dataset, config.batch_size, config.drop_last)
     for field in ("batch_sampler", "sampler"):
         spec = getattr(config, field)
@@ -381,4 +405,5 @@ def make_sampler(
         rank=config.rank,
         world_size=config.world_size,
         persistent=persistent(config, streams),
+        shard_size=config.shard_size,
     )

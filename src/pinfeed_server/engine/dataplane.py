@@ -66,6 +66,7 @@ def _attached_config(config: LoaderConfig) -> p.AttachedConfig:
         collate_fn=config.collate_fn,
         sampler=config.sampler.factory if config.sampler is not None else None,
         batch_sampler=config.batch_sampler.factory if config.batch_sampler is not None else None,
+        shard_size=config.shard_size,
     )
 
 

@@ -17,6 +17,15 @@ that a run at another world size (or batch size) left unfinished
 (``pinfeed.elastic``): its batches are this rank's share of that rest, numbered from
 the record's ``start`` (``span``); every other epoch is DistributedSampler's.
 
+Shard-aware (``shard_size`` k): shard j is the samples ``[j * k, (j + 1) * k)``; an
+epoch reads the shards in a random order and each shard's samples in a random order
+within it (``pinfeed.elastic.shard_sequence``), and each rank a consecutive share of
+that sequence, so that a rank reads about ``1 / world_size`` of the shards where the
+global order makes every rank touch nearly every shard (the node cache's units: a
+token file's blocks). Deterministic per seed and epoch; resume and elastic resume as
+the distributed plan's (a stage resumed at another world size reads the rest of its
+epoch spread as DistributedSampler spreads it; the next epoch is shard-aware again).
+
 Custom (``sampler`` / ``batch_sampler`` fields): ``custom_sampler.CustomPlan``
 iterates the user's sampler once per epoch as DataLoader does.
 """
@@ -90,9 +99,12 @@ class EpochSampler:
         rank: int = 0,
         world_size: int | None = None,
         persistent: bool = False,
+        shard_size: int | None = None,
     ) -> None:
         if length <= 0 or batch_size <= 0:
             raise ValueError("length and batch_size must be positive")
+        if shard_size is not None and shard_size <= 0:
+            raise ValueError("shard_size must be positive")
         if world_size is not None and not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside [0, {world_size - 1}]")
         self.length = length
@@ -103,6 +115,7 @@ class EpochSampler:
         self.rank = rank
         self.world_size = world_size
         self.persistent = persistent  # persistent workers: one base seed, at epoch 0
+        self.shard_size = shard_size
         self._gen = torch.Generator()
         self._next_epoch = 0
         self._gen.manual_seed(seed)
@@ -131,7 +144,10 @@ class EpochSampler:
         """What must agree for an elastic resume; None: not a distributed plan."""
         if self.world_size is None:
             return None
-        return elastic.Plan(self.length, self.shuffle, self.seed, self.drop_last)
+        return self._order()
+
+    def _order(self) -> elastic.Plan:
+        return elastic.Plan(self.length, self.shuffle, self.seed, self.drop_last, self.shard_size)
 
     def resumed(self, record: elastic.Elastic) -> ElasticEpoch:
         """This rank's share of ``record``'s epoch (a distributed plan's)."""
@@ -157,6 +173,8 @@ class EpochSampler:
     def _plain(self, epoch: int) -> torch.Tensor:
         # A tensor, not a list: 8 bytes a sample instead of ~40 (1.28 M samples: 10 MiB,
         # not 50, for every loader while its epoch runs).
+        if self.shard_size is not None:
+            return elastic.shard_sequence(self._order(), epoch)
         if not self.shuffle:
             return torch.arange(self.length)
         with self._lock:
@@ -180,10 +198,8 @@ class EpochSampler:
         e = self.elastic
         if e is not None and e.epoch == epoch:
             return e.samples
-        plan = elastic.Plan(self.length, self.shuffle, self.seed, self.drop_last)
-        return elastic.spread(elastic.epoch_order(plan, epoch), world, self.drop_last)[
-            self.rank :: world
-        ]
+        order = elastic.epoch_order(self._order(), epoch, world)
+        return elastic.spread(order, world, self.drop_last)[self.rank :: world]
 
     def permutation(self, epoch: int) -> list[int]:
         """This rank's sample order for ``epoch``."""
