@@ -130,8 +130,10 @@ def test_the_tree_imports_only_the_wire_format() -> None:
         if isinstance(node, ast.Import | ast.ImportFrom)
         for alias in node.names
     }
-    # sys: a sample error joins the dataset's own exception class, found in sys.modules
-    assert imported == {"__future__", "sys", "typing", "pinfeed.protocol"}
+    # sys: a sample error joins the dataset's own exception class, found in sys.modules;
+    # contextlib, importlib and re: such a joined class found by its pickled name
+    stdlib = {"__future__", "contextlib", "importlib", "re", "sys", "typing"}
+    assert imported == stdlib | {"pinfeed.protocol"}
 
 
 # -- HTTP: the server's handler, then the client's mapping -------------------------------
@@ -299,3 +301,31 @@ def test_what_a_dataset_raises_reaches_the_trainer_as_a_sample_error() -> None:
         assert info.extra["error_type"] == type(raised).__name__
         assert "test_error_tree.py" in info.extra["where"]
     assert error_info(too_large) == too_large.info()
+
+
+def test_a_joined_sample_error_class_pickles_into_a_fresh_process() -> None:
+    """The class itself (not only an instance) crosses processes, as the dataset's own
+    exception class does: multiprocessing's ExceptionWrapper, which torch's tests use
+    to send a child's exception to its parent, pickles the exception's type."""
+    import pickle
+    import subprocess
+    import sys
+
+    from torch.utils.data._utils import ExceptionWrapper
+
+    info = p.ErrorInfo(
+        "sample-error", "boom", False, extra={"error_module": "builtins", "error_type": "KeyError"}
+    )
+    try:
+        raise pinfeed.errors.error_from_info(info)
+    except Exception:
+        wrapped = pickle.dumps(ExceptionWrapper(sys.exc_info()))
+    code = (
+        "import pickle, sys\n"
+        "w = pickle.loads(sys.stdin.buffer.read())\n"
+        "print(w.exc_type.__name__, issubclass(w.exc_type, KeyError), w.exc_type.__module__)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], input=wrapped, capture_output=True, check=True
+    )
+    assert out.stdout.split() == [b"SampleError[KeyError]", b"True", b"pinfeed.errors"]

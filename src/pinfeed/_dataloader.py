@@ -53,6 +53,7 @@ with the trainer, however it ends; ``name=`` keeps it warm for the next trainer.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import mmap
 import operator
@@ -71,13 +72,19 @@ from torch.utils.data import (
     BatchSampler,
     DistributedSampler,
     IterableDataset,
+    IterDataPipe,
+    MapDataPipe,
     RandomSampler,
     SequentialSampler,
     SubsetRandomSampler,
     WeightedRandomSampler,
 )
 from torch.utils.data import DataLoader as TorchDataLoader
-from torch.utils.data.dataloader import _BaseDataLoaderIter
+from torch.utils.data.dataloader import (
+    _BaseDataLoaderIter,
+    _get_distributed_settings,
+    _sharding_worker_init_fn,
+)
 
 from pinfeed import protocol as p
 from pinfeed import rng
@@ -713,11 +720,13 @@ def _objects(loader: DataLoader[Any]) -> dict[str, Any]:
         collate = Unbatched(collate, by_list=not _one_index_a_batch(loader))
     elif collate is torch.utils.data.default_collate:
         collate = None
-    return {
-        "dataset": loader.dataset,
-        "collate_fn": collate,
-        "worker_init_fn": loader.worker_init_fn,
-    }
+    init = loader.worker_init_fn
+    if loader.num_workers > 0 and isinstance(loader.dataset, IterDataPipe | MapDataPipe):
+        # DataLoader's workers shard a datapipe graph (its sharding_filter) among them, by
+        # the worker_init_fn its multiprocessing iterator wraps the script's in
+        world, rank = _get_distributed_settings()  # type: ignore[no-untyped-call]
+        init = functools.partial(_sharding_worker_init_fn, init, world, rank)
+    return {"dataset": loader.dataset, "collate_fn": collate, "worker_init_fn": init}
 
 
 def _draws_nothing(loader: DataLoader[Any], collate: Any) -> bool:
@@ -1112,6 +1121,9 @@ class _Iter(_BaseDataLoaderIter):
         self._owned.epoch_start = _taken(loader)
         super()._reset(loader, first_iter)
         if not first_iter:  # persistent workers' next epoch: the same base seed
+            # (a datapipe's shuffle seed, which DataLoader's _ResumeIteration carries to
+            # its persistent workers every epoch, is not carried: they keep the graph
+            # of the first epoch, its shufflers going on)
             self._start(resume)
 
 

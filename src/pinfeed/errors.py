@@ -59,6 +59,9 @@ server's worker processes and its HTTP layer import it alike.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import re
 import sys
 from typing import Any, ClassVar
 
@@ -415,12 +418,31 @@ def _as_raised(module: Any, name: Any) -> type[PinfeedError]:
             and issubclass(original, Exception)
             and not issubclass(original, PinfeedError)
         ):
+            # Found by pickle where its qualified name says (this module's __getattr__),
+            # so the class itself crosses processes as the dataset's own would: e.g.
+            # multiprocessing's ExceptionWrapper, which pickles an exception's type.
+            where = {"__module__": __name__, "__qualname__": f"SampleError[{module}:{name}]"}
             try:
-                joined = type(f"SampleError[{name}]", (SampleError, original), {})
+                joined = type(f"SampleError[{name}]", (SampleError, original), where)
             except TypeError:  # a layout conflict (some builtins): SampleError alone
                 joined = SampleError
         _RAISED[key] = joined
     return _RAISED[key]
+
+
+_JOINED_NAME = re.compile(r"SampleError\[([\w.]+):(\w+)\]")
+
+
+def __getattr__(attr: str) -> Any:
+    """A joined ``SampleError`` class by its qualified name, made in this process if it
+    was not (a class pickled by reference in another process)."""
+    m = _JOINED_NAME.fullmatch(attr)
+    if m is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
+    module, name = m.groups()
+    with contextlib.suppress(ImportError):
+        importlib.import_module(module)
+    return _as_raised(module, name)
 
 
 def _rebuilt(slug: str, detail: str, extra: dict[str, Any]) -> PinfeedError:
