@@ -295,12 +295,13 @@ class Epochs:
         own = config.sampler is None and config.batch_sampler is None
         if config.world_size is None or not own or info.sampler_length is None:
             return None
-        return {
+        plan = {
             "length": info.dataset_length,
-            "shuffle": config.shuffle,
+            "shuffle": config.shuffle and info.mixture is None,  # a mixture's: positions
             "seed": config.seed,
             "drop_last": config.drop_last,
         }
+        return plan if info.mixture is None else {**plan, "mixture": info.mixture}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``: the next ``for`` loop yields the rest of that epoch,

@@ -17,6 +17,9 @@ that a run at another world size (or batch size) left unfinished
 (``pinfeed.elastic``): its batches are this rank's share of that rest, numbered from
 the record's ``start`` (``span``); every other epoch is DistributedSampler's.
 
+Mixture (``positions``): the plan is over an epoch's positions, unshuffled, and each
+batch's positions become the sources' samples by the mixing rule (``mixture.py``).
+
 Custom (``sampler`` / ``batch_sampler`` fields): ``custom_sampler.CustomPlan``
 iterates the user's sampler once per epoch as DataLoader does.
 """
@@ -33,6 +36,7 @@ from typing import Protocol
 import torch
 
 from pinfeed import elastic
+from pinfeed_server.engine.mixture import Positions
 
 
 class BatchPlan(Protocol):
@@ -90,7 +94,10 @@ class EpochSampler:
         rank: int = 0,
         world_size: int | None = None,
         persistent: bool = False,
+        positions: Positions | None = None,
     ) -> None:
+        """``positions``: a mixture's, which map this plan's indices (positions of an
+        epoch) to samples."""
         if length <= 0 or batch_size <= 0:
             raise ValueError("length and batch_size must be positive")
         if world_size is not None and not 0 <= rank < world_size:
@@ -103,6 +110,7 @@ class EpochSampler:
         self.rank = rank
         self.world_size = world_size
         self.persistent = persistent  # persistent workers: one base seed, at epoch 0
+        self.positions = positions
         self._gen = torch.Generator()
         self._next_epoch = 0
         self._gen.manual_seed(seed)
@@ -131,7 +139,8 @@ class EpochSampler:
         """What must agree for an elastic resume; None: not a distributed plan."""
         if self.world_size is None:
             return None
-        return elastic.Plan(self.length, self.shuffle, self.seed, self.drop_last)
+        mixture = None if self.positions is None else self.positions.digest
+        return elastic.Plan(self.length, self.shuffle, self.seed, self.drop_last, mixture)
 
     def resumed(self, record: elastic.Elastic) -> ElasticEpoch:
         """This rank's share of ``record``'s epoch (a distributed plan's)."""
@@ -188,10 +197,16 @@ class EpochSampler:
     def permutation(self, epoch: int) -> list[int]:
         """This rank's sample order for ``epoch``."""
         if self.world_size is None:
-            order: list[int] = self._plain(epoch).tolist()
+            perm = self._plain(epoch)
         else:
-            order = self._distributed(epoch, self.world_size).tolist()
+            perm = self._distributed(epoch, self.world_size)
+        order: list[int] = self._samples(epoch, perm).tolist()
         return order
+
+    def _samples(self, epoch: int, positions: torch.Tensor) -> torch.Tensor:
+        if self.positions is None:
+            return positions
+        return torch.from_numpy(self.positions.samples(epoch, positions.numpy()))
 
     def batches(self, epoch: int, start: int = 0) -> Iterator[list[int]]:
         """The index batches of ``epoch``, from batch ``start`` on (from the first of an
@@ -203,7 +218,7 @@ class EpochSampler:
             perm = self._distributed(epoch, self.world_size)
         size = self.batch_size
         for b in range(max(start, first) - first, end - first):
-            batch: list[int] = perm[b * size : (b + 1) * size].tolist()
+            batch: list[int] = self._samples(epoch, perm[b * size : (b + 1) * size]).tolist()
             yield batch
 
 
