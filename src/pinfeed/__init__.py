@@ -4,7 +4,8 @@ the one-line switch), ``ServerDataset`` (a dataset the server builds from one of
 kinds: data in a store, read with the server's credentials), ``Loader`` (a loader
 registered by name: batches over shared memory), ``Client`` (the HTTP admin),
 ``Transformed`` (a dataset and its per-loader transform, the reference of a cached
-dataset's loader); the errors of ``errors``, the tree both sides raise."""
+dataset's loader), ``Mixture`` and ``Packed`` (datasets by weight, and token documents
+packed into rows: ``mixing``, ``packing``); the errors of ``errors``, the tree both sides raise."""
 
 from pinfeed._admin import Client
 from pinfeed._dataloader import DataLoader, FallbackWarning
@@ -38,6 +39,8 @@ from pinfeed.errors import (
     UnsupportedMediaType,
     WorkerLimit,
 )
+from pinfeed.mixture import Mixture
+from pinfeed.packed import Packed
 from pinfeed.served import ServerDataset
 from pinfeed.transformed import Transformed
 
@@ -61,9 +64,11 @@ __all__ = [
     "LoaderFailed",
     "LoaderNotFound",
     "MethodNotAllowed",
+    "Mixture",
     "NotFound",
     "NotReady",
     "Overloaded",
+    "Packed",
     "PayloadTooLarge",
     "PinfeedError",
     "ProblemError",

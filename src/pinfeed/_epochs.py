@@ -298,8 +298,14 @@ class Epochs:
             return None
         if info.sampler_length is None:
             return None
+        mixture = info.mixture
         plan = elastic.Plan(
-            info.dataset_length, config.shuffle, config.seed, config.drop_last, config.shard_size
+            info.dataset_length,
+            config.shuffle and mixture is None,  # a mixture's: positions
+            config.seed,
+            config.drop_last,
+            config.shard_size,
+            mixture,
         )
         return plan.to_json()
 

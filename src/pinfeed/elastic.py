@@ -85,20 +85,26 @@ STATE_VERSION = 2
 class Plan:
     """What a loader's epochs are made of and must agree on across a resize."""
 
-    length: int  # the dataset's samples
+    length: int  # the dataset's samples (a mixture's: its positions an epoch)
     shuffle: bool
     seed: int
     drop_last: bool
     shard_size: int | None = None  # the shard-aware order's samples a shard (None: global)
+    mixture: str | None = None  # a mixture's rule (``pinfeed.mixing.Mixing.digest``)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "length": self.length,
             "shuffle": self.shuffle,
             "seed": self.seed,
             "drop_last": self.drop_last,
-            "shard_size": self.shard_size,
         }
+        # Each absent where not used: the states of version 2 as they were
+        if self.shard_size is not None:
+            out["shard_size"] = self.shard_size
+        if self.mixture is not None:
+            out["mixture"] = self.mixture
+        return out
 
     @classmethod
     def from_json(cls, data: Any) -> Plan | None:
@@ -106,12 +112,14 @@ class Plan:
             return None
         try:
             shard_size = data.get("shard_size")  # absent in states saved before it
+            mixture = data.get("mixture")
             return cls(
                 int(data["length"]),
                 bool(data["shuffle"]),
                 int(data["seed"]),
                 bool(data["drop_last"]),
                 None if shard_size is None else int(shard_size),
+                None if mixture is None else str(mixture),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidState(f"a state's plan is malformed: {exc!r}") from None
@@ -453,6 +461,17 @@ def _resume(state: Mapping[str, Any], target: Target) -> Resumed:
     elastic = Elastic.from_json(state.get("elastic"))
     world, size = state.get("world_size"), int(state["batch_size"])
     if plan != target.plan:
+        boundary = _mixture_boundary(plan, target.plan, state)
+        if boundary is not None:
+            return Resumed(boundary, 0, None)
+    if plan != target.plan:
+        if plan is not None and target.plan is not None and plan.mixture != target.plan.mixture:
+            raise InvalidState(
+                "the state was saved inside an epoch of another mixture (weights, sources or "
+                "epoch): load it into a loader of the same mixture to finish that epoch; a "
+                "state saved at an epoch's end loads into a new mixture, which makes the "
+                "following epochs"
+            )
         raise InvalidState(
             f"the state is of another plan ({plan} and this loader's {target.plan}): the "
             "dataset's length, shuffle, seed and drop_last must be the same"
@@ -484,6 +503,31 @@ def _resume(state: Mapping[str, Any], target: Target) -> Resumed:
             "semantics) over a map-style dataset resumes at another world_size or batch_size"
         )
     return _next_stage(plan, positions, world, size, elastic, target)
+
+
+def _mixture_boundary(
+    plan: Plan | None, target: Plan | None, state: Mapping[str, Any]
+) -> int | None:
+    """The epoch a loader of another mixture starts from a ``state`` that every rank
+    saved between two epochs (at an epoch's start, or past its last batch); None if the
+    plans differ otherwise, or a rank is inside an epoch."""
+    if plan is None or target is None or plan.mixture is None or target.mixture is None:
+        return None
+    if {**plan.to_json(), "mixture": 0, "length": 0} != {
+        **target.to_json(),
+        "mixture": 0,
+        "length": 0,
+    }:
+        return None
+    if (state.get("elastic") or {}).get("epoch") is not None:
+        return None
+    world = state.get("world_size") or 1
+    size = int(state["batch_size"])
+    end = _batches(per_rank(plan.length, world, plan.drop_last), size, plan.drop_last)
+    positions = _positions(state) or [(int(state["epoch"]), int(state["index"]))]
+    nexts = {e if i == 0 else e + 1 for e, i in positions if i == 0 or i >= end}
+    done = sum(1 for _, i in positions if i == 0 or i >= end)
+    return nexts.pop() if done == len(positions) and len(nexts) == 1 else None
 
 
 def _within(epoch: int, index: int, elastic: Elastic | None) -> Resumed:

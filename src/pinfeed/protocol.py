@@ -546,6 +546,9 @@ class Attached:
     # The elastic epoch the loader is in or heads for (``pinfeed.elastic.Elastic``'s
     # JSON with its ``end``: the index after its last batch), or None.
     elastic: dict[str, Any] | None = None
+    # A mixture loader's rule (``pinfeed.mixing.Mixing.digest``: a state's ``plan``
+    # names it), or None. Its plan is over unshuffled positions (``dataset_length``).
+    mixture: str | None = None
 
     def encode(self) -> bytes:
         return _encode_json(ATTACHED, asdict(self))  # layout and config as JSON objects

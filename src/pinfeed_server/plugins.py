@@ -19,6 +19,9 @@ from typing import Any
 from pinfeed_server.errors import DomainError
 
 SPEC = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+# pinfeed's own collate of packed rows (``"collate_fn": "pinfeed.packing:collate"``): the
+# library the server runs, not a plugin, so no PINFEED_ALLOWED_PLUGINS entry is needed
+BUILT_IN = ("pinfeed.packing",)
 _SPEC = re.compile(SPEC)
 
 
@@ -35,7 +38,7 @@ def resolve(spec: str, prefixes: tuple[str, ...], *, what: str = "plugin") -> Ca
     if not _SPEC.match(spec):
         raise PluginError(f"{what} {spec!r} must look like 'package.module:callable'")
     module_name, attr = spec.split(":")
-    if not allowed(module_name, prefixes):
+    if module_name not in BUILT_IN and not allowed(module_name, prefixes):
         raise PluginError(
             f"{what} {spec!r}: module {module_name!r} is not allowed; add its package to "
             "PINFEED_ALLOWED_PLUGINS"

@@ -280,6 +280,31 @@ def _remote(out: list[str], service: Service) -> None:
     out.append(f"pinfeed_remote_cache_evictions_total {_num(stats.cache.evictions)}\n")
 
 
+# A mixture loader's sources (``LoaderStatus.sources``), labelled loader and dataset.
+MIXTURE: list[tuple[str, str, str, str]] = [
+    ("pinfeed_mixture_samples_total", "counter", "samples", "Samples of the source taken"),
+    ("pinfeed_mixture_tokens_total", "counter", "tokens", "Tokens of the source taken"),
+    ("pinfeed_mixture_weight", "gauge", "weight", "The source's weight, normalised"),
+    (
+        "pinfeed_mixture_proportion",
+        "gauge",
+        "proportion",
+        "The source's share of the samples taken",
+    ),
+]
+
+
+def _mixture(out: list[str], rows: list[LoaderRow], names: list[str]) -> None:
+    mixed = [(n, row.status.sources) for row, n in zip(rows, names, strict=True)]
+    for metric, kind, field, doc in MIXTURE:
+        _family(out, metric, kind, doc)
+        out.extend(
+            f'{metric}{{loader="{n}",dataset="{_esc(s.dataset)}"}} {_num(getattr(s, field))}\n'
+            for n, sources in mixed
+            for s in sources or ()
+        )
+
+
 def families() -> list[Family]:
     """Every pinfeed family ``render`` writes, in its order (not prometheus_client's
     process and platform collectors)."""
@@ -307,6 +332,7 @@ def families() -> list[Family]:
         ),
         *(Family(metric, "gauge", doc, ()) for metric, doc, _ in REMOTE_CACHE),
         Family("pinfeed_remote_cache_evictions_total", "counter", REMOTE_EVICTIONS, ()),
+        *(Family(metric, kind, doc, ("loader", "dataset")) for metric, kind, _, doc in MIXTURE),
     ]
 
 
@@ -340,4 +366,5 @@ def render(service: Service) -> str:
             for d, c in zip(datasets, caches.values(), strict=True)
         )
     _remote(out, service)
+    _mixture(out, rows, names)
     return "".join(out)

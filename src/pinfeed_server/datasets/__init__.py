@@ -12,6 +12,7 @@ from typing import Any
 from pinfeed_server.datasets import (
     hf,
     images,
+    mixture,
     npy,
     parquet,
     python,
@@ -46,13 +47,20 @@ KINDS: dict[str, Kind[Any]] = {
 
 def build_dataset(kind: str, params: dict[str, Any], ctx: DatasetContext) -> Any:
     try:
-        spec = KINDS[kind]
+        spec = KINDS.get(kind) or BUILT_FOR_LOADERS[kind]
     except KeyError:
         raise DatasetError(f"unknown dataset kind {kind!r}; one of {sorted(KINDS)}") from None
     return spec(params, ctx)
 
 
+# Kinds the service builds for a loader, never registered as a dataset: a mixture's
+# sources (built again from their own kinds in a worker or a zygote).
+MIXTURE = mixture.kind(build_dataset)
+BUILT_FOR_LOADERS: dict[str, Kind[Any]] = {MIXTURE.name: MIXTURE}
+
+
 __all__ = [
+    "BUILT_FOR_LOADERS",
     "KINDS",
     "BatchFetcher",
     "DatasetContext",

@@ -9,6 +9,16 @@ defaults to ``seq_len``: non-overlapping windows) and is ``(x, y)``: tokens
 ``(tokens - seq_len - 1) // stride + 1`` samples: the last window needs its one extra
 target token. The file is memory-mapped read-only, never read whole; an ``s3://`` path
 is read by blocks through the node's object cache, each window from the blocks it spans.
+
+Packed (``"pack": "greedy"`` or ``"best_fit"``, with ``"eos"``): the file is documents,
+each ending with the ``eos`` token (a last one without it ends at the file's end), and
+a sample is a packed row of ``seq_len`` tokens (``pinfeed.packing``):
+``{"input_ids", "labels", "position_ids"}``. Greedy rows are the file's windows
+``[r * seq_len, (r + 1) * seq_len)`` with the documents' boundaries marked; best-fit
+rows hold whole documents (one over ``seq_len`` cut into pieces). The packing is
+computed once where the dataset is built (one pass over the file for the EOS tokens);
+the rows are assembled in the workers. A loader gets ``cu_seqlens`` with
+``"collate_fn": "pinfeed.packing:collate"``.
 """
 
 from __future__ import annotations
@@ -19,8 +29,9 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
+from pinfeed import packing
 from pinfeed_server.datasets.base import DatasetContext, DatasetError, Kind, Params
 from pinfeed_server.datasets.remote import RemoteArray, RemoteDataset, Spans
 from pinfeed_server.remote import Manifest, RemoteObject, is_remote
@@ -33,6 +44,21 @@ class TokensParams(Params):
     stride: int | None = Field(
         None, gt=0, description="tokens between sample starts (default: seq_len)"
     )
+    eos: int | None = Field(
+        None, ge=0, description="the token that ends each document (packing needs it)"
+    )
+    pack: Literal["greedy", "best_fit"] | None = Field(
+        None,
+        description="samples are packed rows of seq_len tokens (input_ids, labels, "
+        "position_ids) from the documents: greedy (the file cut every seq_len tokens) or "
+        "best_fit (whole documents, the tightest row first); null: windows (x, y)",
+    )
+
+    @model_validator(mode="after")
+    def _packing(self) -> TokensParams:
+        if self.pack is not None and (self.eos is None or self.stride is not None):
+            raise ValueError("pack needs eos (the documents' end) and no stride")
+        return self
 
 
 def samples(tokens: int, seq_len: int, stride: int) -> int:
@@ -42,7 +68,14 @@ def samples(tokens: int, seq_len: int, stride: int) -> int:
 
 class TokensDataset:
     def __init__(
-        self, path: Path | RemoteObject, shown: str, dtype: str, seq_len: int, stride: int
+        self,
+        path: Path | RemoteObject,
+        shown: str,
+        dtype: str,
+        seq_len: int,
+        stride: int,
+        eos: int | None = None,
+        pack: packing.Mode | None = None,
     ) -> None:
         itemsize = np.dtype(dtype).itemsize
         size = path.size if isinstance(path, RemoteObject) else path.stat().st_size
@@ -65,6 +98,16 @@ class TokensDataset:
         self.seq_len = seq_len
         self.stride = stride
         self._length = n
+        self.eos = eos
+        self.rows: packing.Rows | None = None
+        if pack is not None:
+            assert eos is not None
+            ends = _document_ends(self.tokens, eos)
+            self._starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+            self.rows = packing.pack(ends - self._starts, seq_len, pack)
+            if len(self.rows) == 0:
+                raise DatasetError(f"{shown}: {count} tokens make no packed row of {seq_len}")
+            self._length = len(self.rows)
 
     def __len__(self) -> int:
         return self._length
@@ -77,7 +120,24 @@ class TokensDataset:
             raise IndexError(f"index {index} out of range for {self._length} samples")
         return i * self.stride
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _read(self, doc: int, start: int, stop: int) -> np.ndarray[Any, Any]:
+        first = int(self._starts[doc])
+        return np.asarray(self.tokens[first + start : first + stop])
+
+    def _row(self, index: int) -> dict[str, torch.Tensor]:
+        assert self.rows is not None
+        i = int(index) + (self._length if int(index) < 0 else 0)
+        return packing.assemble(self.rows, i, self._read, self.eos or 0)
+
+    def tokens_in(self, indices: Sequence[int]) -> int:
+        """The documents' tokens in samples ``indices`` (a packed row's padding left out)."""
+        if self.rows is None:
+            return len(indices) * self.seq_len
+        return int(self.rows.tokens(indices).sum())
+
+    def __getitem__(self, index: int) -> Any:
+        if self.rows is not None:
+            return self._row(index)
         start, s = self._start(index), self.seq_len
         window = self.tokens[start : start + s + 1].astype(np.int64)
         return torch.from_numpy(window[:-1]), torch.from_numpy(window[1:])
@@ -85,6 +145,11 @@ class TokensDataset:
     def fetch_into(self, indices: Sequence[int], out: Sequence[torch.Tensor]) -> None:
         # Each window is read once from the mapping and widened to int64 straight into
         # the slot's x and y rows: no per-sample tensors, no stack.
+        if self.rows is not None:  # input_ids, labels, position_ids (the dict's order)
+            for row, index in enumerate(indices):
+                for view, value in zip(out, self._row(index).values(), strict=True):
+                    view[row].copy_(value)
+            return
         xs, ys = out[0].numpy(), out[1].numpy()
         s = self.seq_len
         for row, index in enumerate(indices):
@@ -94,6 +159,8 @@ class TokensDataset:
             np.copyto(ys[row], window[1:], casting="safe")
 
     def __repr__(self) -> str:
+        if self.rows is not None:
+            return f"TokensDataset({self._length} packed rows of {self.seq_len} tokens)"
         return (
             f"TokensDataset({self._length} samples of {self.seq_len} tokens, "
             f"stride {self.stride}, {self.tokens.dtype})"
@@ -117,16 +184,33 @@ class WindowSpans:
         return [self.manifest.spans(0, starts, stops)]
 
 
+def _document_ends(tokens: Any, eos: int, chunk: int = 1 << 26) -> np.ndarray[Any, Any]:
+    """The index after each document's last token: each EOS's, and the file's end where
+    it does not end with one (a pass over the file, ``chunk`` tokens at a time)."""
+    found = [
+        np.flatnonzero(np.asarray(tokens[at : at + chunk]) == eos) + at + 1
+        for at in range(0, len(tokens), chunk)
+    ]
+    ends = np.concatenate(found) if found else np.empty(0, dtype=np.int64)
+    if not len(ends) or ends[-1] != len(tokens):
+        ends = np.append(ends, len(tokens))
+    return ends.astype(np.int64)
+
+
 def build(p: TokensParams, ctx: DatasetContext) -> Any:
     stride = p.stride or p.seq_len
     if is_remote(p.path):
+        if p.pack is not None:
+            raise DatasetError(
+                f"{p.path}: pack reads a local token file (copy it under the data root)"
+            )
         manifest = ctx.manifest([p.path], blocks=True, single=True)
         obj = RemoteObject(ctx.remote, manifest, 0)  # type: ignore[arg-type]
         inner = TokensDataset(obj, p.path, p.dtype, p.seq_len, stride)
         spans = WindowSpans(manifest, np.dtype(p.dtype).itemsize, p.seq_len, stride)
         return RemoteDataset(inner, manifest, spans)
     path = ctx.resolve(p.path)
-    return TokensDataset(path, p.path, p.dtype, p.seq_len, stride)
+    return TokensDataset(path, p.path, p.dtype, p.seq_len, stride, p.eos, p.pack)
 
 
 KIND = Kind("tokens", TokensParams, build, __doc__)

@@ -24,6 +24,7 @@ from pinfeed_server.engine.custom_sampler import (
     custom_plan,
 )
 from pinfeed_server.engine.iterable import IterablePlan, is_iterable
+from pinfeed_server.engine.mixture import MixtureSpec, Positions
 from pinfeed_server.engine.sampler import BatchPlan, EpochSampler
 from pinfeed_server.plugins import SPEC, resolve
 
@@ -45,7 +46,18 @@ class LoaderFields(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Name
-    dataset: str = Name
+    dataset: str = Field(
+        pattern=NAME_PATTERN,
+        description="letters, digits, '.', '_' and '-'; 1-63 chars (a mixture: its first "
+        "source, if left out)",
+        examples=["demo"],
+    )
+    mixture: MixtureSpec | None = Field(
+        None,
+        description="several datasets by weight: {sources: [{dataset, weight, shuffle}], "
+        "samples | until, rule} (a list of sources alone is the sources); the datasets "
+        "the loader reads instead of dataset (how-to/mixtures-packing.md)",
+    )
     batch_size: int = Field(1, ge=1, le=1 << 20)
     shuffle: bool = False
     seed: int | None = Field(
@@ -178,6 +190,27 @@ class LoaderFields(BaseModel):
     ray_num_cpus: float = Field(
         1.0, gt=0, le=256, description="CPUs each Ray actor reserves (executor 'ray')"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mixture_names_its_dataset(cls, data: Any) -> Any:
+        # a mixture loader's dataset (the registry's row, the loaders a dataset has) is
+        # its first source where the request names none
+        if isinstance(data, dict) and data.get("dataset") is None and data.get("mixture"):
+            mixture = MixtureSpec.model_validate(data["mixture"])
+            return {**data, "dataset": mixture.sources[0].dataset}
+        return data
+
+    @model_validator(mode="after")
+    def _mixture_plan(self) -> LoaderFields:
+        if self.mixture is not None:
+            if self.sampler is not None or self.batch_sampler is not None:
+                raise ValueError("a mixture is its own sampler: no sampler or batch_sampler")
+            if self.dataset not in self.mixture.names:
+                raise ValueError(
+                    f"dataset {self.dataset!r} is not one of the mixture's {self.mixture.names}"
+                )
+        return self
 
     @field_validator("prefetch_factor", mode="before", json_schema_input_type=Prefetch | None)
     @classmethod
@@ -396,6 +429,23 @@ def make_sampler(
                 batch_size=config.batch_size,
                 drop_last=config.drop_last,
             )
+    if config.mixture is not None:
+        sources = getattr(dataset, "dataset", dataset)  # under its Transformed
+        try:
+            rule = config.mixture.rule_for(sources.lengths, config.shuffle)
+        except ValueError as exc:
+            raise SamplerError(f"mixture: {exc}") from None
+        return EpochSampler(
+            rule.samples,
+            config.batch_size,
+            shuffle=False,  # the positions are drawn at random; each source shuffles its own
+            seed=config.seed,
+            drop_last=config.drop_last,
+            rank=config.rank,
+            world_size=config.world_size,
+            persistent=persistent(config, streams),
+            positions=Positions(rule, config.seed),
+        )
     return EpochSampler(
         len(dataset),
         config.batch_size,

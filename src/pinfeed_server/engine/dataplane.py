@@ -37,6 +37,7 @@ from pinfeed_server.engine.collate import describe
 from pinfeed_server.engine.config import LoaderConfig
 from pinfeed_server.engine.iterable import dataset_length, sampler_length
 from pinfeed_server.engine.loader import LoaderEngine
+from pinfeed_server.engine.mixture import mixture_of
 from pinfeed_server.engine.replay import replay
 from pinfeed_server.engine.session import Session
 from pinfeed_server.errors import DomainError
@@ -336,6 +337,7 @@ class DataPlaneServer:
             sampler_length=sampler_length(engine.sampler),
             sample=None if layout is None else describe(layout),
             elastic=engine.elastic_epoch(),
+            mixture=mixture_of(engine.sampler),
         )
         try:
             rights = (

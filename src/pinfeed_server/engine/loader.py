@@ -55,6 +55,7 @@ from pinfeed_server.engine.custom_sampler import oversize
 from pinfeed_server.engine.fed_plan import FedPlan
 from pinfeed_server.engine.fetching import fetching_for
 from pinfeed_server.engine.iterable import MAX_TURN, IterablePlan, is_iterable, plan_len
+from pinfeed_server.engine.mixture import served_by
 from pinfeed_server.engine.producer_handle import ProducerHandle
 from pinfeed_server.engine.producers import (
     Executor,
@@ -190,6 +191,8 @@ class LoaderEngine:
         self._history_lock = threading.Lock()
         # a dataset in an object store: its batches wait for their objects (fetching.py)
         self.fetching = fetching_for(config.name, dataset, context.remote, plan, config.batch_size)
+        # a mixture's per-source counts (engine/mixture.py)
+        self.served = None if config.mixture is None else served_by(config.mixture, dataset)
         if resumed is not None:
             self._restore(resumed)
 
@@ -437,6 +440,8 @@ class LoaderEngine:
                     rows = 0 if indices is None else len(indices)
                     seq = self.publisher.add(epoch, i, slot, rows, last)
                     self._cursor = (epoch, i + 1)
+                if self.served is not None and indices is not None:
+                    self.served.planned(epoch, i, indices)
                 if self.sizing is None and self.layout is not None:
                     error = oversize(indices, self.layout.batch_size)
                     if error is not None:  # a batch_sampler's batch larger than the slots
@@ -490,6 +495,8 @@ class LoaderEngine:
         """Production goes on at (epoch, index): a new generation (under ``self._cond``)."""
         self._gen += 1
         self._cursor = (epoch, index)
+        if self.served is not None:
+            self.served.forget()  # batches made ahead of a seek are made again
         if isinstance(self.sampler, FedPlan):
             self.sampler.interrupt()  # the producer may be waiting for the trainer's feed
 
@@ -857,6 +864,8 @@ class LoaderEngine:
             self._pending.pop(member, None)
         if isinstance(item, BatchItem):
             self.stats.consumed(item.rows)
+            if self.served is not None:
+                self.served.taken(item.epoch, item.index)
         return item
 
     def stats_snapshot(self) -> StatsSnapshot:
@@ -915,5 +924,6 @@ class LoaderEngine:
                 "position": first[1],
                 "worker_restarts": self.producer.restarts,
                 "members": members,
+                "sources": None if self.served is None else self.served.report(),
             },
         )

@@ -26,6 +26,9 @@ token file's blocks). Deterministic per seed and epoch; resume and elastic resum
 the distributed plan's (a stage resumed at another world size reads the rest of its
 epoch spread as DistributedSampler spreads it; the next epoch is shard-aware again).
 
+Mixture (``positions``): the plan is over an epoch's positions, unshuffled, and each
+batch's positions become the sources' samples by the mixing rule (``mixture.py``).
+
 Custom (``sampler`` / ``batch_sampler`` fields): ``custom_sampler.CustomPlan``
 iterates the user's sampler once per epoch as DataLoader does.
 """
@@ -42,6 +45,7 @@ from typing import Protocol
 import torch
 
 from pinfeed import elastic
+from pinfeed_server.engine.mixture import Positions
 
 
 class BatchPlan(Protocol):
@@ -100,7 +104,10 @@ class EpochSampler:
         world_size: int | None = None,
         persistent: bool = False,
         shard_size: int | None = None,
+        positions: Positions | None = None,
     ) -> None:
+        """``positions``: a mixture's, which map this plan's indices (positions of an
+        epoch) to samples."""
         if length <= 0 or batch_size <= 0:
             raise ValueError("length and batch_size must be positive")
         if shard_size is not None and shard_size <= 0:
@@ -116,6 +123,7 @@ class EpochSampler:
         self.world_size = world_size
         self.persistent = persistent  # persistent workers: one base seed, at epoch 0
         self.shard_size = shard_size
+        self.positions = positions
         self._gen = torch.Generator()
         self._next_epoch = 0
         self._gen.manual_seed(seed)
@@ -147,7 +155,10 @@ class EpochSampler:
         return self._order()
 
     def _order(self) -> elastic.Plan:
-        return elastic.Plan(self.length, self.shuffle, self.seed, self.drop_last, self.shard_size)
+        mixture = None if self.positions is None else self.positions.digest
+        return elastic.Plan(
+            self.length, self.shuffle, self.seed, self.drop_last, self.shard_size, mixture
+        )
 
     def resumed(self, record: elastic.Elastic) -> ElasticEpoch:
         """This rank's share of ``record``'s epoch (a distributed plan's)."""
@@ -204,10 +215,16 @@ class EpochSampler:
     def permutation(self, epoch: int) -> list[int]:
         """This rank's sample order for ``epoch``."""
         if self.world_size is None:
-            order: list[int] = self._plain(epoch).tolist()
+            perm = self._plain(epoch)
         else:
-            order = self._distributed(epoch, self.world_size).tolist()
+            perm = self._distributed(epoch, self.world_size)
+        order: list[int] = self._samples(epoch, perm).tolist()
         return order
+
+    def _samples(self, epoch: int, positions: torch.Tensor) -> torch.Tensor:
+        if self.positions is None:
+            return positions
+        return torch.from_numpy(self.positions.samples(epoch, positions.numpy()))
 
     def batches(self, epoch: int, start: int = 0) -> Iterator[list[int]]:
         """The index batches of ``epoch``, from batch ``start`` on (from the first of an
@@ -219,7 +236,7 @@ class EpochSampler:
             perm = self._distributed(epoch, self.world_size)
         size = self.batch_size
         for b in range(max(start, first) - first, end - first):
-            batch: list[int] = perm[b * size : (b + 1) * size].tolist()
+            batch: list[int] = self._samples(epoch, perm[b * size : (b + 1) * size]).tolist()
             yield batch
 
 

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field
 
 from pinfeed.errors import LoaderFailed
+from pinfeed_server.engine.mixture import SourceServed
 from pinfeed_server.metric import Metric
 
 LoaderState = Literal["starting", "ready", "failed", "draining", "closed"]
@@ -73,6 +74,9 @@ class LoaderStatus(BaseModel):
     ]
     members: list[MemberStatus] = Field(
         default_factory=list, description="consumer group members (one for a plain loader)"
+    )
+    sources: list[SourceServed] | None = Field(
+        None, description="a mixture loader's sources: taken, tokens, share against weight"
     )
 
     @classmethod

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import multiprocessing
 import os
 import secrets
 import signal
@@ -35,7 +36,7 @@ import torch
 
 from pinfeed import errors, protocol, served
 from pinfeed_server.cache.shipped import ShippedCaches
-from pinfeed_server.datasets import KINDS, DatasetContext, build_dataset
+from pinfeed_server.datasets import BUILT_FOR_LOADERS, KINDS, DatasetContext, Kind, build_dataset
 from pinfeed_server.engine import (
     LIVE,
     DataPlaneServer,
@@ -294,24 +295,52 @@ class Service:
         """A registered loader (its ``fields`` as the registry keeps them) over dataset
         ``dataset_name``, built and started; ``resumed``: the elastic epoch the registry
         kept for it."""
-        found = self.datasets.row(dataset_name)
-        kind = KINDS[found.kind]
-        dataset = self.datasets.open(dataset_name, kind.name, found.params, found.cache)
         config = LoaderConfig.model_validate({**fields, "dataset": dataset_name})
-        # The dataset's zygote starts with the first local worker process, in the
-        # loader's boot thread (state "starting"); one that cannot start fails the
-        # loader with the reason.
-        zygote = functools.partial(self.zygotes.get, dataset_name, dataset, kind.name, found.params)
+        if config.mixture is not None:
+            dataset, kind, params, spawn = self._sources(config)
+        else:
+            found = self.datasets.row(dataset_name)
+            kind = KINDS[found.kind]
+            params = found.params
+            dataset = self.datasets.open(dataset_name, kind.name, params, found.cache)
+            # The dataset's zygote starts with the first local worker process, in the
+            # loader's boot thread (state "starting"); one that cannot start fails the
+            # loader with the reason.
+            zygote = functools.partial(self.zygotes.get, dataset_name, dataset, kind.name, params)
+            spawn = lambda: zygote().process_factory  # noqa: E731
         spec = LoaderSpec(
             config,
             dataset,
             kind,
-            found.params,
-            spawn=lambda: zygote().process_factory,
+            params,
+            spawn=spawn,
             resumed=resumed,
             keep=functools.partial(self._keep_elastic, config.name),
         )
         return self.builder.build(spec)
+
+    def _sources(self, config: LoaderConfig) -> tuple[Any, Kind[Any], dict[str, Any], Any]:
+        """A mixture loader's sources as one dataset (``datasets/mixture.py``): built
+        here from the sources' kinds, and again by its workers (forked from the plain
+        forkserver: a loader's sources have no zygote of their own)."""
+        assert config.mixture is not None
+        rows = [self.datasets.row(name) for name in config.mixture.names]  # NotFound first
+        params = {
+            "sources": [
+                {"name": name, "kind": row.kind, "params": row.params}
+                for name, row in zip(config.mixture.names, rows, strict=True)
+            ]
+        }
+        kind = BUILT_FOR_LOADERS["mixture"]
+        try:
+            dataset = build_dataset(kind.name, params, self.context)
+        except DomainError:
+            raise
+        except Exception as exc:  # a source's corrupt file: the caller's problem
+            raise errors.InvalidRequest(
+                f"loader {config.name!r}: its mixture cannot open: {type(exc).__name__}: {exc}"
+            ) from None
+        return dataset, kind, params, lambda: multiprocessing.get_context("forkserver").Process
 
     def _keep_elastic(self, name: str, record: dict[str, Any] | None) -> None:
         """A loader's new elastic epoch, into the registry (a failure is logged: the

@@ -63,6 +63,15 @@ class LoaderRecord:
     owner: Owner | None = None  # made by a trainer; None: registered over HTTP
     unstarted: Unstarted | None = None
 
+    def reads(self) -> list[str]:
+        """The registered datasets it reads: its dataset, or its mixture's sources."""
+        if self.engine is not None:
+            mixture = self.engine.config.mixture
+            return [self.dataset] if mixture is None else mixture.names
+        fields = self.unstarted.fields if self.unstarted is not None else {}
+        sources = (fields.get("mixture") or {}).get("sources") or []
+        return [self.dataset, *(s["dataset"] for s in sources)]
+
     def describe(self) -> dict[str, Any]:
         """The loader as ``GET /v1/loaders/{name}`` shows it (``LoaderPublic``)."""
         if self.engine is None:
@@ -145,4 +154,4 @@ class LoaderTable:
 
     def readers_of(self, dataset: str) -> list[LoaderRecord]:
         """The loaders of registered dataset ``dataset`` (started or not), by name."""
-        return [r for r in self.records() if r.dataset == dataset]
+        return [r for r in self.records() if dataset in r.reads()]
