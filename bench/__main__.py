@@ -14,6 +14,7 @@ every table in README.md and ``docs/**/*.md`` from those files (``bench.report``
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import shutil
 import sys
@@ -51,6 +52,13 @@ def _cuda() -> str | None:
     return None if torch.cuda.is_available() else "needs CUDA"
 
 
+def _anchors() -> str | None:
+    missing = [m for m in ("streaming", "litdata", "webdataset") if not importlib.util.find_spec(m)]
+    if missing:
+        return f"needs {', '.join(missing)}: pip install -e '.[anchors]'"
+    return None
+
+
 def _ray() -> str | None:
     if os.environ.get("PINFEED_BENCH_RAY") != "1":
         return "needs root and network namespaces: set PINFEED_BENCH_RAY=1 to include it"
@@ -86,6 +94,13 @@ SECTIONS = [
     ),
     Section("follow", "bench.follow", what="following the trainer's objects, per epoch", minutes=3),
     Section("remote", "bench.remote", what="a dataset in S3: epochs 1-2, Belady vs LRU", minutes=6),
+    Section(
+        "remote-anchors",
+        "bench.remote_anchors",
+        what="4 jobs on one S3 dataset: pinfeed, Mosaic, LitData, WebDataset",
+        minutes=8,
+        available=_anchors,
+    ),
     Section(
         "s3-model",
         "bench.s3_model",

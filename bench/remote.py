@@ -81,7 +81,7 @@ def _server(s3: S3Server, proxy: FaultProxy, root: Path, **settings: str) -> Ben
     return BenchServer(root, env=env)
 
 
-def _epochs(batches: Any, epochs: int, t0: float) -> tuple[list[float], float]:
+def read_epochs(batches: Any, epochs: int, t0: float) -> tuple[list[float], float]:
     """(samples/s of each epoch, seconds from ``t0`` to the first batch)."""
     rates, first = [], None
     for _ in range(epochs):
@@ -103,7 +103,7 @@ def run_pinfeed(args: argparse.Namespace, s3: S3Server, proxy: FaultProxy) -> di
             "w3", dataset="w3", batch_size=BATCH, shuffle=True, seed=0, num_workers=args.workers
         )
         with Loader("w3", socket=srv.socket) as loader:
-            rates, first = _epochs(loader, args.epochs, t0)
+            rates, first = read_epochs(loader, args.epochs, t0)
         seen = proxy.counts
         node = admin.node()["remote"]
     return {
@@ -130,7 +130,7 @@ def run_dataloader(args: argparse.Namespace, s3: S3Server, proxy: FaultProxy) ->
             # obstore's runtime does not survive a fork: its workers start afresh
             multiprocessing_context="forkserver" if args.workers > 0 else None,
         )
-        rates, first = _epochs(loader, args.epochs, t0)
+        rates, first = read_epochs(loader, args.epochs, t0)
         del loader
     seen = proxy.counts
     return {

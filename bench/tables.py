@@ -1124,6 +1124,46 @@ def s3_model(r: Results, args: list[str]) -> str:
     )
 
 
+ANCHOR_NAMES = {
+    "pinfeed": "pinfeed (one object cache for the node)",
+    "mosaic": "Mosaic Streaming (MDS, a local cache per job)",
+    "litdata": "LitData (its default cache, one per dataset URL)",
+    "webdataset": "WebDataset (tar shards, `pipe:curl`, no cache)",
+}
+
+
+def remote_anchors(r: Results, args: list[str]) -> str:
+    """docs/how-to/object-storage.md: four jobs over one dataset in the store, the bytes
+    and requests it served, by system (``bench.remote_anchors``)."""
+    res = r.get("remote-anchors")
+    if res is None:
+        return missing("remote-anchors", "python -m bench remote-anchors")
+    p = res["params"]
+    rows = []
+    for run in res["runs"]:
+        rows.append(
+            [
+                ANCHOR_NAMES.get(run["system"], run["system"]),
+                f"{run['store_bytes'] / run['dataset_bytes']:.3f}",
+                f"{run['dataset_bytes'] / 1e6:.1f} MB",
+                f"{run['store_requests']:,}",
+                *(num(x) for x in run["epochs"]),
+            ]
+        )
+    head = ["system", "bytes fetched / dataset", "dataset (its format)", "requests"]
+    head += [f"epoch {i + 1} samples/s (median job)" for i in range(p["epochs"])]
+    return "\n".join(
+        [
+            f"{p['jobs']} jobs x {p['epochs']} epochs over W3's {p['samples']:,} JPEGs, "
+            f"{p['workers']} loader worker(s) a job, unthrottled.",
+            "",
+            table(head, rows),
+            "",
+            provenance([res]),
+        ]
+    )
+
+
 RENDERERS: dict[str, Callable[[Results, list[str]], str]] = {
     "headline": headline,
     "throughput": throughput,
@@ -1149,5 +1189,6 @@ RENDERERS: dict[str, Callable[[Results, list[str]], str]] = {
     "soak": soak,
     "w9": w9,
     "s3-model": s3_model,
+    "remote-anchors": remote_anchors,
     "plot": plot_ref,
 }
