@@ -16,7 +16,6 @@ from typing import Annotated, Any, Literal, Protocol, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pinfeed.protocol import NEXTS_IN_FLIGHT
 from pinfeed_server.engine.autotune import AutotuneSpec
 from pinfeed_server.engine.custom_sampler import (
     BatchSamplerSpec,
@@ -402,13 +401,8 @@ def ring_slots(config: LoaderConfig, keeps: bool = False) -> int:
     one announced ahead (the client keeps one NEXT in flight); with ``keeps`` (a
     ``pinfeed.DataLoader``'s trainer, which hands a slot back once it no longer holds
     the batch in it: its loop still holds the last one while it asks for the next),
-    three. A loader's one ``pinfeed.Loader`` keeps ``NEXTS_IN_FLIGHT`` NEXTs in flight
-    (``pinfeed._epochs``): a slot for each announced ahead."""
-    if keeps:
-        return prefetch_depth(config) + 3 * config.group_size
-    if config.group_size == 1:
-        return prefetch_depth(config) + 1 + NEXTS_IN_FLIGHT
-    return prefetch_depth(config) + 2 * config.group_size
+    three."""
+    return prefetch_depth(config) + (3 if keeps else 2) * config.group_size
 
 
 def make_sampler(
