@@ -58,7 +58,6 @@ import mmap
 import operator
 import os
 import struct
-import time
 import types
 import warnings
 import weakref
@@ -84,6 +83,7 @@ from pinfeed import rng
 from pinfeed._accelerate import PreparedAsIs
 from pinfeed._autostart import ensure_server
 from pinfeed._connection import Connection
+from pinfeed._inflight import State, reply
 from pinfeed._shipping import Shipper
 from pinfeed._transport import SocketTransport
 from pinfeed.errors import (
@@ -320,7 +320,7 @@ class DataLoader(TorchDataLoader[_T_co]):
         from (the generator's state, or the global RNG's where it has none, and a
         stateful sampler's ``state_dict``) as the epoch began."""
         owned = self._served()
-        if not owned.in_epoch:
+        if owned.state is State.IDLE:
             return {"version": 1, "epoch": owned.epoch + 1, "index": 0}
         return {
             "version": 1,
@@ -455,10 +455,10 @@ class _Owned:
         # on its states). The first time it does not, this stops for the loader's life.
         self.speculate = loader.num_workers == 0 and not self.ahead and quiet
         self.quiet = 0  # batches in a row the trainer drew nothing between
-        self.next_sent = False  # a NEXT is in flight
+        # IDLE between epochs, EPOCH inside one, AHEAD with a NEXT in flight
+        self.state = State.IDLE
         self.reconnect = reconnect
         self.epoch = -1  # the last epoch begun
-        self.in_epoch = False
         self.yielded = 0  # batches handed out (or raised) in it
         self.base_seed = 0
         self.epoch_start: dict[str, Any] = {}  # what its sampler drew from (state_dict)
@@ -527,13 +527,13 @@ class _Owned:
         the trainer's objects as they are now where they changed (``objects``: their
         payload, ``follow``'s)."""
         conn = self.conn
-        if self.in_epoch:
+        if self.state is not State.IDLE:
             self.skip()
         self.epoch += 1
         if objects is not None:
             conn.send_objects(self.epoch, [objects, *self.shipper.shared])
         conn.send_message(p.encode_epoch(self.epoch, base_seed))
-        self.in_epoch, self.yielded, self.base_seed = True, 0, base_seed
+        self.state, self.yielded, self.base_seed = State.EPOCH, 0, base_seed
         return self.epoch
 
     def seek(self, index: int) -> None:
@@ -551,13 +551,13 @@ class _Owned:
         conn = self.conn
         conn.send_plain(p.encode_feed(self.epoch, 0, None))  # its sampler: no more
         # The reply to a NEXT in flight first (SKIP is no message for a waiting NEXT).
-        drain, self.next_sent = self.next_sent, False
+        drain, self.state = self.state is State.AHEAD, State.EPOCH
         ended = drain and self._drop_reply()
         if not ended:
             conn.send(p.SKIP)
             while not self._drop_reply():
                 pass
-        self.in_epoch = False
+        self.state = State.IDLE
 
     def _drop_reply(self) -> bool:
         """Read one reply of an epoch being dropped: True at its END; a batch goes back
@@ -597,7 +597,7 @@ class _Owned:
             message = p.encode_feed(self.epoch, index, indices, rng_state)
         if ask:
             message = p.feed_then_next(message, self.conn.release_message(_NEXT))
-            self.next_sent = True
+            self.state = State.AHEAD
         try:
             self.conn.send_plain(message)
         except ServerUnavailable:
@@ -623,48 +623,33 @@ class _Owned:
             self._lost()
 
     def next_batch(self) -> bool:
-        """Wait for the next item: True for a BATCH (``deliver`` it), False at the
-        epoch's END; raises what failed."""
+        """Wait for the next item (``reply``): True for a BATCH (``deliver`` it), False
+        at the epoch's END; raises what failed, and DataLoader's RuntimeError where its
+        timeout passed first (the NEXT stays in flight: the next call waits for its
+        reply)."""
         conn = self.conn
-        asked = time.perf_counter_ns()
-        if self.next_sent:
-            # The NEXT sent as the last batch arrived: its batch is usually here. If not,
-            # hand the last view's slot back before waiting (the server may need it).
-            self.next_sent = False
-            n = conn.try_recv()
-            if n is None:
-                if conn.holds_slots():
-                    conn.send(p.RELEASE)
-                n = self._recv()
-        else:
-            conn.send(_NEXT)
-            n = self._recv()
-        conn.wait_us = (time.perf_counter_ns() - asked) // 1000
+        ahead, self.state = self.state is State.AHEAD, State.EPOCH
+        try:
+            n = reply(conn, ahead)
+        except TimeoutError:
+            self.state = State.AHEAD  # the next call waits for this reply
+            raise RuntimeError(f"DataLoader timed out after {self.timeout} seconds") from None
         kind = conn.buf[0]
         if kind == _BATCH:
             return True
         if kind == _END:
-            self.in_epoch = False
+            self.state = State.IDLE
             return False
         info = conn.error(n)
         if info is None:
             raise conn.failure(n)
         raise error_from_info(info)
 
-    def _recv(self) -> int:
-        """The reply to the NEXT in flight; DataLoader's RuntimeError where its timeout
-        passed first (the NEXT stays in flight: the next call waits for its reply)."""
-        try:
-            return self.conn.recv()
-        except TimeoutError:
-            self.next_sent = True
-            raise RuntimeError(f"DataLoader timed out after {self.timeout} seconds") from None
-
     def ask_ahead(self) -> None:
         """Send the NEXT for the item after the one just received (its FEED sent first);
         it hands back the slot of the batch before."""
         if self.next_ahead:
-            self.next_sent = True
+            self.state = State.AHEAD
             try:
                 self.conn.send(_NEXT)
             except ServerUnavailable:
@@ -677,7 +662,7 @@ class _Owned:
         again; else it is the trainer's error."""
         if not self.reconnect:
             raise
-        self.next_sent = False
+        self.state = State.EPOCH
 
     def deliver(self) -> Any:
         """The BATCH just received, as views (or copies, or on the device). Its slot goes
@@ -1040,7 +1025,7 @@ class _Iter(_BaseDataLoaderIter):
 
     def _next_data(self) -> Any:
         owned = self._owned
-        if owned.epoch != self._epoch or not owned.in_epoch:
+        if owned.epoch != self._epoch or owned.state is State.IDLE:
             raise StopIteration  # a newer iterator took over this loader
         if owned.num_workers == 0:
             # As DataLoader: the next index (an iterable: the next turn of its one
@@ -1094,7 +1079,7 @@ class _Iter(_BaseDataLoaderIter):
             if not owned.reconnect:
                 raise
         owned.conn.reconnect(RECONNECT_TIMEOUT_S)  # ships the objects again (CREATE)
-        owned.epoch, owned.in_epoch = self._epoch - 1, False
+        owned.epoch, owned.state = self._epoch - 1, State.IDLE
         yielded = owned.yielded
         owned.begin(int(self._base_seed))
         for index, (batch, state) in enumerate(self._history):
