@@ -84,6 +84,7 @@ SECTIONS = [
         minutes=2,
         data_dir=False,
     ),
+    Section("follow", "bench.follow", what="following the trainer's objects, per epoch", minutes=3),
     Section("remote", "bench.remote", what="a dataset in S3: epochs 1-2, Belady vs LRU", minutes=6),
     Section(
         "s3-model",

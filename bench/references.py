@@ -161,17 +161,30 @@ def _pil_fit(f: Any, size: int, crop: bool) -> torch.Tensor:
     return torch.from_numpy(np.array(img)).permute(2, 0, 1)
 
 
+_OBSTORE_AWS_KEYS = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_REGION",
+    "AWS_ENDPOINT_URL",
+)
+
+
 class S3ImageFolder(Dataset[tuple[torch.Tensor, int]]):
     """What a trainer writes without pinfeed for an ImageFolder in a bucket: the keys
     listed once (obstore, the AWS chain of this process), each sample one GET of its
     object in the process that reads it (a client per process: DataLoader's workers
     fork), decoded as :class:`PilImageFolder` decodes. Nothing is cached: every epoch
-    reads the store again."""
+    reads the store again. The chain's variables are read at construction and travel
+    with the object: a forkserver started earlier in the process keeps the environment
+    it started with, and its workers would otherwise ask the instance metadata
+    service."""
 
     def __init__(self, bucket: str, prefix: str, size: int, crop: bool = True) -> None:
         import obstore
 
         self.bucket, self.size, self.crop = bucket, size, crop
+        self.aws_env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
         prefix = prefix.strip("/") + "/"
         keys = [str(m["path"]) for page in obstore.list(self._store(), prefix) for m in page]
         by_class: dict[str, list[tuple[str, str, str]]] = {}
@@ -191,8 +204,13 @@ class S3ImageFolder(Dataset[tuple[torch.Tensor, int]]):
     def _store(self) -> Any:
         from obstore.store import S3Store
 
-        endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
-        return S3Store(self.bucket, client_options={"allow_http": endpoint.startswith("http:")})
+        config = {k.lower(): v for k, v in self.aws_env.items() if k in _OBSTORE_AWS_KEYS}
+        endpoint = self.aws_env.get("AWS_ENDPOINT_URL", "")
+        return S3Store(
+            self.bucket,
+            config=config,
+            client_options={"allow_http": endpoint.startswith("http:")},
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_pid": -1, "_client": None}

@@ -11,10 +11,14 @@ its arguments::
 
 ``python -m bench report`` rewrites every marker's body (and ``docs/bench.png``);
 ``--check`` changes nothing and exits 1 when a body differs from what the result files
-make (tests/test_bench_report.py runs that check). A table whose result file does not
-exist says so ("not yet measured") instead of showing a number. The output depends on
-the result files alone (not on the clock, the checkout or the machine), so a committed
-README either matches its committed result files or the test fails.
+make, or when prose carries a measured figure (tests/test_bench_report.py runs that
+check). A measured figure is a ratio (``1.08x``) or a throughput (``552 samples/s``):
+outside a generated block, a table, a code span or fence, prose says what a table
+shows and points at it, so that no figure in the docs outlives the run that made it.
+A table whose result file does not exist says so ("not yet measured") instead of
+showing a number. The output depends on the result files alone (not on the clock, the
+checkout or the machine), so a committed README either matches its committed result
+files or the test fails.
 
 The tables are ``bench.tables``' (one function each, named by the marker), their cells
 ``bench.cells``' (formats, verdicts, where a measurement comes from).
@@ -23,6 +27,7 @@ The tables are ``bench.tables``' (one function each, named by the marker), their
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -38,6 +43,25 @@ PLOT = REPO / "docs" / "bench.png"
 
 
 MARKER = blocks.marker("bench")
+
+# A measured figure in prose: a ratio to two decimals or a number of samples a second.
+FIGURE = re.compile(r"(?<![\w.])(?:\d+\.\d+x\b|\d[\d,.]*\s?[kM]?\s?samples/s)")
+_NOT_PROSE = (
+    re.compile(r"<!-- (?P<p>\w+):(?P<name>[\w-]+)[^>]*? -->\n.*?<!-- /(?P=p):(?P=name) -->", re.S),
+    re.compile(r"^```.*?^```", re.S | re.M),
+    re.compile(r"^\|.*$", re.M),
+    re.compile(r"`[^`\n]*`"),
+)
+
+
+def prose_figures(text: str) -> list[tuple[int, str]]:
+    """(line, figure) for each measured figure in ``text``'s prose."""
+    for pattern in _NOT_PROSE:  # blanked, not removed: line numbers stay
+        text = pattern.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), text)
+    return [
+        (text.count("\n", 0, m.start()) + 1, " ".join(m.group(0).split()))
+        for m in FIGURE.finditer(text)
+    ]
 
 
 def render(text: str, r: Results) -> str:
@@ -58,6 +82,11 @@ def check(folder: Path | None = None) -> list[str]:
         text = path.read_text()
         if render(text, r) != text:
             problems.append(f"{path.relative_to(REPO)}: tables differ from the result files")
+        for line, figure in prose_figures(text):
+            problems.append(
+                f"{path.relative_to(REPO)}:{line}: {figure!r} in prose (a figure comes from "
+                "a result file: point at its table)"
+            )
     for path in sorted(r.folder.glob("*.json")):
         res = results.load(path.stem, r.folder) or {}
         if not (res.get("commit") or {}).get("sha"):

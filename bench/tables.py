@@ -468,6 +468,54 @@ def w4_profile(r: Results, args: list[str]) -> str:
     )
 
 
+FOLLOWED = {
+    "W1": "a TensorDataset",
+    "W3": "an image folder (Pillow)",
+    "W9": "Transformed(image folder, W9's transform)",
+}
+
+
+def follow(r: Results, args: list[str]) -> str:
+    """What following the trainer's objects costs each epoch (``bench.follow``)."""
+    res = r.get("follow")
+    if res is None:
+        return missing("follow", "python -m bench follow")
+    rows = []
+    for key, c in res["cells"].items():
+        epoch = c["epoch_s"]
+        share = c["unchanged_s"]["median"] / epoch if epoch else None
+        rows.append(
+            [
+                f"{key}: {FOLLOWED.get(key, '')}",
+                f"{c['samples']:,}",
+                f"{epoch:.2f} s",
+                ranged(c["unchanged_s"], ms) + " ms",
+                pct(share),
+                ranged(c["changed_s"], ms) + " ms",
+                f"{c['payload_bytes']:,} B",
+            ]
+        )
+    head = [
+        "dataset",
+        "samples",
+        "one epoch",
+        "nothing changed",
+        "of the epoch",
+        "an attribute changed",
+        "shipped",
+    ]
+    return "\n".join(
+        [
+            table(head, rows),
+            "",
+            f"`pinfeed.DataLoader` at num_workers={res['params']['num_workers']}, "
+            f"{res['params']['repeats']} calls each way, median [min-max]; the epoch is "
+            "the first (objects shipped, workers started).",
+            provenance([res]),
+        ]
+    )
+
+
 def first_batch(r: Results, args: list[str]) -> str:
     res = r.get("first-batch")
     if res is None:
@@ -1087,6 +1135,7 @@ RENDERERS: dict[str, Callable[[Results, list[str]], str]] = {
     "autotune": autotune,
     "w4-profile": w4_profile,
     "first-batch": first_batch,
+    "follow": follow,
     "one-line": one_line,
     "scale": scale,
     "scale-detail": scale_detail,

@@ -118,6 +118,17 @@ def test_a_missing_result_says_so(tmp_path: Path) -> None:
     assert not any(re.search(r"\d", v) for v in values), row  # no figure without a result
 
 
+def test_a_measured_figure_in_prose_is_a_problem() -> None:
+    text = (
+        "pinfeed runs a little behind it (552 against 586\nsamples/s), 0.96x at one worker.\n"
+        "| W1 | 1.08x | 12k samples/s |\n"
+        "`python -m bench` says `1.5x`; a tie band of 5%, batch 256, a 20 ms step.\n"
+        "<!-- bench:headline -->\nwins 2.20x\n<!-- /bench:headline -->\n"
+        "```\n3.3x\n```\n"
+    )
+    assert report.prose_figures(text) == [(1, "586 samples/s"), (2, "0.96x")]
+
+
 def test_a_result_without_its_commit_is_a_problem(tmp_path: Path) -> None:
     res = copy.deepcopy(_result())
     res["commit"] = {"sha": None}
