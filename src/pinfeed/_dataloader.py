@@ -59,7 +59,6 @@ import mmap
 import operator
 import os
 import struct
-import time
 import types
 import warnings
 import weakref
@@ -91,6 +90,18 @@ from pinfeed import rng
 from pinfeed._accelerate import PreparedAsIs
 from pinfeed._autostart import ensure_server
 from pinfeed._connection import Connection
+from pinfeed._feeding import (
+    Ahead,
+    AheadOfStates,
+    AheadOfStatesRule,
+    Feeding,
+    NextOnly,
+    OnStates,
+    PerBatch,
+    Prefetched,
+    Turns,
+)
+from pinfeed._inflight import State, reply
 from pinfeed._shipping import Shipper
 from pinfeed._transport import SocketTransport
 from pinfeed.errors import (
@@ -327,7 +338,7 @@ class DataLoader(TorchDataLoader[_T_co]):
         from (the generator's state, or the global RNG's where it has none, and a
         stateful sampler's ``state_dict``) as the epoch began."""
         owned = self._served()
-        if not owned.in_epoch:
+        if owned.state is State.IDLE:
             return {"version": 1, "epoch": owned.epoch + 1, "index": 0}
         return {
             "version": 1,
@@ -427,45 +438,11 @@ class _Owned:
         self._finalize = weakref.finalize(self, self.shipper.close)
         self.cache = cache
         self.iterable = iterable
-        self.num_workers = loader.num_workers
-        # Index batches fed ahead with workers: DataLoader's num_workers * prefetch_factor;
-        # where when they are taken cannot be seen (torch's samplers), as deep as the
-        # ring (and its two slots of the trainer's), so no worker waits for an index.
-        self.prefetch = (loader.prefetch_factor or 2) * loader.num_workers
-        if loader.num_workers > 0 and not iterable and _quiet_batches(loader):
-            self.prefetch += 2
-        # Without workers DataLoader makes each batch in next(), on the trainer's RNGs;
-        # where nothing draws (a TensorDataset, default_collate, one of torch's samplers,
-        # which draw at most at their first index) the next batches are fed ahead, with
-        # no RNG states, and made while the trainer steps: the same batches, no wait.
-        self.ahead = 0
-        if loader.num_workers == 0 and not iterable and _draws_nothing(loader, collate):
-            self.ahead = NO_DRAW_AHEAD
-        # As a Loader does, one NEXT is kept in flight (sent as a batch arrives, after
-        # that batch's FEED), so a ready batch is in the socket when the trainer asks:
-        # wherever the next batch does not wait for an index fed in next() on the
-        # trainer's RNGs (no workers, where something may draw).
-        self.next_ahead = loader.num_workers > 0 or self.ahead > 0
-        # Where nothing can see when the batch sampler is iterated (the batches fed
-        # ahead above), they go ``chunk`` at a time: one message for many batches, so a
-        # batch costs the trainer a NEXT, as a named loader's does (0: one FEED a batch).
-        chunk = FEEDS_INDICES // max(1, loader.batch_size or 0)
-        quiet = not iterable and _quiet_batches(loader) and _whole_epoch_quiet(loader)
-        self.chunk = chunk if chunk > 1 and quiet and self.next_ahead else 0
-        # The index batches kept fed beyond those handed out, topped up after each batch
-        # (0: none; with workers and one FEED a batch, that FEED carries the NEXT).
-        self.depth = self.ahead + 1 if self.ahead else self.prefetch if self.chunk else 0
-        # Without workers, where something may draw and the sampler's moments cannot be
-        # seen: once the trainer drew nothing between ``QUIET_BEFORE_AHEAD`` batches in a
-        # row, each next batch is fed ahead of its RNG states, made at once on the states
-        # the last one left, and stands if the trainer sends those (else it is made again
-        # on its states). The first time it does not, this stops for the loader's life.
-        self.speculate = loader.num_workers == 0 and not self.ahead and quiet
-        self.quiet = 0  # batches in a row the trainer drew nothing between
-        self.next_sent = False  # a NEXT is in flight
+        self.feeding = _feeding(loader, collate)  # how its index batches go ahead
+        # IDLE between epochs, EPOCH inside one, AHEAD with a NEXT in flight
+        self.state = State.IDLE
         self.reconnect = reconnect
         self.epoch = -1  # the last epoch begun
-        self.in_epoch = False
         self.yielded = 0  # batches handed out (or raised) in it
         self.base_seed = 0
         self.epoch_start: dict[str, Any] = {}  # what its sampler drew from (state_dict)
@@ -534,13 +511,13 @@ class _Owned:
         the trainer's objects as they are now where they changed (``objects``: their
         payload, ``follow``'s)."""
         conn = self.conn
-        if self.in_epoch:
+        if self.state is not State.IDLE:
             self.skip()
         self.epoch += 1
         if objects is not None:
             conn.send_objects(self.epoch, [objects, *self.shipper.shared])
         conn.send_message(p.encode_epoch(self.epoch, base_seed))
-        self.in_epoch, self.yielded, self.base_seed = True, 0, base_seed
+        self.state, self.yielded, self.base_seed = State.EPOCH, 0, base_seed
         return self.epoch
 
     def seek(self, index: int) -> None:
@@ -558,13 +535,13 @@ class _Owned:
         conn = self.conn
         conn.send_plain(p.encode_feed(self.epoch, 0, None))  # its sampler: no more
         # The reply to a NEXT in flight first (SKIP is no message for a waiting NEXT).
-        drain, self.next_sent = self.next_sent, False
+        drain, self.state = self.state is State.AHEAD, State.EPOCH
         ended = drain and self._drop_reply()
         if not ended:
             conn.send(p.SKIP)
             while not self._drop_reply():
                 pass
-        self.in_epoch = False
+        self.state = State.IDLE
 
     def _drop_reply(self) -> bool:
         """Read one reply of an epoch being dropped: True at its END; a batch goes back
@@ -604,22 +581,11 @@ class _Owned:
             message = p.encode_feed(self.epoch, index, indices, rng_state)
         if ask:
             message = p.feed_then_next(message, self.conn.release_message(_NEXT))
-            self.next_sent = True
+            self.state = State.AHEAD
         try:
             self.conn.send_plain(message)
         except ServerUnavailable:
             self._lost()
-
-    def drew(self, state: bytes, fed_ahead: bool) -> None:
-        """Note the trainer's RNG ``state`` as a batch is asked for, against the states
-        the last batch left: whether it drew meanwhile (``fed_ahead``: and so the batch
-        fed ahead is made again; no more are)."""
-        if state == self.conn.rng_after:
-            self.quiet += 1
-            return
-        self.quiet = 0
-        if fed_ahead:
-            self.speculate = False
 
     def feed_many(self, index: int, batches: list[list[int]], ended: bool) -> None:
         """Send batches ``index``, ``index + 1``, .. (``ended``: and then the sampler's
@@ -630,52 +596,36 @@ class _Owned:
             self._lost()
 
     def next_batch(self) -> bool:
-        """Wait for the next item: True for a BATCH (``deliver`` it), False at the
-        epoch's END; raises what failed."""
+        """Wait for the next item (``reply``): True for a BATCH (``deliver`` it), False
+        at the epoch's END; raises what failed, and DataLoader's RuntimeError where its
+        timeout passed first (the NEXT stays in flight: the next call waits for its
+        reply)."""
         conn = self.conn
-        asked = time.perf_counter_ns()
-        if self.next_sent:
-            # The NEXT sent as the last batch arrived: its batch is usually here. If not,
-            # hand the last view's slot back before waiting (the server may need it).
-            self.next_sent = False
-            n = conn.try_recv()
-            if n is None:
-                if conn.holds_slots():
-                    conn.send(p.RELEASE)
-                n = self._recv()
-        else:
-            conn.send(_NEXT)
-            n = self._recv()
-        conn.wait_us = (time.perf_counter_ns() - asked) // 1000
+        ahead, self.state = self.state is State.AHEAD, State.EPOCH
+        try:
+            n = reply(conn, ahead)
+        except TimeoutError:
+            self.state = State.AHEAD  # the next call waits for this reply
+            raise RuntimeError(f"DataLoader timed out after {self.timeout} seconds") from None
         kind = conn.buf[0]
         if kind == _BATCH:
             return True
         if kind == _END:
-            self.in_epoch = False
+            self.state = State.IDLE
             return False
         info = conn.error(n)
         if info is None:
             raise conn.failure(n)
         raise error_from_info(info)
 
-    def _recv(self) -> int:
-        """The reply to the NEXT in flight; DataLoader's RuntimeError where its timeout
-        passed first (the NEXT stays in flight: the next call waits for its reply)."""
-        try:
-            return self.conn.recv()
-        except TimeoutError:
-            self.next_sent = True
-            raise RuntimeError(f"DataLoader timed out after {self.timeout} seconds") from None
-
     def ask_ahead(self) -> None:
         """Send the NEXT for the item after the one just received (its FEED sent first);
         it hands back the slot of the batch before."""
-        if self.next_ahead:
-            self.next_sent = True
-            try:
-                self.conn.send(_NEXT)
-            except ServerUnavailable:
-                self._lost()
+        self.state = State.AHEAD
+        try:
+            self.conn.send(_NEXT)
+        except ServerUnavailable:
+            self._lost()
 
     def _lost(self) -> None:
         """The server went while what goes ahead of the next item was sent (it may have
@@ -684,7 +634,7 @@ class _Owned:
         again; else it is the trainer's error."""
         if not self.reconnect:
             raise
-        self.next_sent = False
+        self.state = State.EPOCH
 
     def deliver(self) -> Any:
         """The BATCH just received, as views (or copies, or on the device). Its slot goes
@@ -727,6 +677,41 @@ def _objects(loader: DataLoader[Any]) -> dict[str, Any]:
         world, rank = _get_distributed_settings()  # type: ignore[no-untyped-call]
         init = functools.partial(_sharding_worker_init_fn, init, world, rank)
     return {"dataset": loader.dataset, "collate_fn": collate, "worker_init_fn": init}
+
+
+def _feeding(loader: DataLoader[Any], collate: Any) -> Feeding:
+    """How the loader's index batches go to its server (``pinfeed._feeding``).
+
+    With workers DataLoader puts ``num_workers * prefetch_factor`` indices ahead, one more
+    per batch it yields; where when they are taken cannot be seen (torch's samplers),
+    as deep as the ring and its two slots of the trainer's, so no worker waits for an
+    index, and a chunk at a time. Without workers DataLoader makes each batch in
+    ``next()`` on the trainer's RNGs; where nothing draws (a TensorDataset,
+    default_collate, one of torch's samplers, which draw at most at their first index)
+    the next batches are fed ahead, with no RNG states, and made while the trainer
+    steps: the same batches, no wait; where something may draw but the sampler's moments
+    cannot be seen, ahead of their RNG states once the trainer draws nothing between
+    batches. Wherever the next batch does not wait for an index fed in ``next()`` on the
+    trainer's RNGs, one NEXT is kept in flight (sent as a batch arrives, after that
+    batch's FEED), so a ready batch is in the socket when the trainer asks, as a named
+    Loader's."""
+    if isinstance(loader.dataset, IterableDataset):
+        return NextOnly() if loader.num_workers else Turns()
+    batches = _quiet_batches(loader)
+    # Where nothing can see when the batch sampler is iterated, the batches fed ahead
+    # go a chunk at a time: one message for many batches, so a batch costs the trainer a
+    # NEXT, as a named loader's does (0: one FEED a batch).
+    chunk = FEEDS_INDICES // max(1, loader.batch_size or 0)
+    quiet = batches and _whole_epoch_quiet(loader)
+    chunk = chunk if chunk > 1 and quiet else 0
+    if loader.num_workers > 0:
+        prefetch = (loader.prefetch_factor or 2) * loader.num_workers
+        if batches:
+            prefetch += 2
+        return Prefetched(prefetch, chunk) if chunk else PerBatch(prefetch)
+    if _draws_nothing(loader, collate):
+        return Ahead(NO_DRAW_AHEAD + 1, chunk)
+    return AheadOfStates(QUIET_BEFORE_AHEAD) if quiet else OnStates()
 
 
 def _draws_nothing(loader: DataLoader[Any], collate: Any) -> bool:
@@ -940,20 +925,29 @@ class _Iter(_BaseDataLoaderIter):
         self._spec: list[int] | None = None  # the batch fed ahead of its RNG states
         # What was fed this epoch: sent again to a restarted server (reconnect).
         self._history: list[tuple[list[int], bytes]] = []
+        feeding = owned.feeding
         if index:
-            self._feed_to(index)  # the batches before: the workers' streams replay them
+            # the batches before: the workers' streams replay them
+            self.feed_to(index, feeding.chunk)
             owned.seek(index)
-        if owned.num_workers > 0 and not owned.iterable:
-            self._feed_to(index + owned.prefetch)  # DataLoader's _reset puts these ahead
+        feeding.start(self, index)
 
-    def _feed_to(self, fed: int) -> None:
+    # -- what a way of feeding (pinfeed._feeding) drives ------------------------------
+    @property
+    def yielded(self) -> int:
+        return self._owned.yielded
+
+    def feed_to(self, fed: int, chunk: int) -> None:
         """Feed the sampler's index batches until ``fed`` are (or it ran out): one at a
-        time, or ``chunk`` at a time where that cannot be seen."""
-        feed = self._feed_chunk if self._owned.chunk else self._feed
-        while self._fed < fed and feed():
-            pass
+        time, or ``chunk`` at a time (0: one at a time)."""
+        if chunk:
+            while self._fed < fed and self._feed_chunk(chunk):
+                pass
+        else:
+            while self._fed < fed and self.feed():
+                pass
 
-    def _feed_chunk(self) -> bool:
+    def _feed_chunk(self, chunk: int) -> bool:
         """Send the sampler's next ``chunk`` index batches in one message (and its end,
         if it ran out); False once it had run out. The batches are torch's
         ``BatchSampler``'s (its exact type: ``_quiet_batches``): its sampler's indices in
@@ -967,11 +961,11 @@ class _Iter(_BaseDataLoaderIter):
         with _one_thread():
             if self._indices is None:
                 self._indices = iter(batch_sampler.sampler)
-            flat = _take(self._indices, owned.chunk * size)
+            flat = _take(self._indices, chunk * size)
         batches = [flat[i : i + size] for i in range(0, len(flat), size)]
         if batches and batch_sampler.drop_last and len(batches[-1]) < size:
             batches.pop()
-        ended = len(flat) < owned.chunk * size
+        ended = len(flat) < chunk * size
         try:
             owned.feed_many(self._fed, batches, ended)
         except struct.error:
@@ -982,41 +976,64 @@ class _Iter(_BaseDataLoaderIter):
         self._exhausted = ended
         return True
 
-    def _feed(self, with_rng: bool = False, ask: bool = False) -> bool:
-        """Send the sampler's next index batch (``with_rng``: and this process's RNG
-        states, taken after the sampler drew: the batch is made on them; ``ask``: and
-        the NEXT kept in flight); False (after telling the server) once the sampler ran
-        out."""
+    def feed(self, ask: bool = False) -> bool:
+        """Send the sampler's next index batch, without RNG states (``ask``: and the NEXT
+        kept in flight); False (after telling the server) once the sampler ran out."""
         owned = self._owned
         if self._exhausted:
             if ask:
                 owned.ask_ahead()
             return False
+        try:
+            indices = self._next_index()  # type: ignore[no-untyped-call]
+        except StopIteration:
+            self._exhausted = True
+            owned.feed(self._fed, None, ask=ask)
+            return False
+        batch = self._send(indices, lambda b: owned.feed(self._fed, b, ask=ask))
+        self._history.append((batch, b""))
+        self._fed += 1
+        return True
+
+    def feed_on_states(self, ahead: AheadOfStatesRule) -> None:
+        """Without workers: send the sampler's next index batch (or the one fed ahead of
+        its states) with this process's RNG states, taken after the sampler drew (the
+        batch is made on them), and the NEXT; where ``ahead`` (told whether the trainer
+        drew since the last batch) says so, the next batch goes after it, ahead of its
+        states, with the NEXT, so the server makes it right after this one."""
+        owned = self._owned
+        if self._exhausted:
+            return
         spec, self._spec = self._spec, None
         if spec is None:
             try:
                 indices = self._next_index()  # type: ignore[no-untyped-call]
             except StopIteration:
                 self._exhausted = True
-                owned.feed(self._fed, None, ask=ask)
-                return False
-        state = rng.dump_state() if with_rng else b""
-        if with_rng and self._fed:  # (the first batch: the iterator drew its base seed)
-            owned.drew(state, spec is not None)
-        # Without workers, once armed: the next batch goes ahead of its states, after
-        # this one and with the NEXT, so the server makes it right after this one.
-        ahead = with_rng and owned.speculate and owned.quiet >= QUIET_BEFORE_AHEAD
-        now = ask and not ahead
+                owned.feed(self._fed, None, ask=True)
+                return
+        state = rng.dump_state()
+        # (the first batch: the iterator drew its base seed; nothing to compare)
+        drew = state != owned.conn.rng_after if self._fed else None
+        go_ahead = ahead(drew, spec is not None)
         if spec is not None:  # its states now, and the same indices again
-            owned.feed(self._fed, spec, state, ask=now)
+            owned.feed(self._fed, spec, state, ask=not go_ahead)
             batch = spec
         else:
-            batch = self._send(indices, lambda b: owned.feed(self._fed, b, state, ask=now))
+            batch = self._send(indices, lambda b: owned.feed(self._fed, b, state, ask=not go_ahead))
         self._history.append((batch, state))
         self._fed += 1
-        if ahead:
-            self._feed_ahead_of_states(ask)
-        return True
+        if go_ahead:
+            self._feed_ahead_of_states()
+
+    def feed_turn(self) -> None:
+        """An iterable without workers: the next turn of its one iterator, made on this
+        process's RNG states, with the NEXT."""
+        self._owned.feed(self._fed, [], rng.dump_state(), ask=True)
+        self._fed += 1
+
+    def ask_ahead(self) -> None:
+        self._owned.ask_ahead()
 
     def _send(self, indices: Any, send: Callable[[list[int]], None]) -> list[int]:
         """``send`` the sampler's ``indices`` as the index batch the server reads: torch's
@@ -1034,64 +1051,39 @@ class _Iter(_BaseDataLoaderIter):
             send(batch)
         return batch
 
-    def _feed_ahead_of_states(self, ask: bool) -> None:
+    def _feed_ahead_of_states(self) -> None:
         """Without workers, after the batch about to be made on the trainer's RNG
-        states: the next one, ahead of its states (``_Owned.speculate``: made while the
-        trainer steps), or, if the sampler ran out, its end; ``ask``: with the NEXT."""
+        states: the next one, ahead of its states (made while the trainer steps), or, if
+        the sampler ran out, its end; with the NEXT."""
         owned = self._owned
         try:
             indices = self._next_index()  # type: ignore[no-untyped-call]
         except StopIteration:
             self._exhausted = True
-            owned.feed(self._fed, None, ask=ask)
+            owned.feed(self._fed, None, ask=True)
             return
-        self._spec = self._send(indices, lambda b: owned.feed(self._fed, b, ask=ask, ahead=True))
+        self._spec = self._send(indices, lambda b: owned.feed(self._fed, b, ask=True, ahead=True))
 
     def _next_data(self) -> Any:
         owned = self._owned
-        if owned.epoch != self._epoch or not owned.in_epoch:
+        if owned.epoch != self._epoch or owned.state is State.IDLE:
             raise StopIteration  # a newer iterator took over this loader
-        if owned.num_workers == 0:
-            # As DataLoader: the next index (an iterable: the next turn of its one
-            # iterator), then the batch, made on this process's RNGs.
-            # Where it waits for this batch, its FEED carries the NEXT: one message.
-            if owned.iterable:
-                owned.feed(self._fed, [], rng.dump_state(), ask=True)
-                self._fed += 1
-            elif owned.ahead:
-                self._feed_to(owned.yielded + owned.depth)
-            else:
-                self._feed(with_rng=True, ask=True)
-        ahead = owned.num_workers > 0 and not owned.iterable
+        # Without workers, as DataLoader: the next index (an iterable: the next turn of
+        # its one iterator), then the batch, made on this process's RNGs.
+        feeding = owned.feeding
+        feeding.before(self)
         try:
             got = self._next_batch()
         except Exception as exc:
             owned.yielded += 1  # a failed batch counts as consumed, as in DataLoader
-            goes_on = _failed_batch(exc)  # not the loader: the NEXT stays in flight
-            if ahead and not owned.chunk:
-                self._feed(ask=goes_on)  # DataLoader puts the next index, re-raises
-            else:
-                self._feed_ahead()
-                if goes_on:
-                    owned.ask_ahead()
+            # not the loader's failure: the NEXT stays in flight
+            feeding.after(self, _failed_batch(exc))
             raise
         if not got:
             raise StopIteration
         owned.yielded += 1
-        if ahead and not owned.chunk:
-            # One more index for each batch handed out, as DataLoader, and the NEXT.
-            self._feed(ask=True)
-        else:
-            self._feed_ahead()
-            owned.ask_ahead()
+        feeding.after(self, True)
         return owned.deliver()
-
-    def _feed_ahead(self) -> None:
-        """After a batch: the index batches fed ahead of it topped up (a chunk at a
-        time, or one at a time without workers where nothing draws)."""
-        owned = self._owned
-        if owned.depth:
-            self._feed_to(owned.yielded + owned.depth)
 
     def _next_batch(self) -> bool:
         """The owned loader's next item; after a server restart (``reconnect=True``),
@@ -1103,7 +1095,7 @@ class _Iter(_BaseDataLoaderIter):
             if not owned.reconnect:
                 raise
         owned.conn.reconnect(RECONNECT_TIMEOUT_S)  # ships the objects again (CREATE)
-        owned.epoch, owned.in_epoch = self._epoch - 1, False
+        owned.epoch, owned.state = self._epoch - 1, State.IDLE
         yielded = owned.yielded
         owned.begin(int(self._base_seed))
         for index, (batch, state) in enumerate(self._history):

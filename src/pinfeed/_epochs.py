@@ -4,10 +4,11 @@ NEXT kept in flight, skipping an abandoned epoch, seeking for ``set_epoch`` and
 when; its ``Connection`` (``pinfeed._connection``) sends, receives and builds the
 batches, over a ``Transport`` that tests replace with an in-process fake server.
 
-States (``State``): IDLE between epochs; EPOCH inside one with nothing in flight;
-AHEAD inside one with a NEXT in flight; CLOSED. An iterator (``Epoch``) starts its
-epoch at its first ``next()``: from IDLE at the position, or after skipping the rest
-of an unfinished epoch, or after a SEEK when ``set_epoch`` asked for another epoch.
+States (``pinfeed._inflight.State``, a ``pinfeed.DataLoader``'s too): IDLE between
+epochs; EPOCH inside one with nothing in flight; AHEAD inside one with a NEXT in flight;
+CLOSED. An iterator (``Epoch``) starts its epoch at its first ``next()``: from IDLE at
+the position, or after skipping the rest of an unfinished epoch, or after a SEEK when
+``set_epoch`` asked for another epoch.
 
 An elastic epoch (the rest of one resumed at another world size, ``pinfeed.elastic``)
 numbers its batches from its record's ``start`` to its ``end``: the server says which
@@ -17,29 +18,19 @@ in ATTACHED and in the RESUMED reply to a ``load_state_dict``.
 from __future__ import annotations
 
 import contextlib
-import enum
-import time
 from typing import Any, NoReturn
 
 from pinfeed import elastic
 from pinfeed import protocol as p
 from pinfeed._connection import Connection
+from pinfeed._inflight import State, reply
 from pinfeed.elastic import NO_ELASTIC, STATE_VERSION
 from pinfeed.errors import ServerUnavailable, error_from_info
 
-
-class State(enum.Enum):
-    IDLE = "idle"  # between epochs: the next epoch to start begins at the position
-    EPOCH = "epoch"  # an iterator is inside an epoch; no NEXT in flight
-    AHEAD = "ahead"  # inside an epoch, one NEXT in flight (sent as a batch arrived)
-    CLOSED = "closed"
-
-
 # What the per-batch path uses, bound once: a global each, not a global and an attribute.
 _IDLE, _EPOCH, _AHEAD = State.IDLE, State.EPOCH, State.AHEAD
-_NEXT, _RELEASE, _BATCH, _END = p.NEXT, p.RELEASE, p.BATCH, p.END
+_NEXT, _BATCH, _END = p.NEXT, p.BATCH, p.END
 _BATCH_HEAD, _END_BODY = p.BATCH_HEAD, p.END_BODY
-_now_ns = time.perf_counter_ns
 
 
 class Epochs:
@@ -150,21 +141,8 @@ class Epochs:
             raise StopIteration
         conn = self._conn
         buf = conn.buf
-        asked = _now_ns()
         try:
-            if state is _AHEAD:
-                # Fast path: the batch asked for last time is already here. Otherwise we
-                # are about to wait: hand back the last view's slot first, so the server
-                # can produce into it (a group member must never hold and wait).
-                n = conn.try_recv()
-                if n is None:
-                    if conn.holds_slots():
-                        conn.send(_RELEASE)
-                    n = conn.recv()
-            else:
-                conn.send(_NEXT)
-                n = conn.recv()
-            conn.wait_us = (_now_ns() - asked) // 1000
+            n = reply(conn, state is _AHEAD)
             self._state = _EPOCH
             kind = buf[0]
             if kind == _BATCH or self._is_batch_error(n):

@@ -337,7 +337,7 @@ def test_index_batches_sent_many_at_a_time(
     owned = [d._owned for d in made if isinstance(d, pinfeed.DataLoader)]
     # Without workers only a TensorDataset (it draws nothing: rng.draws_nothing) is fed
     # ahead, so a chunk at a time; the script's own classes may draw.
-    assert [o.chunk for o in owned] == ([3] * 5 if workers else [0, 0, 0, 0, 3])
+    assert [o.feeding.chunk for o in owned] == ([3] * 5 if workers else [0, 0, 0, 0, 3])
     # The sampler ran on one intra-op thread (_one_thread); the trainer's own setting is back.
     assert torch.get_num_threads() == threads
 
