@@ -863,6 +863,14 @@ def plot_ref(r: Results, args: list[str]) -> str:
     return f"![benchmark]({args[0] if args else 'docs/bench.png'})"
 
 
+def training_plot_ref(r: Results, args: list[str]) -> str:
+    """The training benchmark's stall-share figure, by its path from the page."""
+    if r.get("training") is None:
+        return missing("training", "python -m bench training")
+    path = args[0] if args else "docs/training-stall.png"
+    return f"![stall share by system and num_workers]({path})"
+
+
 # --- W9: the node's sample cache (bench.w9) ------------------------------------------------
 
 
@@ -1191,4 +1199,5 @@ RENDERERS: dict[str, Callable[[Results, list[str]], str]] = {
     "s3-model": s3_model,
     "remote-anchors": remote_anchors,
     "plot": plot_ref,
+    "training-plot": training_plot_ref,
 }
