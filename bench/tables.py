@@ -863,6 +863,30 @@ def plot_ref(r: Results, args: list[str]) -> str:
     return f"![benchmark]({args[0] if args else 'docs/bench.png'})"
 
 
+def torch_suite(r: Results, args: list[str]) -> str:
+    """PyTorch's own DataLoader tests with torch's DataLoader and with pinfeed's
+    (``tests/torch_suite``): the outcomes of each run, the tests excluded (each with its
+    reason in the result file) and those that pass with torch only."""
+    res = r.get("torch-suite")
+    if res is None:
+        return missing("torch-suite", "make test-heavy (tests/torch_suite)")
+    head = ["DataLoader", "passed", "failed", "skipped", "excluded", "regressions"]
+    n_excluded = str(res["excluded"]["count"])
+    rows = [
+        [name, *(str(res[key][k]) for k in ("passed", "failed", "skipped")), *extra]
+        for name, key, extra in (
+            ("torch's", "torch", ["", ""]),
+            ("pinfeed.DataLoader", "pinfeed", [n_excluded, str(len(res["regressions"]))]),
+        )
+    ]
+    source = res["test_file"]["source"].split(",")[0]
+    lines = [table(head, rows), "", f"Test file: `test/test_dataloader.py` of {source}."]
+    if res["regressions"]:
+        lines += ["", "Passing with torch's only:", ""]
+        lines += [f"- `{name}`: {why}" for name, why in res["regressions"].items()]
+    return "\n".join([*lines, "", provenance([res])])
+
+
 def training_plot_ref(r: Results, args: list[str]) -> str:
     """The training benchmark's stall-share figure, by its path from the page."""
     if r.get("training") is None:
@@ -1200,4 +1224,5 @@ RENDERERS: dict[str, Callable[[Results, list[str]], str]] = {
     "remote-anchors": remote_anchors,
     "plot": plot_ref,
     "training-plot": training_plot_ref,
+    "torch-suite": torch_suite,
 }

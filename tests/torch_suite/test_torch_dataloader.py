@@ -224,6 +224,7 @@ def _first_line(message: str, width: int = 240) -> str:
 def test_torchs_dataloader_tests_pass_with_pinfeed(tmp_path: Path) -> None:
     test_file = _test_file()
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    load_before = list(os.getloadavg())
     t0 = time.monotonic()
 
     junit, torch_wall = _run(test_file, tmp_path, "torch", _environment())
@@ -263,6 +264,7 @@ def test_torchs_dataloader_tests_pass_with_pinfeed(tmp_path: Path) -> None:
         "machine": results.machine(),
         "software": results.software(),
         "started": started,
+        "load": {"before": load_before, "after": list(os.getloadavg())},
         "wall_s": round(time.monotonic() - t0, 1),
         "test_file": _file_id(test_file),
         "method": (
