@@ -1196,6 +1196,70 @@ def remote_anchors(r: Results, args: list[str]) -> str:
     )
 
 
+REMOTE_NAMES = {
+    "pinfeed": "pinfeed (the node's object cache)",
+    "dataloader-s3": "DataLoader, a GET a sample in its workers",
+    "pinfeed-local": "pinfeed over the same files on local disk",
+}
+
+
+def remote(r: Results, args: list[str]) -> str:
+    """docs/how-to/object-storage.md: one loader over W3's JPEGs in the store, by link
+    and system (``bench.remote``), and the object cache's eviction rules."""
+    res = r.get("remote")
+    if res is None:
+        return missing("remote", "python -m bench remote")
+    p = res["params"]
+    rows = []
+    for key, c in res["cells"].items():
+        link, system = key.split("/")
+        local = system == "pinfeed-local"
+        mb = c["store_bytes"]["median"]
+        rows.append(
+            [
+                "-" if local else link,
+                REMOTE_NAMES.get(system, system),
+                *(ranged(e) for e in c["epochs"]),
+                ranged(c["first_batch_s"], lambda x: "-" if x is None else f"{x:.2f} s"),
+                "-" if local or mb is None else f"{mb / 1e6:.1f} MB",
+                "-" if local else num(c["store_requests"]["median"]),
+            ]
+        )
+    head = ["link", "system"]
+    head += [f"epoch {i + 1} samples/s" for i in range(p["epochs"])]
+    head += ["first batch", "from the store", "requests"]
+    links = "; ".join(
+        f"`{name}`: " + (f"{bw / 1e6:.0f} MB/s, {lat * 1e3:.0f} ms a request" if bw else "loopback")
+        for name, (bw, lat) in res["links"].items()
+    )
+    lines = [
+        f"{p['samples']:,} JPEGs ({res['dataset_bytes'] / 1e6:.1f} MB), batch 64, "
+        f"{p['workers']} workers, {p['runs']} runs a cell (median [min-max]). Links: {links}.",
+        "",
+        table(head, rows),
+    ]
+    cache = res.get("cache")
+    if cache:
+        crow = [
+            [
+                rule,
+                ", ".join(f"{g:,}" for g in c["gets"]),
+                ", ".join(f"{h:.2f}" for h in c["hit_ratio"]),
+            ]
+            for rule, c in cache["rules"].items()
+        ]
+        lines += [
+            "",
+            f"A dataset twice the object cache's size ({cache['samples']:,} objects, "
+            f"{cache['dataset_bytes'] / 1e6:.1f} MB, cache {cache['cache_bytes'] / 1e6:.1f} MB), "
+            "three epochs; hit ratio 1 - GETs / samples (below zero: objects fetched ahead "
+            "were evicted before their use and fetched again):",
+            "",
+            table(["eviction rule", "GETs by epoch", "hit ratio by epoch"], crow),
+        ]
+    return "\n".join([*lines, "", provenance([res])])
+
+
 RENDERERS: dict[str, Callable[[Results, list[str]], str]] = {
     "headline": headline,
     "throughput": throughput,
@@ -1222,6 +1286,7 @@ RENDERERS: dict[str, Callable[[Results, list[str]], str]] = {
     "w9": w9,
     "s3-model": s3_model,
     "remote-anchors": remote_anchors,
+    "remote": remote,
     "plot": plot_ref,
     "training-plot": training_plot_ref,
     "torch-suite": torch_suite,

@@ -61,3 +61,26 @@ def test_w4_profile_quick(tmp_path: Path) -> None:
     res = results.load("w4-profile", tmp_path / "results")
     assert res is not None and res["pinfeed_cpu_us"] > 0 and res["dataloader_cpu_us"] > 0
     assert "CPU µs per batch" in tables.w4_profile(cells.Results(tmp_path / "results"), [])
+
+
+@pytest.mark.heavy  # a store, a proxy and servers: two minutes on 2 cores
+@pytest.mark.timeout(900)
+def test_remote_quick(tmp_path: Path) -> None:
+    """``python -m bench remote --quick``: every system and link measured, every object
+    read once in the first epoch by pinfeed (the store counted by the proxy), the cache
+    section under both rules, and the table the object-storage page shows."""
+    _bench("remote", "--quick", "--data-dir", str(tmp_path / "data"), tmp_path=tmp_path)
+    res = results.load("remote", tmp_path / "results")
+    assert res is not None
+    links = ("cloud", "unthrottled")
+    systems = ("pinfeed", "dataloader-s3", "pinfeed-local")
+    assert set(res["cells"]) == {f"{lk}/{s}" for lk in links for s in systems}
+    for run in res["throughput"]["runs"]:
+        assert all(x > 0 for x in run["epochs"]), run
+        if run["system"] == "pinfeed-local":
+            assert run["store_requests"] == 0
+        elif run["system"] == "pinfeed":  # each object once, for both epochs
+            assert res["dataset_bytes"] <= run["store_bytes"] < 1.05 * res["dataset_bytes"]
+    assert set(res["cache"]["rules"]) == {"next-use", "lru"}
+    shown = tables.remote(cells.Results(tmp_path / "results"), [])
+    assert "pinfeed over the same files on local disk" in shown and "eviction rule" in shown
