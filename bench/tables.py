@@ -1260,6 +1260,89 @@ def remote(r: Results, args: list[str]) -> str:
     return "\n".join([*lines, "", provenance([res])])
 
 
+LLM_NAMES = {
+    "pinfeed": "pinfeed, named loader (`mixture` over packed `tokens`)",
+    "pinfeed-dataloader": "pinfeed.DataLoader(Mixture of Packed)",
+    "dataloader": "DataLoader(Mixture of Packed)",
+    "hf": "HF interleave_datasets + DataCollatorWithFlattening, DataLoader",
+    "hf-whole": "HF interleave_datasets, rows made whole ahead, DataLoader",
+}
+
+
+def _against(c: dict[str, Any], base: dict[str, Any] | None, metric: str) -> str:
+    a, b = c[metric]["median"], (base or {}).get(metric, {}).get("median")
+    return "-" if not a or not b else f"{a / b:.2f}x"
+
+
+def llm(r: Results, args: list[str]) -> str:
+    """``bench.llm``: a three-source mixture packed to 2,048, per training step,
+    system and num_workers, each against HF's pipeline at the same step and workers."""
+    res = r.get("llm")
+    if res is None:
+        return missing("llm", "python -m bench llm")
+    rows = []
+    for step, by in res["cells"].items():
+        first = True
+        for system in [s for s in LLM_NAMES if s in by]:
+            for nw, c in by[system].items():
+
+                def f2(x: float | None) -> str:
+                    return "-" if x is None else f"{x:.2f}"
+
+                base = (by.get("hf") or {}).get(nw)
+                rows.append(
+                    [
+                        ("flat out" if float(step) == 0 else f"{step} ms (sleep)") if first else "",
+                        LLM_NAMES[system] + flag(c),
+                        nw,
+                        ranged(c["samples_per_s"]),
+                        _against(c, base, "samples_per_s"),
+                        ranged(c["stall_share"], pct),
+                        ranged(c["trainer_cpu_ms_per_batch"], f2),
+                        _against(c, base, "trainer_cpu_ms_per_batch"),
+                        f2(c["trainer_children_cpu_ms_per_batch"]["median"]),
+                        f2(c["server_cpu_ms_per_batch"]["median"]),
+                        f2(c["total_cpu_ms_per_batch"]["median"]),
+                    ]
+                )
+                first = False
+    head = [
+        "training step",
+        "system",
+        "num_workers",
+        "samples/s (rows of 2,048)",
+        "against HF (higher: faster)",
+        "stall share",
+        "trainer CPU ms/batch (own process)",
+        "against HF (lower: less)",
+        "its children (DataLoader workers)",
+        "server tree",
+        "all",
+    ]
+    src = ", ".join(
+        f"{s['name']} {s['weight']:g} ({s['tokens'] / 1e6:.1f}M tokens, {s['rows']:,} rows)"
+        for s in res["sources"]
+    )
+    p = res["params"]
+    return "\n".join(
+        [
+            f"Sources: {src}; batch {res['batch_size']} rows of {res['seq_len']:,} tokens; "
+            f"{p['batches']} timed batches a run, {p['runs']} run(s) a cell (median "
+            f"[min-max]); against HF: against `hf` at the same step and num_workers. Made "
+            f"ahead, not timed: HF's packed rows in {res['prepare'].get('hf_pack_s', 0):.1f} s, "
+            f"made whole in {res['prepare'].get('hf_whole_s', 0):.1f} s more.",
+            "",
+            table(head, rows),
+            "",
+            provenance([res]),
+        ]
+    )
+
+
+def llm_table(res: dict[str, Any] | None) -> str:
+    return section_from(llm, "llm", res, [])
+
+
 RENDERERS: dict[str, Callable[[Results, list[str]], str]] = {
     "headline": headline,
     "throughput": throughput,
@@ -1287,6 +1370,7 @@ RENDERERS: dict[str, Callable[[Results, list[str]], str]] = {
     "s3-model": s3_model,
     "remote-anchors": remote_anchors,
     "remote": remote,
+    "llm": llm,
     "plot": plot_ref,
     "training-plot": training_plot_ref,
     "torch-suite": torch_suite,
