@@ -112,6 +112,14 @@ def _spec(
 _ids = itertools.count()
 
 
+def warmup_batches(num_workers: int, prefetch_factor: int = 2) -> int:
+    """The batches a timed run takes before its window: more than any system queues
+    ahead of a trainer (pinfeed's ring, ``num_workers * prefetch_factor`` and two spare
+    slots; DataLoader's ``num_workers * prefetch_factor``), so none enters the window
+    with batches made before it."""
+    return prefetch_factor * max(1, num_workers) + 4
+
+
 def loader_name(tag: str) -> str:
     return f"bench-{tag}-{os.getpid()}-{next(_ids)}"
 

@@ -61,6 +61,10 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 PROTOCOL_VERSION = 11
+# The NEXTs a trainer keeps in flight inside an epoch whose length it knows
+# (``pinfeed._epochs``): the server answers them in order, each as its item is ready.
+# Their batches take no slot of their own (``engine/config.py``'s ``ring_slots``).
+NEXTS_IN_FLIGHT = 2
 # HTTP, not the socket: the header a client names itself with; the control plane paces
 # each (address, this header) apart (pinfeed_server/api/throttle.py).
 HTTP_CLIENT_HEADER = "x-pinfeed-client"

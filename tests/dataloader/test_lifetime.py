@@ -223,14 +223,18 @@ def test_a_named_loader_stays_warm_for_the_next_trainer(own: Server) -> None:
         (row,) = c.loaders()
         assert row["name"] == "warm-squares" and row["owner"]["keep"]
         assert not row["owner"]["attached"]
-        zygotes_before = {p.pid for p in descendants(own.pid)}
+        # The loader's zygote: a process below the server's forkserver (the server's
+        # one child that lives as long as it does); its workers, forked from the
+        # zygote, went with the first trainer.
+        zygotes_before = {p.pid for p in descendants(own.pid) if p.ppid() != own.pid}
+        assert zygotes_before, "the warm loader kept no zygote"
         torch.manual_seed(3)
         second = pinfeed.DataLoader(Squares(), name="warm-squares", socket=own.socket, **kwargs)
         got = epoch(second)
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)) and got
         # Warm: its objects and their zygote stayed; only workers were forked anew.
-        still = {p.pid for p in descendants(own.pid)} & zygotes_before
-        assert still, "the warm loader's zygote was started again"
+        gone = zygotes_before - {p.pid for p in descendants(own.pid)}
+        assert not gone, f"the warm loader's zygote {sorted(gone)} was started again"
         with pytest.raises(Conflict, match="in use by the trainer pid"):
             pinfeed.DataLoader(Squares(), name="warm-squares", socket=own.socket, **kwargs)
         second.close()
