@@ -102,13 +102,7 @@ def bench_null(args: argparse.Namespace) -> dict[str, Any]:
                         f"{mem['foreign']['share']:.0%}",
                         flush=True,
                     )
-    by: dict[str, dict[str, Any]] = {}
-    for system in systems:
-        for nw in args.worker_counts:
-            rs = [r for r in runs if r["system"] == system and r["num_workers"] == nw]
-            if rs:
-                by.setdefault(system, {})[str(nw)] = suite.cell(rs, METRICS)
-    result["runs"], result["cells"] = runs, by
+    result["runs"], result["cells"] = runs, suite.cells(runs, METRICS)
     return results.finish(result, runs)
 
 
