@@ -59,6 +59,13 @@ def _anchors() -> str | None:
     return None
 
 
+def _hf() -> str | None:
+    missing = [m for m in ("datasets", "transformers") if not importlib.util.find_spec(m)]
+    if missing:
+        return f"needs {', '.join(missing)}: pip install -e '.[bench]'"
+    return None
+
+
 def _ray() -> str | None:
     if os.environ.get("PINFEED_BENCH_RAY") != "1":
         return "needs root and network namespaces: set PINFEED_BENCH_RAY=1 to include it"
@@ -108,6 +115,13 @@ SECTIONS = [
         what="1,000 nodes x 8 GPUs on 100 TB in S3",
         minutes=0.3,
         data_dir=False,
+    ),
+    Section(
+        "llm",
+        "bench.llm",
+        what="3 token sources mixed 0.6/0.3/0.1, packed to 2,048: against HF's way",
+        minutes=5,
+        available=_hf,
     ),
     Section("soak", "bench.soak", what="SIGKILLs, every batch checked", minutes=2, data_dir=False),
     Section("ray", "bench.ray", "main", "executor ray against local", [], 4, _ray, False),

@@ -11,7 +11,9 @@ sent. Each run is read for ``--epochs`` epochs, batch 64, shuffled, 224x224 crop
   over ``s3://``, ``num_workers`` workers) and ``dataloader-s3``, torch's DataLoader
   over a Dataset that GETs each sample's object with the client in the worker that
   reads it (``bench.references.S3ImageFolder``: what a trainer writes without a
-  streaming library; nothing cached, every epoch reads the store). Per run: samples/s
+  streaming library; nothing cached, every epoch reads the store); ``pinfeed-local``,
+  the same pinfeed loader over the folder on local disk (the link does not apply). Per
+  run: samples/s
   of each epoch, seconds to the first batch (from registering the dataset, or from
   making the Dataset, which lists the bucket), bytes and requests the store served.
 - ``cache``: a dataset (512 images at least, batch 16) twice the object cache's size
@@ -47,7 +49,9 @@ from tests.remote.s3server import S3Server
 
 BUCKET, PREFIX = "bench", "w3"
 LINKS = {"cloud": (100e6, 0.020), "unthrottled": (0.0, 0.0)}  # bytes/s, s a request
-SYSTEMS = ("pinfeed", "dataloader-s3")
+# pinfeed-local: the same loader over the folder on local disk (no store, no link): what
+# the second epoch, served from the node's object cache, is measured against
+SYSTEMS = ("pinfeed", "dataloader-s3", "pinfeed-local")
 SIZE, BATCH = 224, 64
 # the cache section: a dataset of at least this many images, batches of CACHE_BATCH (the
 # batches in the making are pinned: a small share of the cache, as at real sizes)
@@ -94,11 +98,16 @@ def read_epochs(batches: Any, epochs: int, t0: float) -> tuple[list[float], floa
     return rates, first or 0.0
 
 
-def run_pinfeed(args: argparse.Namespace, s3: S3Server, proxy: FaultProxy) -> dict[str, Any]:
+def run_pinfeed(
+    args: argparse.Namespace, s3: S3Server, proxy: FaultProxy, local: str | None = None
+) -> dict[str, Any]:
+    """The ``images`` kind over the store's prefix (``local``: over that folder under
+    the data root instead)."""
+    path = local or f"s3://{BUCKET}/{PREFIX}/"
     with _server(s3, proxy, args.data_dir) as srv, srv.client() as admin:
         proxy.reset_counts()
         t0 = time.perf_counter()
-        admin.create_dataset("w3", "images", {"path": f"s3://{BUCKET}/{PREFIX}/", "size": SIZE})
+        admin.create_dataset("w3", "images", {"path": path, "size": SIZE})
         admin.create_loader(
             "w3", dataset="w3", batch_size=BATCH, shuffle=True, seed=0, num_workers=args.workers
         )
@@ -141,14 +150,24 @@ def run_dataloader(args: argparse.Namespace, s3: S3Server, proxy: FaultProxy) ->
     }
 
 
-def throughput(args: argparse.Namespace, s3: S3Server, proxy: FaultProxy) -> list[dict[str, Any]]:
+def throughput(
+    args: argparse.Namespace, s3: S3Server, proxy: FaultProxy, folder: str
+) -> list[dict[str, Any]]:
+    def run_local(a: argparse.Namespace, s: S3Server, p: FaultProxy) -> dict[str, Any]:
+        return run_pinfeed(a, s, p, local=folder)
+
+    run_system = {
+        "pinfeed": run_pinfeed,
+        "dataloader-s3": run_dataloader,
+        "pinfeed-local": run_local,
+    }
     runs = []
     for link, (bandwidth, latency) in LINKS.items():
         proxy.bandwidth, proxy.latency_s = bandwidth, latency
         for r in range(args.runs):
             for system in SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]:  # ABBA
                 foreign = results.ForeignCpu().start()
-                run = (run_pinfeed if system == "pinfeed" else run_dataloader)(args, s3, proxy)
+                run = run_system[system](args, s3, proxy)
                 run |= {"link": link, "system": system, "run": r, **foreign.stop()}
                 shown = ", ".join(f"{x:.0f}" for x in run["epochs"])
                 print(
@@ -200,15 +219,22 @@ def cache(args: argparse.Namespace, s3: S3Server, proxy: FaultProxy) -> dict[str
 def summarize(result: dict[str, Any]) -> None:
     cells: dict[str, Any] = {}
     for run in (result.get("throughput") or {}).get("runs", []):
-        cell = cells.setdefault(f"{run['link']}/{run['system']}", {"epochs": [], "first": []})
+        cell = cells.setdefault(
+            f"{run['link']}/{run['system']}",
+            {"epochs": [], "first": [], "bytes": [], "requests": []},
+        )
         cell["epochs"].append(run["epochs"])
         cell["first"].append(run["first_batch_s"])
+        cell["bytes"].append(run["store_bytes"])
+        cell["requests"].append(run["store_requests"])
     result["cells"] = {
         key: {
             "epochs": [
                 results.spread([e[i] for e in c["epochs"]]) for i in range(len(c["epochs"][0]))
             ],
             "first_batch_s": results.spread(c["first"]),
+            "store_bytes": results.spread(c["bytes"]),
+            "store_requests": results.spread(c["requests"]),
         }
         for key, c in cells.items()
     }
@@ -232,7 +258,7 @@ def main(argv: list[str]) -> int:
     ):
         s3.upload(BUCKET, PREFIX, folder)
         if "throughput" in args.section_names:
-            result["throughput"] = {"runs": throughput(args, s3, proxy)}
+            result["throughput"] = {"runs": throughput(args, s3, proxy, w.files[0])}
         if "cache" in args.section_names:
             result["cache"] = cache(args, s3, proxy)
     summarize(result)

@@ -14,7 +14,8 @@ decoded to 224x224 as W3 does:
   a job names its own cache), under torch's DataLoader;
 - ``litdata``: LitData's ``StreamingDataset("s3://...")`` over chunks written by
   ``litdata.optimize``, the cache at LitData's default (one folder per dataset URL, so
-  shared by the node's jobs), under its ``StreamingDataLoader``;
+  shared by the node's jobs), under its ``StreamingDataLoader``, read with its boto3
+  client (its obstore path refuses the loopback store's plain-HTTP endpoint);
 - ``webdataset``: ``WebDataset`` over tar shards written by its ``ShardWriter``, each
   read through ``pipe:curl --aws-sigv4`` (the library has no S3 client of its own and
   the AWS CLI is not installed here; its docs' pattern is ``pipe:`` a command that writes
@@ -152,6 +153,12 @@ def _loader(system: str, prefix: str, seed: int, workers: int, cache: Path) -> I
         return DataLoader(ds, batch_size=BATCH, num_workers=workers)
     if system == "litdata":
         import litdata
+        from litdata.streaming import downloader
+
+        # LitData's obstore path builds its client without allow_http and refuses the
+        # loopback store's plain-HTTP endpoint ("builder error"); off, LitData reads with
+        # its boto3 client, the path it takes where obstore is not installed
+        downloader._OBSTORE_AVAILABLE = False
 
         class Lit(litdata.StreamingDataset):  # type: ignore[misc]
             def __getitem__(self, i: Any) -> Any:

@@ -9,7 +9,8 @@ its arguments::
     ... (generated: edits here are overwritten) ...
     <!-- /bench:throughput -->
 
-``python -m bench report`` rewrites every marker's body (and ``docs/bench.png``);
+``python -m bench report`` rewrites every marker's body (and the figures
+``docs/bench.png``, ``docs/training-stall.png``);
 ``--check`` changes nothing and exits 1 when a body differs from what the result files
 make, or when prose carries a measured figure (tests/test_bench_report.py runs that
 check). A measured figure is a ratio (``1.08x``) or a throughput (``552 samples/s``):
@@ -40,6 +41,7 @@ from docs import blocks
 
 REPO = results.REPO
 PLOT = REPO / "docs" / "bench.png"
+STALL_PLOT = REPO / "docs" / "training-stall.png"
 
 
 MARKER = blocks.marker("bench")
@@ -106,6 +108,68 @@ def plot(r: Results, path: Path) -> Path | None:
     keys = [k for k in [*data.MAKERS, *data.PLANNED] if r.get(k)]
     if not keys:
         return None
+
+    def panel(ax: Any, key: str, legend: dict[str, Any]) -> None:
+        res = r.get(key)
+        assert res is not None
+        _bars(ax, res["cells"], "samples_per_s", legend)
+        roof = res["roofline"]["cell"]["samples_per_s"]["median"]
+        if roof:
+            line = ax.axhline(roof, color="gray", ls="--", lw=1)
+            legend.setdefault("roofline (1 process)", line)
+        ax.set_title(textwrap.fill(workload_title(key, res), 48), fontsize=9)
+        ax.set_ylabel("samples/s")
+
+    return _panels(keys, panel, path)
+
+
+def plot_stall(r: Results, path: Path) -> Path | None:
+    """The training benchmark's stall share per workload, system and num_workers (median,
+    min-max whiskers): the share of the loop's time spent waiting in ``next()``."""
+    res = r.get("training")
+    if res is None:
+        return None
+    workloads = res["workloads"]
+
+    def panel(ax: Any, key: str, legend: dict[str, Any]) -> None:
+        sec = workloads[key]
+        _bars(ax, sec["cells"], "stall_share", legend, scale=100)
+        ax.set_ylim(0, 100)
+        title = f"{key}: {sec['workload']['title']} (step {sec['step_ms']:.0f} ms)"
+        ax.set_title(textwrap.fill(title, 48), fontsize=9)
+        ax.set_ylabel("stall share, % of loop time (lower: better)")
+
+    return _panels(list(workloads), panel, path)
+
+
+def _bars(
+    ax: Any, cells: dict[str, Any], field: str, legend: dict[str, Any], scale: float = 1
+) -> None:
+    """One bar per system and num_workers of ``cells[system][nw][field]`` (median,
+    min-max whiskers), each system in its colour (``cells.color``) in every panel."""
+    systems = ordered(cells)
+    nws = sorted({nw for by in cells.values() for nw in by}, key=int)
+    width = 0.8 / max(1, len(systems))
+    for k, system in enumerate(systems):
+        xs, ys, lo, hi = [], [], [], []
+        for j, nw in enumerate(nws):
+            c = cells[system].get(nw)
+            if not c or c[field]["median"] is None:
+                continue
+            s = c[field]
+            xs.append(j + (k - (len(systems) - 1) / 2) * width)
+            ys.append(s["median"] * scale)
+            lo.append((s["median"] - s["min"]) * scale)
+            hi.append((s["max"] - s["median"]) * scale)
+        label = SYSTEM_NAMES.get(system, system)
+        bars = ax.bar(xs, ys, width, yerr=[lo, hi], label=label, color=color(system))
+        legend.setdefault(label, bars)
+    ax.set_xticks(range(len(nws)), [f"nw={nw}" for nw in nws])
+
+
+def _panels(keys: list[str], panel: Any, path: Path) -> Path:
+    """A figure of one panel per key, three to a row, and one legend below them all (no
+    legend over a panel's bars)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -118,35 +182,8 @@ def plot(r: Results, path: Path) -> Path | None:
     for ax, key in zip(axes.flat, keys + [None] * (rows * cols - len(keys)), strict=True):
         if key is None:
             ax.axis("off")
-            continue
-        res = r.get(key)
-        assert res is not None
-        cells = res["cells"]
-        systems = ordered(cells)
-        nws = sorted({nw for by in cells.values() for nw in by}, key=int)
-        width = 0.8 / max(1, len(systems))
-        for k, system in enumerate(systems):
-            xs, ys, lo, hi = [], [], [], []
-            for j, nw in enumerate(nws):
-                c = cells[system].get(nw)
-                if not c or c["samples_per_s"]["median"] is None:
-                    continue
-                s = c["samples_per_s"]
-                xs.append(j + (k - (len(systems) - 1) / 2) * width)
-                ys.append(s["median"])
-                lo.append(s["median"] - s["min"])
-                hi.append(s["max"] - s["median"])
-            label = SYSTEM_NAMES.get(system, system)
-            bars = ax.bar(xs, ys, width, yerr=[lo, hi], label=label, color=color(system))
-            legend.setdefault(label, bars)
-        roof = res["roofline"]["cell"]["samples_per_s"]["median"]
-        if roof:
-            line = ax.axhline(roof, color="gray", ls="--", lw=1)
-            legend.setdefault("roofline (1 process)", line)
-        ax.set_xticks(range(len(nws)), [f"nw={nw}" for nw in nws])
-        ax.set_title(textwrap.fill(workload_title(key, res), 48), fontsize=9)
-        ax.set_ylabel("samples/s")
-    # one legend for every panel, below them: no legend over a panel's bars
+        else:
+            panel(ax, key, legend)
     fig.legend(
         legend.values(), legend.keys(), loc="lower center", ncol=min(4, len(legend)), fontsize=9
     )
@@ -176,12 +213,14 @@ def main(argv: list[str] | None = None) -> int:
         if new != text:
             path.write_text(new)
             print(f"updated {path.relative_to(REPO)}")
-    if not args.no_plot:
+    for draw, where in ((plot, PLOT), (plot_stall, STALL_PLOT)):
+        if args.no_plot:
+            break
         try:
-            made = plot(r, PLOT)
+            made = draw(r, where)
         except ImportError as exc:  # the tables need nothing beyond the standard library
             print(
-                f"warning: {PLOT.relative_to(REPO)} not remade ({exc.name} is missing: "
+                f"warning: {where.relative_to(REPO)} not remade ({exc.name} is missing: "
                 "pip install -e '.[bench]')",
                 file=sys.stderr,
             )

@@ -908,6 +908,38 @@ def plot_ref(r: Results, args: list[str]) -> str:
     return f"![benchmark]({args[0] if args else 'docs/bench.png'})"
 
 
+def torch_suite(r: Results, args: list[str]) -> str:
+    """PyTorch's own DataLoader tests with torch's DataLoader and with pinfeed's
+    (``tests/torch_suite``): the outcomes of each run, the tests excluded (each with its
+    reason in the result file) and those that pass with torch only."""
+    res = r.get("torch-suite")
+    if res is None:
+        return missing("torch-suite", "make test-heavy (tests/torch_suite)")
+    head = ["DataLoader", "passed", "failed", "skipped", "excluded", "regressions"]
+    n_excluded = str(res["excluded"]["count"])
+    rows = [
+        [name, *(str(res[key][k]) for k in ("passed", "failed", "skipped")), *extra]
+        for name, key, extra in (
+            ("torch's", "torch", ["", ""]),
+            ("pinfeed.DataLoader", "pinfeed", [n_excluded, str(len(res["regressions"]))]),
+        )
+    ]
+    source = res["test_file"]["source"].split(",")[0]
+    lines = [table(head, rows), "", f"Test file: `test/test_dataloader.py` of {source}."]
+    if res["regressions"]:
+        lines += ["", "Passing with torch's only:", ""]
+        lines += [f"- `{name}`: {why}" for name, why in res["regressions"].items()]
+    return "\n".join([*lines, "", provenance([res])])
+
+
+def training_plot_ref(r: Results, args: list[str]) -> str:
+    """The training benchmark's stall-share figure, by its path from the page."""
+    if r.get("training") is None:
+        return missing("training", "python -m bench training")
+    path = args[0] if args else "docs/training-stall.png"
+    return f"![stall share by system and num_workers]({path})"
+
+
 # --- W9: the node's sample cache (bench.w9) ------------------------------------------------
 
 
@@ -1209,6 +1241,153 @@ def remote_anchors(r: Results, args: list[str]) -> str:
     )
 
 
+REMOTE_NAMES = {
+    "pinfeed": "pinfeed (the node's object cache)",
+    "dataloader-s3": "DataLoader, a GET a sample in its workers",
+    "pinfeed-local": "pinfeed over the same files on local disk",
+}
+
+
+def remote(r: Results, args: list[str]) -> str:
+    """docs/how-to/object-storage.md: one loader over W3's JPEGs in the store, by link
+    and system (``bench.remote``), and the object cache's eviction rules."""
+    res = r.get("remote")
+    if res is None:
+        return missing("remote", "python -m bench remote")
+    p = res["params"]
+    rows = []
+    for key, c in res["cells"].items():
+        link, system = key.split("/")
+        local = system == "pinfeed-local"
+        mb = c["store_bytes"]["median"]
+        rows.append(
+            [
+                "-" if local else link,
+                REMOTE_NAMES.get(system, system),
+                *(ranged(e) for e in c["epochs"]),
+                ranged(c["first_batch_s"], lambda x: "-" if x is None else f"{x:.2f} s"),
+                "-" if local or mb is None else f"{mb / 1e6:.1f} MB",
+                "-" if local else num(c["store_requests"]["median"]),
+            ]
+        )
+    head = ["link", "system"]
+    head += [f"epoch {i + 1} samples/s" for i in range(p["epochs"])]
+    head += ["first batch", "from the store", "requests"]
+    links = "; ".join(
+        f"`{name}`: " + (f"{bw / 1e6:.0f} MB/s, {lat * 1e3:.0f} ms a request" if bw else "loopback")
+        for name, (bw, lat) in res["links"].items()
+    )
+    lines = [
+        f"{p['samples']:,} JPEGs ({res['dataset_bytes'] / 1e6:.1f} MB), batch 64, "
+        f"{p['workers']} workers, {p['runs']} runs a cell (median [min-max]). Links: {links}.",
+        "",
+        table(head, rows),
+    ]
+    cache = res.get("cache")
+    if cache:
+        crow = [
+            [
+                rule,
+                ", ".join(f"{g:,}" for g in c["gets"]),
+                ", ".join(f"{h:.2f}" for h in c["hit_ratio"]),
+            ]
+            for rule, c in cache["rules"].items()
+        ]
+        lines += [
+            "",
+            f"A dataset twice the object cache's size ({cache['samples']:,} objects, "
+            f"{cache['dataset_bytes'] / 1e6:.1f} MB, cache {cache['cache_bytes'] / 1e6:.1f} MB), "
+            "three epochs; hit ratio 1 - GETs / samples (below zero: objects fetched ahead "
+            "were evicted before their use and fetched again):",
+            "",
+            table(["eviction rule", "GETs by epoch", "hit ratio by epoch"], crow),
+        ]
+    return "\n".join([*lines, "", provenance([res])])
+
+
+LLM_NAMES = {
+    "pinfeed": "pinfeed, named loader (`mixture` over packed `tokens`)",
+    "pinfeed-dataloader": "pinfeed.DataLoader(Mixture of Packed)",
+    "dataloader": "DataLoader(Mixture of Packed)",
+    "hf": "HF interleave_datasets + DataCollatorWithFlattening, DataLoader",
+    "hf-whole": "HF interleave_datasets, rows made whole ahead, DataLoader",
+}
+
+
+def _against(c: dict[str, Any], base: dict[str, Any] | None, metric: str) -> str:
+    a, b = c[metric]["median"], (base or {}).get(metric, {}).get("median")
+    return "-" if not a or not b else f"{a / b:.2f}x"
+
+
+def llm(r: Results, args: list[str]) -> str:
+    """``bench.llm``: a three-source mixture packed to 2,048, per training step,
+    system and num_workers, each against HF's pipeline at the same step and workers."""
+    res = r.get("llm")
+    if res is None:
+        return missing("llm", "python -m bench llm")
+    rows = []
+    for step, by in res["cells"].items():
+        first = True
+        for system in [s for s in LLM_NAMES if s in by]:
+            for nw, c in by[system].items():
+
+                def f2(x: float | None) -> str:
+                    return "-" if x is None else f"{x:.2f}"
+
+                base = (by.get("hf") or {}).get(nw)
+                rows.append(
+                    [
+                        ("flat out" if float(step) == 0 else f"{step} ms (sleep)") if first else "",
+                        LLM_NAMES[system] + flag(c),
+                        nw,
+                        ranged(c["samples_per_s"]),
+                        _against(c, base, "samples_per_s"),
+                        ranged(c["stall_share"], pct),
+                        ranged(c["trainer_cpu_ms_per_batch"], f2),
+                        _against(c, base, "trainer_cpu_ms_per_batch"),
+                        f2(c["trainer_children_cpu_ms_per_batch"]["median"]),
+                        f2(c["server_cpu_ms_per_batch"]["median"]),
+                        f2(c["total_cpu_ms_per_batch"]["median"]),
+                    ]
+                )
+                first = False
+    head = [
+        "training step",
+        "system",
+        "num_workers",
+        "samples/s (rows of 2,048)",
+        "against HF (higher: faster)",
+        "stall share",
+        "trainer CPU ms/batch (own process)",
+        "against HF (lower: less)",
+        "its children (DataLoader workers)",
+        "server tree",
+        "all",
+    ]
+    src = ", ".join(
+        f"{s['name']} {s['weight']:g} ({s['tokens'] / 1e6:.1f}M tokens, {s['rows']:,} rows)"
+        for s in res["sources"]
+    )
+    p = res["params"]
+    return "\n".join(
+        [
+            f"Sources: {src}; batch {res['batch_size']} rows of {res['seq_len']:,} tokens; "
+            f"{p['batches']} timed batches a run, {p['runs']} run(s) a cell (median "
+            f"[min-max]); against HF: against `hf` at the same step and num_workers. Made "
+            f"ahead, not timed: HF's packed rows in {res['prepare'].get('hf_pack_s', 0):.1f} s, "
+            f"made whole in {res['prepare'].get('hf_whole_s', 0):.1f} s more.",
+            "",
+            table(head, rows),
+            "",
+            provenance([res]),
+        ]
+    )
+
+
+def llm_table(res: dict[str, Any] | None) -> str:
+    return section_from(llm, "llm", res, [])
+
+
 RENDERERS: dict[str, Callable[[Results, list[str]], str]] = {
     "headline": headline,
     "throughput": throughput,
@@ -1236,5 +1415,9 @@ RENDERERS: dict[str, Callable[[Results, list[str]], str]] = {
     "w9": w9,
     "s3-model": s3_model,
     "remote-anchors": remote_anchors,
+    "remote": remote,
+    "llm": llm,
     "plot": plot_ref,
+    "training-plot": training_plot_ref,
+    "torch-suite": torch_suite,
 }

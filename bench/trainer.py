@@ -16,6 +16,9 @@ read a batch) and ``roofline`` (the same gather into a preallocated buffer, in t
 process). Both DataLoaders: ``persistent_workers`` with workers, ``pin_memory`` with
 CUDA, ``prefetch_factor`` 2, seed 0 (the same batches as pinfeed's).
 
+A section may bring its own systems: ``spec["module"]`` names a module whose
+``SYSTEMS`` has the spec's system (``bench.llm``).
+
 Modes (``MODES``): ``throughput`` (samples/s over all but the first batch), ``timed``
 (samples/s over a window of seconds, after the queues filled before it are drained),
 ``handoff`` (latency of ``next()`` on a ready batch) and ``training`` (a fixed step per
@@ -24,6 +27,7 @@ batch standing for the GPU: the trainer's stall share and its own CPU per batch)
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import resource
@@ -93,7 +97,7 @@ def _reference(spec: dict[str, Any]) -> Any:
 
 
 def _pinfeed(spec: dict[str, Any], warm: bool = False) -> tuple[Run, float]:
-    from pinfeed import Client, Loader
+    from pinfeed import Client
 
     admin = Client(spec["url"])
     name = spec["loader"]
@@ -122,7 +126,16 @@ def _pinfeed(spec: dict[str, Any], warm: bool = False) -> tuple[Run, float]:
                 break
             time.sleep(0.05)
         t0 = time.perf_counter()
-    loader = Loader(name, socket=spec["socket"])
+    return attach(admin, name, spec["socket"], t0)
+
+
+def attach(admin: Any, name: str, socket: str, t0: float) -> tuple[Run, float]:
+    """A trainer on the loader ``name`` that ``admin`` (a ``pinfeed.Client``) made: its
+    Run, the first batch taken, and the seconds since ``t0``; its cleanup closes the
+    Loader, deletes the loader and closes ``admin``."""
+    from pinfeed import Loader
+
+    loader = Loader(name, socket=socket)
 
     def cleanup() -> None:
         loader.close()
@@ -542,9 +555,11 @@ def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
     with Reporting() as r:
         system, mode = spec["system"], spec.get("mode", "throughput")
-        if system not in SYSTEMS:
+        # a section's own systems (bench.llm's): its module's SYSTEMS
+        systems = importlib.import_module(spec["module"]).SYSTEMS if "module" in spec else SYSTEMS
+        if system not in systems:
             raise ValueError(f"unknown system {system!r}")
-        run, ttfb = SYSTEMS[system](spec)
+        run, ttfb = systems[system](spec)
         emit("ready", ttfb_s=ttfb, pid=os.getpid())
         _wait_go()
         result = MODES[mode](run, spec)

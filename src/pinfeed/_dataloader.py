@@ -506,17 +506,19 @@ class _Owned:
         return fd
 
     # -- an epoch -----------------------------------------------------------------------
-    def begin(self, base_seed: int, objects: int | None = None) -> int:
+    def begin(
+        self, base_seed: int, objects: int | None = None, shared_seed: int | None = None
+    ) -> int:
         """A new epoch of this loader (the last one, unfinished, is dropped first), with
         the trainer's objects as they are now where they changed (``objects``: their
-        payload, ``follow``'s)."""
+        payload, ``follow``'s) and a datapipe's shared seed (DataLoader's iterator's)."""
         conn = self.conn
         if self.state is not State.IDLE:
             self.skip()
         self.epoch += 1
         if objects is not None:
             conn.send_objects(self.epoch, [objects, *self.shipper.shared])
-        conn.send_message(p.encode_epoch(self.epoch, base_seed))
+        conn.send_message(p.encode_epoch(self.epoch, base_seed, shared_seed))
         self.state, self.yielded, self.base_seed = State.EPOCH, 0, base_seed
         return self.epoch
 
@@ -904,7 +906,12 @@ class _Iter(_BaseDataLoaderIter):
             # one drew, from where it drew it
             _restore(loader, owned.epoch_start)
             raise
-        self._start(resume, objects)
+        shared = self._shared_seed  # the one DataLoader's new workers apply
+        if loader.num_workers > 0:
+            # DataLoader's multiprocessing iterator resets once more after starting its
+            # workers: the sampler iterated again, a datapipe's next shared seed drawn
+            _BaseDataLoaderIter._reset(self, loader, first_iter=True)
+        self._start(resume, objects, shared)
 
     def __next__(self) -> Any:
         if self._owned.iterable or torch._C._autograd._profiler_enabled():
@@ -917,8 +924,11 @@ class _Iter(_BaseDataLoaderIter):
         self._num_yielded += 1
         return data
 
-    def _start(self, resume: dict[str, Any] | None = None, objects: int | None = None) -> None:
-        """The epoch begins (``objects``: the objects' payload, where they changed)."""
+    def _start(
+        self, resume: dict[str, Any] | None, objects: int | None, shared: int | None
+    ) -> None:
+        """The epoch begins (``objects``: the objects' payload, where they changed;
+        ``shared``: a datapipe's shared seed, which the workers apply)."""
         owned = self._owned
         index = 0
         seed = int(self._base_seed)
@@ -927,7 +937,7 @@ class _Iter(_BaseDataLoaderIter):
             index = int(resume["index"])
             seed = int(resume.get("base_seed", seed))
             self._base_seed = seed
-        self._epoch = owned.begin(seed, objects)
+        self._epoch = owned.begin(seed, objects, shared)
         self._fed = 0
         self._indices: Iterator[Any] | None = None  # the sampler's, for _feed_chunk
         self._exhausted = False
@@ -1121,11 +1131,9 @@ class _Iter(_BaseDataLoaderIter):
             _restore(loader, resume["start"])
         self._owned.epoch_start = _taken(loader)
         super()._reset(loader, first_iter)
-        if not first_iter:  # persistent workers' next epoch: the same base seed
-            # (a datapipe's shuffle seed, which DataLoader's _ResumeIteration carries to
-            # its persistent workers every epoch, is not carried: they keep the graph
-            # of the first epoch, its shufflers going on)
-            self._start(resume)
+        if not first_iter:  # persistent workers' next epoch: the same base seed, and a
+            # datapipe's new shared seed (DataLoader's _ResumeIteration carries it)
+            self._start(resume, None, self._shared_seed)
 
 
 def _samplers(loader: Any) -> list[Any]:

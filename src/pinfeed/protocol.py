@@ -17,7 +17,7 @@ so the hot path neither pickles nor parses JSON::
                                              RING     W  JSON RingInfo + segment 0's memfd
                                                          (a ring sized after ATTACHED)
     CREATE  O  JSON Create + payload memfd   RNG      Y  RNG_HEAD + the trainer's RNG
-    EPOCH   H  EPOCH_BODY (base seed)                    states, ahead of its BATCH
+    EPOCH   H  EPOCH_BODY (seeds)                        states, ahead of its BATCH
     OBJECTS J  OBJECTS_BODY + payload memfd
                (the objects changed)
     FEED    F  FEED_HEAD, int64 indices, RNG
@@ -60,7 +60,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 13
 # The NEXTs a trainer keeps in flight inside an epoch whose length it knows
 # (``pinfeed._epochs``): the server answers them in order, each as its item is ready.
 # Their batches take no slot of their own (``engine/config.py``'s ``ring_slots``).
@@ -101,7 +101,8 @@ END_BODY = struct.Struct("<B3xIQ")  # kind, epoch, seq
 POSITION_BODY = struct.Struct("<B3xII")  # kind, epoch, index
 SEGMENT_BODY = struct.Struct("<B3xIII")  # kind, segment id, first slot, slots (0: closed)
 RELEASE_HEAD = struct.Struct("<BxH")  # kind, count
-EPOCH_BODY = struct.Struct("<B3xIq")  # kind, epoch, base seed
+# kind, 1: a shared seed (a datapipe's), epoch, base seed, shared seed (0 where none)
+EPOCH_BODY = struct.Struct("<B?2xIqq")
 # kind, the epoch from which the objects in the payload memfd that travels with it apply
 # (the memfd first, then the shared memory fds its objects map)
 OBJECTS_BODY = struct.Struct("<B3xI")
@@ -359,15 +360,18 @@ class Create:
         return out
 
 
-def encode_epoch(epoch: int, base_seed: int) -> bytes:
-    return EPOCH_BODY.pack(EPOCH, epoch, base_seed)
+def encode_epoch(epoch: int, base_seed: int, shared_seed: int | None = None) -> bytes:
+    """``shared_seed``: a datapipe's (DataLoader's ``_shared_seed``), which its
+    persistent workers apply to their graph each epoch."""
+    shared = shared_seed is not None
+    return EPOCH_BODY.pack(EPOCH, shared, epoch, base_seed, shared_seed if shared else 0)
 
 
-def decode_epoch(data: Buffer) -> tuple[int, int]:
+def decode_epoch(data: Buffer) -> tuple[int, int, int | None]:
     if len(data) != EPOCH_BODY.size:
-        raise ValueError("an EPOCH is kind, epoch, base seed")
-    _, epoch, seed = EPOCH_BODY.unpack_from(data)
-    return epoch, seed
+        raise ValueError("an EPOCH is kind, shared flag, epoch, base seed, shared seed")
+    _, shared, epoch, seed, shared_seed = EPOCH_BODY.unpack_from(data)
+    return epoch, seed, shared_seed if shared else None
 
 
 def encode_objects(epoch: int) -> bytes:

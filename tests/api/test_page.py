@@ -1,7 +1,8 @@
 """``/`` (the operator's page) and ``/docs`` (Swagger UI) render completely in a real
 headless Chromium cut off from every host but this one, and no request they make
 leaves 127.0.0.1; the page's figures are those of ``GET /v1/node`` and
-``GET /v1/loaders``. Skipped, with the reason, where no Chromium is installed
+``GET /v1/loaders``, a mixture loader's per-source figures those of
+``GET /v1/loaders/{name}``'s ``sources``. Skipped, with the reason, where no Chromium is installed
 (``.ci/run`` installs Debian's)."""
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
-from pinfeed import Client
+from pinfeed import Client, Loader
 from tests.api.conftest import MakeServer, synthetic
 from tests.browser import CHROMIUM, Browser
 from tests.conftest import Server
@@ -32,6 +34,13 @@ JSON.stringify([...document.querySelectorAll('#decisions tbody tr')].map(
   tr => Object.fromEntries([...tr.querySelectorAll('td[data-field]')].map(
     td => [td.dataset.field, td.textContent]))))
 """
+SOURCES = """
+JSON.stringify([...document.querySelectorAll('#sources tbody tr')].map(
+  tr => [tr.dataset.loader, tr.dataset.dataset, Object.fromEntries(
+    [...tr.querySelectorAll('td[data-field]')].map(td => [td.dataset.field, td.textContent])),
+    parseFloat(tr.querySelector('.share > i').style.width),
+    parseFloat(tr.querySelector('.share > b').style.left)]))
+"""
 HEADER = """
 JSON.stringify(Object.fromEntries([...document.querySelectorAll('[data-node]')].map(
   b => [b.dataset.node, b.textContent])))
@@ -47,19 +56,34 @@ def browser() -> Iterator[Browser]:
 @pytest.fixture()
 def node_server(make_server: MakeServer) -> Server:
     """Two worker slots on the node: loader ``b`` is made room for from ``a`` (no
-    trainer), so the arbiter has a decision to show."""
+    trainer), so the arbiter has a decision to show. Loader ``m`` mixes two packed token
+    files 0.7/0.3, and a trainer has read five of its batches (then left: its counts
+    stay as they are)."""
     server = make_server(PINFEED_MAX_WORKERS="2")
+    rng = np.random.default_rng(0)
     with Client(server.url) as c:
         c.create_dataset("d", "synthetic", synthetic(64))
         auto = {"max_workers": 2}
         c.create_loader("a", dataset="d", batch_size=4, num_workers=2, autotune=auto)
         c.create_loader("b", dataset="d", batch_size=4, num_workers=1, priority=3, min_workers=1)
         c.create_loader("c", dataset="d", batch_size=8)
+        for name in ("web", "code"):
+            docs = [np.append(rng.integers(1, 500, int(n)), 0) for n in rng.integers(1, 60, 90)]
+            np.concatenate(docs).astype(np.uint16).tofile(server.data_root / f"{name}.bin")
+            params = {"path": f"{name}.bin", "seq_len": 32, "eos": 0, "pack": "greedy"}
+            c.create_dataset(name, "tokens", params)
+        mixture = [{"dataset": "web", "weight": 0.7}, {"dataset": "code", "weight": 0.3}]
+        c.create_loader(
+            "m", dataset=None, mixture={"sources": mixture, "samples": 64}, batch_size=4
+        )
+    with Loader("m", socket=server.socket) as loader:
+        for _, _ in zip(range(5), loader, strict=False):
+            pass
     return server
 
 
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.0f}%"
+def _pct(x: float | None, d: int = 0) -> str:
+    return "-" if x is None else f"{100 * x:.{d}f}%"
 
 
 def _num(x: float | None, d: int = 0) -> str:
@@ -83,7 +107,7 @@ def test_the_page_shows_what_the_api_says(node_server: Server, browser: Browser)
     node = httpx.get(f"{node_server.url}/v1/node").json()
     loaders = httpx.get(f"{node_server.url}/v1/loaders").json()
 
-    assert sorted(shown) == [lo["name"] for lo in loaders] == ["a", "b", "c"]
+    assert sorted(shown) == [lo["name"] for lo in loaders] == ["a", "b", "c", "m"]
     by_node = {lo["name"]: lo for lo in node["loaders"]}
     for lo in loaders:
         row, n = shown[lo["name"]], by_node[lo["name"]]
@@ -100,6 +124,29 @@ def test_the_page_shows_what_the_api_says(node_server: Server, browser: Browser)
         mine = next(x for x in last["node"]["loaders"] if x["name"] == lo["name"])
         assert row["samples_per_s"] == _num(mine["samples_per_s"]) == _num(n["samples_per_s"])
         assert row["wait_share"] == _pct(mine["wait_share"]) == _pct(n["wait_share"])
+    # the mixture's sources: as GET /v1/loaders/{name} has them, one row each
+    sources = httpx.get(f"{node_server.url}/v1/loaders/m").json()["sources"]
+    assert all(s["samples"] > 0 and s["tokens"] > 0 for s in sources)
+    assert next(lo for lo in last["loaders"] if lo["name"] == "m")["sources"] == sources
+    assert json.loads(browser.evaluate(SOURCES)) == [
+        [
+            "m",
+            s["dataset"],
+            {
+                "loader": "m",
+                "dataset": s["dataset"],
+                "samples": str(s["samples"]),
+                "tokens": str(s["tokens"]),
+                "proportion": _pct(s["proportion"], 1),
+                "weight": _pct(s["weight"], 1),
+            },
+            # the bar's length and the weight's mark on it, in % of the bar
+            pytest.approx(100 * s["proportion"], abs=0.05),
+            pytest.approx(100 * s["weight"], abs=0.05),
+        ]
+        for s in sources
+    ]
+    assert browser.evaluate("document.getElementById('mixtures').hidden") is False
     assert header["cpus"] == str(node["cpus"])
     assert header["workers"] == f"{node['workers_used']}/{node['max_workers']}"
     assert node["lifetime"]["started_by"] == "serve" and node["lifetime"]["idle_exit_s"] is None

@@ -120,7 +120,7 @@ ROUND_TRIPS: dict[int, tuple[bytes, Callable[[bytes], object]]] = {
             p.Create.decode(m) == p.Create(None, "d", 32, 2, 2, True, False, False, 100, 4, 100)
         ),
     ),
-    p.EPOCH: (p.encode_epoch(3, -7), lambda m: p.decode_epoch(m) == (3, -7)),
+    p.EPOCH: (p.encode_epoch(3, -7, 2**62), lambda m: p.decode_epoch(m) == (3, -7, 2**62)),
     p.OBJECTS: (p.encode_objects(4), lambda m: p.decode_objects(m) == 4),
     p.FEED: (
         p.encode_feed(1, 5, [9, 2, 4], b"rng"),

@@ -855,3 +855,26 @@ def test_dataloaders_argument_errors_word_for_word(server: Server) -> None:
     with pytest.raises(ValueError) as got:
         pinfeed.DataLoader(Shards(), shuffle=True, socket=server.socket)
     assert str(got.value) == str(want.value)
+
+
+@pytest.mark.parametrize(
+    ("workers", "persistent"), [(0, False), (2, False), (2, True)], ids=["w0", "w2", "w2p"]
+)
+def test_a_datapipe_reshuffled_each_epoch(server: Server, workers: int, persistent: bool) -> None:
+    """A datapipe graph's shufflers get DataLoader's shared seed every epoch: drawn by the
+    trainer's iterator, applied by each worker (persistent ones too, as DataLoader's
+    ``_ResumeIteration`` carries it), after the graph was sharded among the workers."""
+    from torch.utils.data.datapipes.iter import IterableWrapper
+
+    def make(cls: Any, x: dict[str, Any]) -> Any:
+        pipe = IterableWrapper(range(40)).shuffle().sharding_filter()
+        return cls(
+            pipe,
+            batch_size=4,
+            num_workers=workers,
+            persistent_workers=persistent,
+            generator=torch.Generator().manual_seed(3),
+            **x,
+        )
+
+    check(server, make, epochs=3)

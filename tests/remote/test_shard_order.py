@@ -197,6 +197,7 @@ def test_refused_where_it_cannot_apply(admin: Client, remote_server: Server) -> 
         )
 
 
+@pytest.mark.heavy  # three epochs through a store and a cache: half a minute
 def test_a_node_fetches_its_share_of_the_blocks(tmp_path: Path, s3: S3Server, prefix: str) -> None:
     """Rank 0 of 4 (a node of 4) over a token file of 32 blocks in the store, three
     epochs, through a server whose object cache holds 12 blocks (a node's cache holds

@@ -34,6 +34,7 @@ KEPT_EPOCHS = 2  # the current one and the one before (a persistent worker's rep
 @dataclass
 class _Epoch:
     seed: int
+    shared: int | None = None  # a datapipe's shared seed (DataLoader's _shared_seed)
     batches: list[list[int]] = field(default_factory=list)
     rng: dict[int, bytes] = field(default_factory=dict)  # index -> the trainer's RNG state
     ahead: set[int] = field(default_factory=set)  # fed ahead of their states, which follow
@@ -72,9 +73,9 @@ class FedPlan:
         return self.reported or 0
 
     # -- the trainer's side (the data-plane thread) ----------------------------------
-    def begin(self, epoch: int, seed: int) -> None:
+    def begin(self, epoch: int, seed: int, shared: int | None = None) -> None:
         with self._cond:
-            self._epochs[epoch] = _Epoch(seed)
+            self._epochs[epoch] = _Epoch(seed, shared)
             for old in [e for e in self._epochs if e <= epoch - KEPT_EPOCHS]:
                 del self._epochs[old]
             self._cond.notify_all()
@@ -163,11 +164,18 @@ class FedPlan:
 
     def base_seed(self, epoch: int) -> int:
         """The base seed the trainer's iterator drew for ``epoch``."""
+        return self._epoch(epoch).seed
+
+    def shared_seed(self, epoch: int) -> int | None:
+        """The shared seed the trainer's iterator drew for ``epoch`` (a datapipe's)."""
+        return self._epoch(epoch).shared
+
+    def _epoch(self, epoch: int) -> _Epoch:
         with self._cond:
             e = self._epochs.get(epoch)
             if e is None:
                 raise KeyError(f"epoch {epoch} has not begun (or is long gone)")
-            return e.seed
+            return e
 
     def fed(self, epoch: int) -> tuple[list[list[int]], bool]:
         """What ``epoch`` has been fed so far, and whether it ended (a replay's history)."""

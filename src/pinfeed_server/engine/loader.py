@@ -453,8 +453,10 @@ class LoaderEngine:
                     except Exception as exc:  # the store's error is the batch's
                         self._on_result(Result(seq, error=error_info(exc)))
                         continue
-                seed = None if fed is None else fed.base_seed(epoch)
-                self.producer.submit(Task(seq, epoch, i, slot, indices, seed))
+                seed = shared = None
+                if fed is not None:
+                    seed, shared = fed.base_seed(epoch), fed.shared_seed(epoch)
+                self.producer.submit(Task(seq, epoch, i, slot, indices, seed, shared))
             if fed is not None and not self._end_fed(gen, epoch):
                 return
             epoch, index = epoch + 1, plan.span(epoch + 1)[0]
@@ -638,8 +640,8 @@ class LoaderEngine:
             raise ValueError(f"loader {self.config.name!r} makes its own batch plan: no FEED")
         return self.sampler
 
-    def begin_fed_epoch(self, epoch: int, seed: int) -> None:
-        self._fed().begin(epoch, seed)
+    def begin_fed_epoch(self, epoch: int, seed: int, shared: int | None = None) -> None:
+        self._fed().begin(epoch, seed, shared)
 
     def feed(
         self,

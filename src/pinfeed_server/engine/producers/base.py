@@ -71,6 +71,7 @@ class Task:
     slot: int
     indices: list[int] | None  # None: the producer draws the batch from its iterator
     seed: int | None = None  # the epoch's base seed, where the trainer drew it (FedPlan)
+    shared: int | None = None  # the epoch's shared seed, a datapipe's (FedPlan)
 
 
 @dataclass(slots=True)

@@ -42,8 +42,10 @@ RESULT_TAG, SNAPSHOT_TAG, RESTART_TAG, FATAL_TAG = b"r", b"s", b"x", b"F"
 STOP = b""
 STARTUP_SEQ = -1
 
-# seq, epoch, index, slot, 1: indices follow (0: an iterable's turn), 1: a seed follows
+# seq, epoch, index, slot, 1: indices follow (0: an iterable's turn), seeds that follow
+# (SEEDED: the base seed, then SHARED: the shared seed)
 _TASK = struct.Struct("<qqqIbb")
+SEEDED, SHARED = 1, 2
 _SEED = struct.Struct("<q")
 _RESULT = struct.Struct("<qBBq")
 OK, ERROR, END = 0, 1, 2
@@ -55,23 +57,30 @@ _COUNT = struct.Struct("<q")
 
 def encode_task(task: Task) -> bytes:
     """A TASK's body (``TASK_TAG`` goes before it on the pipe)."""
-    listed, seeded = task.indices is not None, task.seed is not None
-    head = _TASK.pack(task.seq, task.epoch, task.index, task.slot, listed, seeded)
-    seed = _SEED.pack(task.seed) if task.seed is not None else b""
+    listed, seeds = task.indices is not None, 0
+    seed = b""
+    if task.seed is not None:
+        seeds, seed = SEEDED, _SEED.pack(task.seed)
+    if task.shared is not None:
+        seeds, seed = seeds | SHARED, seed + _SEED.pack(task.shared)
+    head = _TASK.pack(task.seq, task.epoch, task.index, task.slot, listed, seeds)
     if task.indices is None:
         return head + seed
     return head + seed + array("q", task.indices).tobytes()
 
 
 def decode_task(buf: bytes) -> Task:
-    seq, epoch, index, slot, listed, seeded = _TASK.unpack_from(buf)
+    seq, epoch, index, slot, listed, seeds = _TASK.unpack_from(buf)
     at = _TASK.size
-    seed = None
-    if seeded:
+    seed = shared = None
+    if seeds & SEEDED:
         (seed,) = _SEED.unpack_from(buf, at)
         at += _SEED.size
+    if seeds & SHARED:
+        (shared,) = _SEED.unpack_from(buf, at)
+        at += _SEED.size
     indices = memoryview(buf)[at:].cast("q").tolist() if listed else None
-    return Task(seq, epoch, index, slot, indices, seed)
+    return Task(seq, epoch, index, slot, indices, seed, shared)
 
 
 def encode_result(result: Result) -> bytes:

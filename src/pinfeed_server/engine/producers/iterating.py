@@ -11,7 +11,9 @@ the stream has run out, exactly as DataLoader's worker would have them:
   ``WorkerInfo`` (in a worker process; ``get_worker_info()`` stays None in the
   server, as in DataLoader's main process) and ``worker_init_fn(w)``, then calls
   ``iter(dataset)``; with ``persistent_workers`` later epochs call ``iter`` again on
-  the same copy with the RNG carried on (DataLoader's ``_ResumeIteration``);
+  the same copy with the RNG carried on (DataLoader's ``_ResumeIteration``); a datapipe
+  graph gets the epoch's shared seed (``graph_settings.apply_random_seed``) before each
+  ``iter``, as DataLoader's worker applies it at its start and at each resume;
 - a request draws ``batch_size`` samples (``_IterableDatasetFetcher``): a short last
   batch is a batch, or nothing with ``drop_last``; after that the stream has run out.
 
@@ -35,7 +37,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+from torch.utils.data import IterDataPipe
 from torch.utils.data._utils import worker as torch_worker
+from torch.utils.data.graph_settings import apply_random_seed
 
 from pinfeed.rng import RngState, capture, restore
 from pinfeed_server.engine.collate import SlotWriter
@@ -68,6 +73,7 @@ class _Stream:
 
 
 SNAPSHOTS_KEPT = 64  # per stream: the states after its latest requests in the epoch
+KEPT_SHARED = 64  # epochs whose shared seeds are kept (a persistent stream's rewind)
 
 
 @dataclass
@@ -105,6 +111,7 @@ class IterStreams:
         self._persistent = persistent(config, streams)
         self._base = BaseSeeds(config, streams, 0)  # an iterable never shuffles: no draws
         self._fed: dict[int, int] = {}  # epoch -> a base seed the trainer drew
+        self._shared: dict[int, int] = {}  # epoch -> a datapipe's shared seed, likewise
         self._init_fn = init_fn
         self._worker = worker
         self._rank, self._world_size = config.rank, config.world_size or 1
@@ -115,11 +122,15 @@ class IterStreams:
         self.fast_forwarded = 0  # requests drawn and dropped (tests, docs' costs)
         self.restored = 0  # streams put back from a stateful dataset's state
 
-    def fed_seed(self, epoch: int, seed: int | None) -> None:
+    def fed_seed(self, epoch: int, seed: int | None, shared: int | None = None) -> None:
         """The base seed the trainer drew for ``epoch`` (``pinfeed.DataLoader``), in place
-        of the one computed from the loader's seed."""
+        of the one computed from the loader's seed, and a datapipe's shared seed."""
         if seed is not None:
             self._fed[0 if self._persistent else epoch] = seed
+        if shared is not None:
+            self._shared[epoch] = shared
+            for old in [e for e in self._shared if e < epoch - KEPT_SHARED]:
+                del self._shared[old]
 
     def _seed(self, epoch: int) -> int:
         fed = self._fed.get(0 if self._persistent else epoch)
@@ -206,6 +217,9 @@ class IterStreams:
     def _iterate(self, s: _Stream, epoch: int) -> None:
         s.epoch, s.round, s.ended, s.it = epoch, 0, False, None
         s.snaps.clear()
+        shared = self._shared.get(epoch)
+        if shared is not None and isinstance(s.dataset, IterDataPipe):
+            s.dataset = apply_random_seed(s.dataset, torch.Generator().manual_seed(shared))
         s.at_iter = capture() if self._stateful else None
         s.it = iter(s.dataset)
 
@@ -292,7 +306,7 @@ def make_turn(streams: IterStreams, writer: SlotWriter, task: Task) -> Result:
     ``Result.end`` (the stream has run out; the pool judges whether that ends the
     epoch, ``iterable.EndJudge``)."""
     try:
-        streams.fed_seed(task.epoch, task.seed)
+        streams.fed_seed(task.epoch, task.seed, task.shared)
         samples = streams.fetch(task.epoch, task.index)
         if samples is None:
             return Result(task.seq, end=True, rows=0)
