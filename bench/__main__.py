@@ -76,6 +76,7 @@ def _ray() -> str | None:
 
 SECTIONS = [
     Section("suite", "bench.suite", what="W1-W8: throughput, roofline, handoff", minutes=27),
+    Section("null", "bench.null", what="the fixed cost per batch, beside its floor", minutes=4),
     Section("scaling", "bench.suite", "scaling_main", "1, 2, 4 trainers on one server", minutes=3),
     Section("training", "bench.training", what="a training step: stall, trainer CPU", minutes=6),
     Section("w9", "bench.w9", what="W9: the node's sample cache and transforms", minutes=40),

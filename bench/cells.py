@@ -26,6 +26,8 @@ SYSTEM_NAMES = {
     "pinfeed-dataloader": "pinfeed.DataLoader",
     "pinfeed-dataloader-tuned": "pinfeed.DataLoader, tuned",
     "pinfeed-python": "pinfeed, named loader on the script's Dataset",
+    "pinfeed-dataloader-getitems": "pinfeed.DataLoader, __getitems__",
+    "floor": "floor (same messages and views, one process)",
 }
 LOADED = "†"
 ORDER = (

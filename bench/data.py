@@ -83,6 +83,9 @@ class Workload:
     # dataset has none, e.g. a per-file decode; then tuned = plain DataLoader at its best).
     tuned: str | None = None
     extra_systems: tuple[str, ...] = ()  # e.g. "pinfeed-dataloader" (issue 24)
+    # A bench.references name: the Dataset with a batched ``__getitems__`` that
+    # ``pinfeed-dataloader-getitems`` reads (None: the workload has none).
+    getitems: str | None = None
     # The node's sample cache (issue 25): the dataset's ``cache`` ({} : the whole
     # dataset), and the loaders' ``transform``, which DataLoader applies as
     # ``pinfeed.Transformed(dataset, transform)``.
@@ -277,6 +280,7 @@ def make_w4(root: Path, scale: float) -> Workload:
         "attention mask, lengths); sample_shape is the mean length",
         collate_fn="bench.tokens:pad_collate",
         tuned="sequences",
+        extra_systems=("pinfeed-dataloader", "pinfeed-dataloader-tuned"),
     )
 
 
@@ -326,6 +330,7 @@ def make_w6(root: Path, scale: float) -> Workload:
         "DataLoader over nanoGPT-style np.memmap windows",
         reference="tokens",
         tuned="tokens",
+        extra_systems=("pinfeed-dataloader", "pinfeed-dataloader-tuned"),
     )
 
 
@@ -442,6 +447,48 @@ def make_w9(root: Path, scale: float) -> Workload:
         cache={},
         transform="bench.transforms:w9",
         driver="bench.w9",
+    )
+
+
+NULL_SAMPLES = 20_000
+
+
+def make_null(root: Path, scale: float) -> Workload:
+    """The null workload (``python -m bench null``): batches of one sample of one uint8,
+    so a batch's making is next to nothing and what a path costs per batch is its fixed
+    cost: messages, wake-ups, views."""
+    import torch
+
+    n = _count(NULL_SAMPLES, scale, 2048)
+    path = root / f"null-{n}.pt"
+    spec = {"n": n, "shape": [1]}
+    if not _stamp_ok(path, spec):
+        torch.save(
+            (torch.arange(n, dtype=torch.int64).remainder(256).to(torch.uint8)[:, None],), path
+        )
+        _stamp(path, spec)
+    return Workload(
+        "null",
+        "null: batches of one uint8 sample",
+        "tensors",
+        {"path": path.name},
+        n,
+        1,
+        True,
+        1,
+        [1],
+        "uint8",
+        [path.name],
+        "tensors kind over a .pt of one uint8 [N, 1] tensor, batch 1; DataLoader and "
+        "pinfeed.DataLoader over torch's TensorDataset of it",
+        reference="tensordataset",
+        tuned="tensordataset",
+        getitems="getitems",
+        extra_systems=(
+            "pinfeed-dataloader",
+            "pinfeed-dataloader-getitems",
+            "pinfeed-dataloader-tuned",
+        ),
     )
 
 

@@ -154,7 +154,8 @@ def run_trainers(
     """Start one process per spec, release them together, return (results, memory).
 
     Memory is the peak of (server tree, if any) + (all trainer trees) while they run.
-    Between "go" and the last result (the timed window) it also measures CPU: each
+    Between "go" (or, for ``timed`` trainers, their ``window`` events: the end of their
+    warm-up) and the last result (the timed window) it also measures CPU: each
     trainer tree's and the server tree's CPU seconds, and ``foreign``: what processes
     outside the benchmark used meanwhile (``bench.results.ForeignCpu``).
     """
@@ -176,6 +177,13 @@ def run_trainers(
         server0 = tree_cpu_s(server_pid) if server_pid is not None else 0.0
         for p in procs:
             p.send("go\n")
+        if all(spec.get("mode") == "timed" for spec in specs):
+            # The window starts after each trainer's warm-up batches: CPU from there.
+            for p in procs:
+                p.expect("window", timeout)
+            foreign = ForeignCpu().start()
+            cpu0 = [tree_cpu_s(p.pid) for p in procs]
+            server0 = tree_cpu_s(server_pid) if server_pid is not None else 0.0
         results = [p.expect("result", timeout) for p in procs]
         server_cpu = tree_cpu_s(server_pid) - server0 if server_pid is not None else 0.0
         for r, p, c0 in zip(results, procs, cpu0, strict=True):

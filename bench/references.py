@@ -7,6 +7,8 @@ References (plain DataLoader: per-sample ``__getitem__`` + ``default_collate``):
 - ``tensordataset``: ``torch.utils.data.TensorDataset`` over the tensors of the same
   ``.pt`` (``torch.load(weights_only=True, mmap=True)``, as the ``tensors`` kind loads
   it) or ``.safetensors`` file (``safetensors.torch.load_file``);
+- ``getitems``: the same with ``__getitems__`` (:class:`GetitemsTensorDataset`: one
+  gather a batch, its samples views of it), DataLoader's batched-read hook;
 - ``memmap``: :class:`MemmapArrays`, a user's ``np.memmap`` Dataset over ``.npy`` files;
 - ``imagefolder``: :class:`PilImageFolder`, torchvision's ``ImageFolder`` + ``Resize`` +
   ``CenterCrop`` + ``PILToTensor`` written out with Pillow. torchvision itself cannot
@@ -81,6 +83,22 @@ class BatchedTensorDataset(TensorDataset):
 def tensordataset_batched(root: Path, params: dict[str, Any]) -> BatchedTensorDataset:
     tensors, _ = load_tensors(root / params["path"])
     return BatchedTensorDataset(*tensors)
+
+
+class GetitemsTensorDataset(TensorDataset):
+    """``TensorDataset`` with DataLoader's batched-read hook: ``__getitems__`` gathers a
+    batch's rows with one ``index_select`` per tensor and hands ``default_collate`` its
+    samples as views of them (what a Dataset written for ``__getitems__`` does)."""
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, ...]]:
+        idx = torch.as_tensor(indices, dtype=torch.int64)
+        rows = [torch.index_select(t, 0, idx).unbind(0) for t in self.tensors]
+        return list(zip(*rows, strict=True))
+
+
+def getitems(root: Path, params: dict[str, Any]) -> GetitemsTensorDataset:
+    tensors, _ = load_tensors(root / params["path"])
+    return GetitemsTensorDataset(*tensors)
 
 
 class MemmapArrays(Dataset[tuple[torch.Tensor, ...]]):
@@ -325,6 +343,7 @@ def webdataset(root: Path, params: dict[str, Any]) -> Any:
 
 REFERENCES: dict[str, Callable[[Path, dict[str, Any]], Any]] = {
     "tensordataset": tensordataset,
+    "getitems": getitems,
     "memmap": memmap,
     "imagefolder": imagefolder,
     "tokens": tokens,

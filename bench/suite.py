@@ -112,6 +112,14 @@ def _spec(
 _ids = itertools.count()
 
 
+def warmup_batches(num_workers: int, prefetch_factor: int = 2) -> int:
+    """The batches a timed run takes before its window: more than any system queues
+    ahead of a trainer (pinfeed's ring, ``num_workers * prefetch_factor`` and two spare
+    slots; DataLoader's ``num_workers * prefetch_factor``), so none enters the window
+    with batches made before it."""
+    return prefetch_factor * max(1, num_workers) + 4
+
+
 def loader_name(tag: str) -> str:
     return f"bench-{tag}-{os.getpid()}-{next(_ids)}"
 
@@ -225,14 +233,16 @@ def cell(runs: list[dict[str, Any]], metrics: tuple[str, ...] = CELL_METRICS) ->
     return out
 
 
-def cells(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """``{system: {str(num_workers): cell}}``."""
+def cells(
+    runs: list[dict[str, Any]], metrics: tuple[str, ...] = CELL_METRICS, key: str = "num_workers"
+) -> dict[str, dict[str, Any]]:
+    """``{system: {str(run[key]): cell}}`` over the systems and values that ran."""
     by: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for r in runs:
-        by.setdefault((r["system"], r["num_workers"]), []).append(r)
+        by.setdefault((r["system"], r[key]), []).append(r)
     out: dict[str, dict[str, Any]] = {}
-    for (system, nw), rs in sorted(by.items()):
-        out.setdefault(system, {})[str(nw)] = cell(rs)
+    for (system, n), rs in sorted(by.items()):
+        out.setdefault(system, {})[str(n)] = cell(rs, metrics)
     return out
 
 
@@ -358,14 +368,8 @@ def bench_scaling(args: argparse.Namespace) -> dict[str, Any]:
                         f"peak PSS {mem['peak_pss_bytes'] / 2**20:6.0f} MiB",
                         flush=True,
                     )
-    by: dict[str, dict[str, Any]] = {}
-    for system in systems:
-        for n in args.trainer_counts:
-            rs = [r for r in runs if r["system"] == system and r["trainers"] == n]
-            by.setdefault(system, {})[str(n)] = cell(
-                rs, ("aggregate_samples_per_s", "peak_pss_bytes")
-            )
-    result["runs"], result["cells"] = runs, by
+    metrics = ("aggregate_samples_per_s", "peak_pss_bytes")
+    result["runs"], result["cells"] = runs, cells(runs, metrics, key="trainers")
     return results.finish(result, runs)
 
 

@@ -277,6 +277,51 @@ def handoff(r: Results, args: list[str]) -> str:
     )
 
 
+def null(r: Results, args: list[str]) -> str:
+    """``python -m bench null``: each path's cost per batch against the floor's."""
+    res = r.get("null")
+    if res is None:
+        return missing("null", "python -m bench null")
+    cells = res["cells"]
+    systems = [s for s in ordered(cells) if s != "floor"]
+    nws = sorted({nw for by in cells.values() for nw in by}, key=int)
+
+    def us(x: float | None) -> str:
+        return "-" if not x else f"{1e6 / x:,.1f}"
+
+    rows = []
+    for nw in nws:
+        floor = (cells.get("floor") or {}).get(nw)
+        floor_rate = floor["batches_per_s"]["median"] if floor else None
+        row = [nw, (ranged(floor["batches_per_s"]) + flag(floor)) if floor else "-"]
+        row.append(us(floor_rate))
+        for system in systems:
+            c = cells[system].get(nw)
+            rate = c["batches_per_s"]["median"] if c else None
+            if not rate:
+                row.append("-")
+                continue
+            times = f" ({floor_rate / rate:.1f}x)" if floor_rate else ""
+            row.append(f"{ranged(c['batches_per_s'])}{flag(c)}: {us(rate)} µs{times}")
+        rows.append(row)
+    head = ["num_workers", "floor batches/s", "floor µs a batch"]
+    head += [f"{SYSTEM_NAMES.get(s, s)}: batches/s, µs a batch (x the floor's)" for s in systems]
+    w = res["workload"]
+    return "\n".join(
+        [
+            table(head, rows),
+            "",
+            f"Batches of {w['batch_size']} sample of {w['sample_shape']} {w['dtype']}; "
+            f"each run a window of {res['params']['seconds']} s after its warm-up.",
+            provenance([res]),
+        ]
+    )
+
+
+def null_table(res: dict[str, Any] | None) -> str:
+    return section_from(null, "null", res, [])
+
+
 def scaling(r: Results, args: list[str]) -> str:
     res = r.get("scaling")
     if res is None:
@@ -1349,6 +1394,7 @@ RENDERERS: dict[str, Callable[[Results, list[str]], str]] = {
     "costs": costs,
     "roofline": roofline,
     "handoff": handoff,
+    "null": null,
     "scaling": scaling,
     "training": training,
     "autotune": autotune,

@@ -19,7 +19,8 @@ CUDA, ``prefetch_factor`` 2, seed 0 (the same batches as pinfeed's).
 A section may bring its own systems: ``spec["module"]`` names a module whose
 ``SYSTEMS`` has the spec's system (``bench.llm``).
 
-Modes (``MODES``): ``throughput`` (samples/s over all but the first batch),
+Modes (``MODES``): ``throughput`` (samples/s over all but the first batch), ``timed``
+(samples/s over a window of seconds, after the queues filled before it are drained),
 ``handoff`` (latency of ``next()`` on a ready batch) and ``training`` (a fixed step per
 batch standing for the GPU: the trainer's stall share and its own CPU per batch).
 """
@@ -31,6 +32,7 @@ import json
 import os
 import resource
 import socket
+import struct
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -187,11 +189,15 @@ def _dataloader(spec: dict[str, Any]) -> tuple[Run, float]:
     return run, time.perf_counter() - t0
 
 
-def _pinfeed_dataloader(spec: dict[str, Any]) -> tuple[Run, float]:
+def _pinfeed_dataloader(spec: dict[str, Any], reference: str = "reference") -> tuple[Run, float]:
     """The one-line switch: the very DataLoader call above with ``pinfeed.DataLoader``,
-    on the trainer's own dataset object (shipped to the server at construction)."""
+    on the trainer's own dataset object (shipped to the server at construction);
+    ``reference``: the spec's key naming that Dataset (``getitems``: one with
+    ``__getitems__``)."""
     import pinfeed
 
+    if spec.get(reference):
+        spec = {**spec, "reference": spec[reference]}
     ds = _reference(spec) if spec.get("reference") else _dataset(spec)
     t0 = time.perf_counter()
     dl = pinfeed.DataLoader(
@@ -233,6 +239,45 @@ def _dataloader_tuned(spec: dict[str, Any], switched: bool = False) -> tuple[Run
     run = Run(lambda: iter(dl), dl.close if switched else lambda: None)  # type: ignore[attr-defined]
     run.start()
     return run, time.perf_counter() - t0
+
+
+def _floor(spec: dict[str, Any]) -> tuple[Run, float]:
+    """The least a batch handed over by another process can cost, all in this one
+    process, without that process: per batch, the messages a trainer and the data plane
+    exchange (the trainer's NEXT, handing back the last batch's slot; the server's BATCH
+    head and dims, ``protocol``'s own encodings) over a SEQPACKET socket pair, and the
+    batch's views over a buffer, as the trainer builds them. No other process, no
+    wake-up, no making."""
+    from pinfeed import protocol as p
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    shape = (spec["batch_size"], *spec["sample_shape"])
+    dtype = getattr(torch, spec["dtype"])
+    base = torch.zeros(1 << 20, dtype=torch.uint8)
+    typed = base.view(dtype)
+    stride = torch.empty(shape).stride()
+    dims = struct.pack(f"<{len(shape)}q", *shape)
+    buf_a, buf_b = bytearray(p.MAX_MESSAGE), bytearray(p.MAX_MESSAGE)
+    n = spec["samples"] // spec["batch_size"]
+    slots = 4
+
+    def epoch() -> Iterator[Any]:
+        for i in range(n):
+            a.send(p.encode_release(p.NEXT, [(i - 1) % slots], 0))
+            b.recv_into(buf_b)
+            b.send(p.BATCH_HEAD.pack(p.BATCH, i % slots, i, 0, i, 0) + dims)
+            got = a.recv_into(buf_a)
+            _, slot, *_ = p.BATCH_HEAD.unpack_from(buf_a)
+            assert got > p.BATCH_HEAD.size
+            yield [torch.as_strided(typed, shape, stride, slot * 64)]
+
+    def cleanup() -> None:
+        a.close()
+        b.close()
+
+    run = Run(epoch, cleanup)
+    run.start()
+    return run, 0.0
 
 
 def _roofline(spec: dict[str, Any]) -> tuple[Run, float]:
@@ -304,6 +349,50 @@ def throughput(run: Run, epochs: int) -> dict[str, Any]:
             rows += _rows(batch)
     seconds = time.perf_counter() - t0
     return {"samples": rows, "seconds": seconds, "samples_per_s": rows / seconds}
+
+
+def timed(run: Run, seconds: float, warmup: int) -> dict[str, Any]:
+    """Samples and batches over a window of at least ``seconds``, across as many epochs
+    as it takes, after ``warmup`` batches taken untimed (a ``window`` event marks its
+    start, for the parent's CPU count): whatever a system queued before the window
+    (pinfeed's ring, DataLoader's prefetch) is drained before it, for every system
+    alike, so the window counts only what is made in it (up to the queue's depth, small
+    against seconds of batches)."""
+
+    def batches() -> Iterator[Any]:
+        empty = 0
+        while empty < 2:  # an epoch without batches twice in a row: nothing to time
+            got = False
+            for batch in run.it:
+                got = True
+                yield batch
+            empty = 0 if got else empty + 1
+            run.it = run.new_epoch()
+
+    it = batches()
+    for _ in range(warmup):
+        next(it)
+    emit("window")
+    rows = n = 0
+    t0 = time.perf_counter()
+    end = t0 + seconds
+    now = t0
+    for batch in it:
+        rows += _rows(batch)
+        n += 1
+        del batch
+        now = time.perf_counter()
+        if now >= end:
+            break
+    wall = now - t0
+    return {
+        "samples": rows,
+        "batches": n,
+        "seconds": wall,
+        "samples_per_s": rows / wall,
+        "batches_per_s": n / wall,
+        "warmup_batches": warmup,
+    }
 
 
 def _step(seconds: float) -> None:
@@ -447,10 +536,14 @@ SYSTEMS: dict[str, Callable[[dict[str, Any]], tuple[Run, float]]] = {
     "dataloader-tuned": _dataloader_tuned,
     "pinfeed-dataloader": _pinfeed_dataloader,
     "pinfeed-dataloader-tuned": lambda spec: _dataloader_tuned(spec, switched=True),
+    # pinfeed.DataLoader over the workload's Dataset with a batched __getitems__
+    "pinfeed-dataloader-getitems": lambda spec: _pinfeed_dataloader(spec, "getitems"),
     "roofline": _roofline,
+    "floor": _floor,
 }
 MODES: dict[str, Callable[[Run, dict[str, Any]], dict[str, Any]]] = {
     "throughput": lambda run, spec: throughput(run, spec["epochs"]),
+    "timed": lambda run, spec: timed(run, spec["seconds"], spec.get("warmup", 0)),
     "handoff": lambda run, spec: handoff(run, spec["handoff_batches"], spec["handoff_step_s"]),
     "training": lambda run, spec: training(
         run, spec["train_batches"], spec["step_ms"] / 1e3, spec.get("step_kind", "sleep")

@@ -703,9 +703,9 @@ def _feeding(loader: DataLoader[Any], collate: Any) -> Feeding:
     # Where nothing can see when the batch sampler is iterated, the batches fed ahead
     # go a chunk at a time: one message for many batches, so a batch costs the trainer a
     # NEXT, as a named loader's does (0: one FEED a batch).
-    chunk = FEEDS_INDICES // max(1, loader.batch_size or 0)
     quiet = batches and _whole_epoch_quiet(loader)
-    chunk = chunk if chunk > 1 and quiet else 0
+    chunk = FEEDS_INDICES // max(1, _index_batches(loader).batch_size) if quiet else 0
+    chunk = chunk if chunk > 1 else 0
     if loader.num_workers > 0:
         prefetch = (loader.prefetch_factor or 2) * loader.num_workers
         if batches:
@@ -724,14 +724,23 @@ def _draws_nothing(loader: DataLoader[Any], collate: Any) -> bool:
     return rng.draws_nothing(loader.dataset, collate) and _quiet_batches(loader)
 
 
+def _index_batches(loader: DataLoader[Any]) -> Any:
+    """What yields the loader's fed index batches: its batch sampler, or, without
+    automatic batching, its sampler (a ``BatchSampler`` there, DataLoader's tuned read:
+    each index list is read as ``dataset[indices]``)."""
+    return loader.batch_sampler if loader._auto_collation else loader.sampler
+
+
 def _quiet_batches(loader: DataLoader[Any]) -> bool:
     """Whether the moments the batch sampler's indices are taken cannot be seen: torch's
-    own ``BatchSampler`` (its exact type, as each class here: a subclass may do more)
-    over one of torch's samplers that draw at most at their first index (not a
+    own ``BatchSampler`` (its exact type, as each class here: a subclass may do more),
+    as ``batch_sampler`` or, with ``batch_size=None``, as ``sampler``, over one of
+    torch's samplers that draw at most at their first index (not a
     ``RandomSampler(replacement=True)`` on a generator: it draws 32 at a time)."""
-    sampler = loader.sampler
-    if type(loader.batch_sampler) is not BatchSampler or type(sampler) not in _QUIET_SAMPLERS:
+    batches = _index_batches(loader)
+    if type(batches) is not BatchSampler or type(batches.sampler) not in _QUIET_SAMPLERS:
         return False
+    sampler = batches.sampler
     return not (
         type(sampler) is RandomSampler and sampler.replacement and sampler.generator is not None
     )
@@ -788,7 +797,7 @@ def _whole_epoch_quiet(loader: DataLoader[Any]) -> bool:
     """Whether the sampler draws at its first index only, however far ahead of the
     batches it is iterated: not a ``RandomSampler`` on a generator with more samples
     than the dataset, which draws its next permutation from that generator mid-epoch."""
-    sampler = loader.sampler
+    sampler = getattr(_index_batches(loader), "sampler", loader.sampler)
     return not (
         type(sampler) is RandomSampler
         and sampler.generator is not None

@@ -1,11 +1,11 @@
-"""The epoch state machine of a ``Loader``: which epoch its iterators walk, the one
-NEXT kept in flight, skipping an abandoned epoch, seeking for ``set_epoch`` and
+"""The epoch state machine of a ``Loader``: which epoch its iterators walk, the
+NEXTs kept in flight, skipping an abandoned epoch, seeking for ``set_epoch`` and
 ``load_state_dict``, and coming back after a server restart. It decides what to send
 when; its ``Connection`` (``pinfeed._connection``) sends, receives and builds the
 batches, over a ``Transport`` that tests replace with an in-process fake server.
 
 States (``pinfeed._inflight.State``, a ``pinfeed.DataLoader``'s too): IDLE between
-epochs; EPOCH inside one with nothing in flight; AHEAD inside one with a NEXT in flight;
+epochs; EPOCH inside one with nothing in flight; AHEAD inside one with NEXTs in flight;
 CLOSED. An iterator (``Epoch``) starts its epoch at its first ``next()``: from IDLE at
 the position, or after skipping the rest of an unfinished epoch, or after a SEEK when
 ``set_epoch`` asked for another epoch.
@@ -26,6 +26,15 @@ from pinfeed._connection import Connection
 from pinfeed._inflight import State, reply
 from pinfeed.elastic import NO_ELASTIC, STATE_VERSION
 from pinfeed.errors import ServerUnavailable, error_from_info
+
+# NEXTs kept in flight inside an epoch whose length the trainer knows (its batches then
+# the END: never an item of the next epoch). With one, every batch waits for its NEXT to
+# reach the server and the server's answer to reach the trainer (a wake-up each way);
+# with two, the batch after the next is asked for while the trainer uses this one, so a
+# ready batch is in the socket when it asks, and the server answers the NEXT it holds
+# as soon as a batch is ready (``engine/session.py``). One where the length is not
+# known (an iterable, a sampler of the script's) or a group shares the stream.
+IN_FLIGHT = p.NEXTS_IN_FLIGHT
 
 # What the per-batch path uses, bound once: a global each, not a global and an attribute.
 _IDLE, _EPOCH, _AHEAD = State.IDLE, State.EPOCH, State.AHEAD
@@ -49,6 +58,8 @@ class Epochs:
         self._loaded_epoch: int | None = None  # load_state_dict placed us inside this epoch
         self._epoch_id = 0  # which Epoch iterator is current; older ones are exhausted
         self._epoch_batches = 0  # batches received in the epoch being iterated
+        self._inflight = 0  # NEXTs sent whose reply has not been read (state AHEAD)
+        self._most = 1  # NEXTs it may keep in flight (IN_FLIGHT where the length is known)
         self._elastic: dict[str, Any] | None = None  # the elastic epoch's record (with end)
         self._elastic_epoch = -1  # its epoch, and the index after its last batch
         self._elastic_end = 0
@@ -61,6 +72,10 @@ class Epochs:
         # A map-style epoch ends after its last batch; an iterable's only at its END.
         self._ends_at = info.batches_per_epoch if info.sampler_length is not None else None
         self._set_elastic(info.elastic)
+        config = info.config
+        own_plan = config.sampler is None and config.batch_sampler is None
+        exact = self._ends_at is not None and own_plan and config.group_size == 1
+        self._most = IN_FLIGHT if exact else 1
 
     def _set_elastic(self, record: dict[str, Any] | None) -> None:
         self._elastic = record
@@ -131,10 +146,11 @@ class Epochs:
         """The next batch of iterator ``epoch_id``; StopIteration at the end of its
         epoch, or once a newer iterator exists.
 
-        One NEXT is kept in flight (state AHEAD): it is sent as soon as a batch
+        NEXTs are kept in flight (state AHEAD, ``IN_FLIGHT``): sent as soon as a batch
         arrives, so while the trainer works on batch k the server already announces
-        k+1, and a ready batch is in this socket's buffer when the trainer asks (no
-        server wake-up on the critical path). Still one send and one recv per batch.
+        k+1 (and k+2), and a ready batch is in this socket's buffer when the trainer
+        asks (no server wake-up on the critical path). Still one send and one recv per
+        batch.
         """
         state = self._state
         if (state is not _AHEAD and state is not _EPOCH) or epoch_id != self._epoch_id:
@@ -143,12 +159,19 @@ class Epochs:
         buf = conn.buf
         try:
             n = reply(conn, state is _AHEAD)
+            self._inflight = self._inflight - 1 if state is _AHEAD else 0
             self._state = _EPOCH
             kind = buf[0]
-            if kind == _BATCH or self._is_batch_error(n):
-                # Ask for the following item now; this releases the previous view's slot.
-                conn.send(_NEXT)
-                self._state = _AHEAD
+            if kind == _BATCH:
+                # Ask for the following items now; this releases the previous view's slot.
+                _, _, _, epoch, index, _ = _BATCH_HEAD.unpack_from(buf)
+                self._ask(epoch, index)
+            elif self._is_batch_error(n):
+                info = conn.error(n)
+                assert info is not None and info.batch_index is not None
+                self._ask(info.epoch if info.epoch is not None else self._pos[0], info.batch_index)
+            elif self._inflight:  # an END or a fatal error with NEXTs still out: none
+                self._inflight = 0
         except ServerUnavailable:
             if not self.reconnect:
                 raise
@@ -168,6 +191,21 @@ class Epochs:
         self._epoch_batches += 1
         self._advance(epoch, index)
         return conn.deliver(slot, nstr)
+
+    def _ask(self, epoch: int, index: int) -> None:
+        """After item ``index`` of ``epoch``: NEXTs in flight for as many of the items
+        after it, up to the END, as this loader keeps (the first hands back the last
+        view's slot)."""
+        most = self._most
+        if most > 1:
+            ends_at = self._elastic_end if epoch == self._elastic_epoch else self._ends_at
+            assert ends_at is not None
+            most = max(1, min(most, ends_at - index))
+        conn = self._conn
+        while self._inflight < most:
+            conn.send(_NEXT)
+            self._inflight += 1
+        self._state = _AHEAD
 
     def _advance(self, epoch: int, index: int) -> None:
         """Batch ``index`` of ``epoch`` was consumed."""
@@ -192,19 +230,22 @@ class Epochs:
 
     # -- leaving an epoch ----------------------------------------------------------------
     def _drain(self) -> bool:
-        """Read the reply to the NEXT in flight; True if it ended the epoch."""
+        """Read the replies to the NEXTs in flight; True if they ended the epoch."""
         if self._state is not State.AHEAD:
             return False
         self._state = State.EPOCH
         conn = self._conn
-        conn.recv()
-        kind = conn.buf[0]
-        if kind == p.BATCH:
-            conn.hand_back(p.BATCH_HEAD.unpack_from(conn.buf)[1])  # a batch never seen
-        elif kind == p.END:
-            self._pos = (p.END_BODY.unpack_from(conn.buf)[1] + 1, 0)
-            return True
-        return False
+        ended = False
+        while self._inflight:
+            self._inflight -= 1
+            conn.recv()
+            kind = conn.buf[0]
+            if kind == p.BATCH:
+                conn.hand_back(p.BATCH_HEAD.unpack_from(conn.buf)[1])  # a batch never seen
+            elif kind == p.END:
+                self._pos = (p.END_BODY.unpack_from(conn.buf)[1] + 1, 0)
+                ended = True
+        return ended
 
     def _skip_epoch(self) -> None:
         if not self._drain():
@@ -219,7 +260,8 @@ class Epochs:
     def _recover(self) -> None:
         """Re-attach after a server restart and seek to where this loader was."""
         position, in_epoch = self._pos, self._state is not State.IDLE
-        self._state = State.IDLE  # the NEXT in flight, if any, went with the connection
+        self._state = State.IDLE  # the NEXTs in flight, if any, went with the connection
+        self._inflight = 0
         self._conn.reconnect(self.reconnect_timeout)
         self._attached()
         self._seek(*position)

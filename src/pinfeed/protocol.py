@@ -60,7 +60,11 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
+# The NEXTs a trainer keeps in flight inside an epoch whose length it knows
+# (``pinfeed._epochs``): the server answers them in order, each as its item is ready.
+# Their batches take no slot of their own (``engine/config.py``'s ``ring_slots``).
+NEXTS_IN_FLIGHT = 2
 # HTTP, not the socket: the header a client names itself with; the control plane paces
 # each (address, this header) apart (pinfeed_server/api/throttle.py).
 HTTP_CLIENT_HEADER = "x-pinfeed-client"

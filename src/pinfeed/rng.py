@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pinfeed.unbatched import Unbatched
+
 RngState = tuple[torch.Tensor, Any, Any]
 
 
@@ -42,10 +44,21 @@ def draws_nothing(dataset: Any, collate_fn: Any, worker_init_fn: Any = None) -> 
     """Whether a batch of ``dataset`` collated by ``collate_fn`` (None: the default) is
     made without drawing from the global RNGs, whichever process makes it and on
     whatever RNG state: torch's own ``TensorDataset`` (its exact type: a subclass may
-    draw) with ``default_collate``, and no ``worker_init_fn`` (which might change the
-    dataset per worker, so that each batch must come from its own worker)."""
+    draw) with ``default_collate``, or without automatic batching (``Unbatched``) with
+    ``default_convert`` (a ``TensorDataset`` indexed with a sample's index or a batch's
+    index list), and no ``worker_init_fn`` (which might change the dataset per worker,
+    so that each batch must come from its own worker)."""
+    if isinstance(collate_fn, Unbatched):
+        collate_fn = collate_fn.collate_fn
     return (
         type(dataset) is torch.utils.data.TensorDataset
-        and collate_fn in (None, torch.utils.data.default_collate)
+        and collate_fn in _PLAIN_COLLATES
         and worker_init_fn is None
     )
+
+
+_PLAIN_COLLATES = (
+    None,
+    torch.utils.data.default_collate,
+    torch.utils.data._utils.collate.default_convert,
+)

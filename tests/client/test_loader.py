@@ -20,9 +20,11 @@ from pinfeed import (
     ServerUnavailable,
 )
 from pinfeed._connection import PIN_WARNING
+from pinfeed.protocol import NEXTS_IN_FLIGHT
 from pinfeed_server.datasets import DatasetContext, build_dataset
 from tests.conftest import Server
 from tests.helpers import unique
+from tests.reliability.procs import wait_for
 
 FLAKY = {"factory": "tests.fixtures.datasets:Flaky", "kwargs": {"length": 40, "fail_at": 13}}
 
@@ -87,8 +89,8 @@ def test_one_consumer_per_loader(admin: Client, server: Server) -> None:
         with pytest.raises(LoaderBusy, match="already has a consumer"):
             Loader(name, socket=server.socket)
         assert admin.loader(name)["consumer_attached"] is True
-        # The batch in use, and the next one announced ahead (one NEXT in flight).
-        assert admin.loader(name)["slots"]["leased"] == 2
+        # The batch in use, and the next two announced ahead (NEXTS_IN_FLIGHT).
+        wait_for(lambda: admin.loader(name)["slots"]["leased"] == 1 + NEXTS_IN_FLIGHT, "leases")
     # The first consumer's slots came back; a new consumer can attach.
     with Loader(name, socket=server.socket) as second:
         next(iter(second))

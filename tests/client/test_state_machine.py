@@ -30,13 +30,13 @@ def test_iter_sends_nothing_and_an_epoch_starts_at_the_first_next() -> None:
     assert loader.state == "idle" and loader.state_dict()["epoch"] == 1
 
 
-def test_one_send_and_one_recv_per_batch_with_one_next_ahead() -> None:
+def test_one_send_and_one_recv_per_batch_with_two_nexts_ahead() -> None:
     fake = FakeServer(batches=5)
     loader = _loader(fake)
     it = iter(loader)
     next(it)
-    assert loader.state == "ahead"  # the next batch was asked for as this one arrived
-    assert fake.sent == ["ATTACH", "NEXT", "NEXT"]
+    assert loader.state == "ahead"  # the next two were asked for as this one arrived
+    assert fake.sent == ["ATTACH", "NEXT", "NEXT", "NEXT"]
     for _ in it:
         pass
     # 5 batches and the END: one NEXT each, no other message.
@@ -51,7 +51,7 @@ def test_a_late_batch_hands_back_the_held_slot_before_waiting() -> None:
     next(it)
     fake.late = True
     assert labels(next(it))[0] == first(0, 1)
-    assert fake.sent == ["ATTACH", "NEXT", "NEXT", "RELEASE", "NEXT"]
+    assert fake.sent == ["ATTACH", "NEXT", "NEXT", "NEXT", "RELEASE", "NEXT"]
 
 
 def test_breaking_out_skips_the_rest_when_the_next_epoch_starts() -> None:
@@ -65,8 +65,9 @@ def test_breaking_out_skips_the_rest_when_the_next_epoch_starts() -> None:
     it = iter(loader)
     assert fake.sent == []  # nothing until the first next()
     assert labels(next(it))[0] == first(1, 0)
-    # The reply to the NEXT in flight (batch 2) is read and handed back; then SKIP.
-    assert fake.sent == ["SKIP", "NEXT", "NEXT"]
+    # The replies to the NEXTs in flight (batches 2 and 3) are read and handed back;
+    # then SKIP.
+    assert fake.sent == ["SKIP", "NEXT", "NEXT", "NEXT"]
 
 
 def test_set_epoch_seeks_only_when_the_loader_is_elsewhere() -> None:
@@ -76,7 +77,7 @@ def test_set_epoch_seeks_only_when_the_loader_is_elsewhere() -> None:
     it = iter(loader)
     loader.set_epoch(2)  # after iter(), before next(): applies to it
     assert labels(next(it))[0] == first(2, 0)
-    assert fake.sent == ["ATTACH", "SEEK", "NEXT", "NEXT"]
+    assert fake.sent == ["ATTACH", "SEEK", "NEXT", "NEXT", "NEXT"]
     list(it)
     fake.sent.clear()
     loader.sampler.set_epoch(3)  # the next epoch anyway: no SEEK

@@ -7,6 +7,7 @@ another config with the reason."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 from torch.utils.data import TensorDataset
@@ -207,6 +209,20 @@ def test_exits_of_trainer_processes_leave_nothing(own: Server) -> None:
     _settle(own, before)
 
 
+def _zygotes(pid: int) -> set[int]:
+    """The processes two levels below ``pid`` (the server): its children's children."""
+    try:
+        direct = {p.pid for p in psutil.Process(pid).children()}
+    except psutil.NoSuchProcess:
+        return set()
+    out = set()
+    for p in descendants(pid):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if p.ppid() in direct:
+                out.add(p.pid)
+    return out
+
+
 def test_a_named_loader_stays_warm_for_the_next_trainer(own: Server) -> None:
     kwargs: dict[str, Any] = {"batch_size": 4, "shuffle": True, "num_workers": 2}
 
@@ -223,14 +239,18 @@ def test_a_named_loader_stays_warm_for_the_next_trainer(own: Server) -> None:
         (row,) = c.loaders()
         assert row["name"] == "warm-squares" and row["owner"]["keep"]
         assert not row["owner"]["attached"]
-        zygotes_before = {p.pid for p in descendants(own.pid)}
+        # The loader's zygote: a child of the server's forkserver (the server's one
+        # child that lives as long as it does); its workers, forked from the zygote
+        # one level further down, go with the first trainer (perhaps not yet gone).
+        zygotes_before = _zygotes(own.pid)
+        assert zygotes_before, "the warm loader kept no zygote"
         torch.manual_seed(3)
         second = pinfeed.DataLoader(Squares(), name="warm-squares", socket=own.socket, **kwargs)
         got = epoch(second)
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)) and got
         # Warm: its objects and their zygote stayed; only workers were forked anew.
-        still = {p.pid for p in descendants(own.pid)} & zygotes_before
-        assert still, "the warm loader's zygote was started again"
+        gone = zygotes_before - _zygotes(own.pid)
+        assert not gone, f"the warm loader's zygote {sorted(gone)} was started again"
         with pytest.raises(Conflict, match="in use by the trainer pid"):
             pinfeed.DataLoader(Squares(), name="warm-squares", socket=own.socket, **kwargs)
         second.close()

@@ -108,6 +108,7 @@ class TokensDataset:
             if len(self.rows) == 0:
                 raise DatasetError(f"{shown}: {count} tokens make no packed row of {seq_len}")
             self._length = len(self.rows)
+        self._window: np.ndarray[Any, np.dtype[np.int64]] | None = None  # 0..seq_len
 
     def __len__(self) -> int:
         return self._length
@@ -152,6 +153,23 @@ class TokensDataset:
             return
         xs, ys = out[0].numpy(), out[1].numpy()
         s = self.seq_len
+        if isinstance(self.tokens, np.memmap):
+            # One 2-D gather of every window with its one extra target token (the read
+            # a tuned DataLoader makes), then x and y widened to int64 straight into
+            # the slot's views: no per-sample tensors, no stack, no loop a window.
+            idx = np.asarray(indices, dtype=np.int64)
+            idx = np.where(idx < 0, idx + self._length, idx)
+            bad = (idx < 0) | (idx >= self._length)
+            if bad.any():
+                self._start(indices[int(np.argmax(bad))])  # IndexError, as __getitem__'s
+            if self._window is None:
+                self._window = np.arange(s + 1, dtype=np.int64)
+            rows = self.tokens[(idx * self.stride)[:, None] + self._window]
+            np.copyto(xs, rows[:, :-1], casting="safe")
+            np.copyto(ys, rows[:, 1:], casting="safe")
+            return
+        # From an object store (RemoteArray): each window read on its own, through the
+        # node's object cache, widened into the slot's x and y rows.
         for row, index in enumerate(indices):
             start = self._start(index)
             window = self.tokens[start : start + s + 1]

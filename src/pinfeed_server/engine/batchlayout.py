@@ -17,7 +17,7 @@ namedtuples namedtuples; a mapping becomes a ``dict``; a numpy array a numpy vie
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -137,17 +137,30 @@ class OutputPlan:
             offset = align(offset + nbytes)
         self.nbytes = offset
 
-    def write(self, dest: torch.Tensor, what: str = "collate_fn") -> bytes:
+    def write(
+        self,
+        dest: torch.Tensor,
+        what: str = "collate_fn",
+        fill: Callable[[list[torch.Tensor]], None] | None = None,
+    ) -> bytes:
         """Copy the arrays into ``dest`` (uint8, at least ``nbytes``); the BATCH body.
-        BatchTooLarge if the layout (strings, numbers, structure) exceeds a message."""
+        ``fill``: instead of copying, it writes the arrays into their views in ``dest``
+        itself (an output planned from its shapes alone, gathered in place). BatchTooLarge
+        if the layout (strings, numbers, structure) exceeds a message."""
         w = self._w
-        for (value, dtype, shape, nbytes), at in zip(w.arrays, self._offsets, strict=True):
-            target = _dest(dest, at, nbytes, dtype, shape)
-            if isinstance(value, torch.Tensor):
-                with torch.no_grad():
-                    target.copy_(value)
-            else:
-                np.copyto(target.numpy(), value, casting="no")
+        targets = [
+            _dest(dest, at, nbytes, dtype, shape)
+            for (_, dtype, shape, nbytes), at in zip(w.arrays, self._offsets, strict=True)
+        ]
+        if fill is not None:
+            fill(targets)
+        else:
+            for (value, _, _, _), target in zip(w.arrays, targets, strict=True):
+                if isinstance(value, torch.Tensor):
+                    with torch.no_grad():
+                        target.copy_(value)
+                else:
+                    np.copyto(target.numpy(), value, casting="no")
         structure = json.dumps([self._treedef, w.specs], separators=(",", ":")).encode()
         objects = json.dumps(w.objects, separators=(",", ":")).encode() if w.objects else b""
         body = encode_batch_layout(structure, self._dims, objects)

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import default_collate
+from torch.utils.data import default_collate, default_convert
 
 from pinfeed.errors import BatchTooLarge, SampleError
 from pinfeed.protocol import MAX_MESSAGE, Layout, Leaf, align, container
@@ -374,6 +374,7 @@ class SlotWriter:
         # batch_fetch of the dataset written last (held: its identity cannot be reused)
         self._fetch_for: Any = None
         self._fetch: Fetch | None = None
+        self._listed: tuple[torch.Tensor, ...] | None = None  # listed_tensors of it
         self._views: dict[tuple[int, int], list[torch.Tensor | None]] = {}
         self._made: OwnBuffer | None = None
         self._proposal: Layout | None = None
@@ -396,6 +397,7 @@ class SlotWriter:
         if self.dataset is not self._fetch_for:
             self._fetch_for = self.dataset
             self._fetch = batch_fetch(self.dataset) if self._gathers else None
+            self._listed = listed_tensors(self.dataset, self.collate_fn)
         fetch = self._fetch
         if fetch is not None:
             try:
@@ -403,6 +405,12 @@ class SlotWriter:
                 return b""
             except Exception:
                 pass  # the per-sample path says what is wrong, as DataLoader would
+        tensors = self._listed
+        if tensors is not None and self._ring is not None:
+            body = _gather_listed(tensors, indices, self._slot(slot))
+            if body is not None:
+                self._made = self._proposal = None
+                return body
         samples = fetch_samples(self.dataset, indices, self.collate_fn)
         return self.write_samples(slot, samples, indices)
 
@@ -462,6 +470,48 @@ class SlotWriter:
         """Drop the cached views (they keep the ring's mapping alive)."""
         self._views.clear()
         self._ring = None
+
+
+def listed_tensors(dataset: Any, collate_fn: Any) -> tuple[torch.Tensor, ...] | None:
+    """The tensors a batch is gathered from in the slot itself where each fed index list
+    is read whole and its batch kept as read: torch's own ``TensorDataset`` (its exact
+    type) without automatic batching, a ``BatchSampler`` as ``sampler=`` and
+    ``default_convert`` (DataLoader's tuned read, ``dataset[indices]``: each tensor's
+    rows, as a list). None: the batch is made and then written."""
+    if (
+        type(dataset) is torch.utils.data.TensorDataset
+        and isinstance(collate_fn, Unbatched)
+        and collate_fn.by_list
+        and collate_fn.collate_fn is default_convert
+    ):
+        return tuple(dataset.tensors)
+    return None
+
+
+def _gather_listed(
+    tensors: tuple[torch.Tensor, ...], indices: Sequence[int], slot: torch.Tensor
+) -> bytes | None:
+    """``default_convert(TensorDataset(*tensors)[indices])`` (a list of each tensor's
+    rows) gathered straight into ``slot``, one ``index_select`` a tensor, with the layout
+    its own copy would have: the BATCH body; None where it does not fit the slot or the
+    gather refuses the indices (the made batch then says what is wrong, as under
+    DataLoader)."""
+    try:
+        idx = torch.as_tensor(indices, dtype=torch.int64)
+        shapes = [
+            torch.empty((len(idx), *t.shape[1:]), dtype=t.dtype, device="meta") for t in tensors
+        ]
+        plan = OutputPlan(shapes)
+        if plan.nbytes > slot.numel():
+            return None
+
+        def gather(targets: list[torch.Tensor]) -> None:
+            for t, target in zip(tensors, targets, strict=True):
+                torch.index_select(t, 0, idx, out=target)
+
+        return plan.write(slot, "dataset[indices]", gather)
+    except (IndexError, RuntimeError, TypeError, ValueError):
+        return None
 
 
 def _write_fixed(layout: Layout, views: list[torch.Tensor | None], samples: list[Any]) -> bytes:

@@ -401,7 +401,10 @@ def ring_slots(config: LoaderConfig, keeps: bool = False) -> int:
     one announced ahead (the client keeps one NEXT in flight); with ``keeps`` (a
     ``pinfeed.DataLoader``'s trainer, which hands a slot back once it no longer holds
     the batch in it: its loop still holds the last one while it asks for the next),
-    three."""
+    three. A loader's one ``pinfeed.Loader`` keeps ``NEXTS_IN_FLIGHT`` NEXTs in flight
+    (``pinfeed._epochs``) in the same slots: the batch announced by the second NEXT is
+    one the prefetch depth would have held ready, so as many batches are made ahead of
+    the trainer (it hands its held slot back with each NEXT and before any wait)."""
     return prefetch_depth(config) + (3 if keeps else 2) * config.group_size
 
 

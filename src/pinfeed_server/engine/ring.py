@@ -238,6 +238,9 @@ class SlotState(enum.IntEnum):
     LEASED = 3
 
 
+_AHEAD = (SlotState.FILLING, SlotState.READY)  # the states the prefetch limit counts
+
+
 class SlotTable:
     """Slot states behind one condition variable."""
 
@@ -249,17 +252,24 @@ class SlotTable:
         self.limit = nslots
         # Slots at and above ``usable`` belong to segments being retired: never filled.
         self.usable = nslots
+        # Slots filling or ready (what ``limit`` bounds), kept as states move: the
+        # producer reads it once a batch, not by a pass over the table.
+        self.ahead = 0
 
     def acquire_free(self, stop: threading.Event, poll_s: float = 0.2) -> int | None:
         """Wait for a free slot and mark it filling; ``None`` once ``stop`` is set."""
+        states = self.states
         with self.cond:
             while not stop.is_set():
-                ahead = sum(s in (SlotState.FILLING, SlotState.READY) for s in self.states)
-                if ahead < self.limit:
-                    for i in range(min(self.usable, len(self.states))):
-                        if self.states[i] is SlotState.FREE:
-                            self.states[i] = SlotState.FILLING
-                            return i
+                if self.ahead < self.limit:
+                    try:
+                        i = states.index(SlotState.FREE, 0, self.usable)
+                    except ValueError:
+                        pass
+                    else:
+                        states[i] = SlotState.FILLING
+                        self.ahead += 1
+                        return i
                 self.cond.wait(poll_s)
         return None
 
@@ -290,15 +300,20 @@ class SlotTable:
         with self.cond:
             del self.states[nslots:]
             self.usable = min(self.usable, nslots)
+            self.ahead = sum(s in _AHEAD for s in self.states)
 
     def move(self, slot: int, expect: SlotState, to: SlotState) -> bool:
         with self.cond:
             if self.states[slot] is not expect:
                 return False
             self.states[slot] = to
+            self.ahead += (to in _AHEAD) - (expect in _AHEAD)
             # The producer waits for a free slot *and* for room under the prefetch limit
-            # (filling + ready): every change can be the one it waits for.
-            self.cond.notify_all()
+            # (filling + ready): a slot set free, or one that leaves filling or ready,
+            # can be the change it waits for; a slot made ready (filling -> ready) or
+            # leased to a trainer that never had it ready cannot.
+            if to is SlotState.FREE or expect is not SlotState.FILLING:
+                self.cond.notify_all()
             return True
 
     def starved(self) -> bool:

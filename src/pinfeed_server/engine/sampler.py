@@ -47,6 +47,8 @@ import torch
 from pinfeed import elastic
 from pinfeed_server.engine.mixture import Positions
 
+TOLIST_INDICES = 4096  # EpochSampler.batches: indices made Python ints at once
+
 
 class BatchPlan(Protocol):
     """What the engine iterates: an epoch's batches from a position on, as index
@@ -235,9 +237,15 @@ class EpochSampler:
         else:
             perm = self._distributed(epoch, self.world_size)
         size = self.batch_size
-        for b in range(max(start, first) - first, end - first):
-            batch: list[int] = self._samples(epoch, perm[b * size : (b + 1) * size]).tolist()
-            yield batch
+        # ``tolist`` a block of batches at a time (about TOLIST_INDICES indices), not a
+        # batch at a time: a call on a tensor costs microseconds whatever its length.
+        step = max(1, TOLIST_INDICES // size)
+        stop = end - first
+        for b in range(max(start, first) - first, stop, step):
+            part = perm[b * size : min(stop, b + step) * size]
+            block: list[int] = self._samples(epoch, part).tolist()
+            for at in range(0, len(block), size):
+                yield block[at : at + size]
 
 
 def with_last(

@@ -52,6 +52,9 @@ class Session:
         self.fds: list[int] = []  # what the last message brought (an OBJECTS' payload)
         # (epoch, index) -> the first indices of a batch too large for one FEED
         self.parts: dict[tuple[int, int], list[int]] = {}
+        # NEXTs that came while another waited for its item (a trainer that keeps
+        # several in flight): each is answered, in order, once the one before is
+        self.owed = 0
 
     def error(self, exc: DataPlaneError | InvalidRequest) -> None:
         self.conn.send(exc.info().encode())
@@ -85,6 +88,14 @@ class Session:
                     self.release(slots)
                     if item is None:
                         item = self.wait()
+                    # NEXTs that came while this one waited: each an item, as they come
+                    while item is not None and self.owed:
+                        if not self.send(item):
+                            return
+                        self.owed -= 1
+                        item = self.engine.next_item(self.member, self.stop, timeout=0)
+                        if item is None:
+                            item = self.wait()
                 else:
                     self.release(slots)
                     if kind == p.RELEASE:
@@ -280,13 +291,17 @@ class Session:
                     self.error(ProtocolError("a FEED with a NEXT while a NEXT waits"))
                     return None
                 continue
-            if kind != p.RELEASE:
-                self.error(ProtocolError("only RELEASE, EPOCH or FEED while a NEXT waits"))
+            if kind not in (p.RELEASE, p.NEXT):
+                self.error(ProtocolError("only RELEASE, NEXT, EPOCH or FEED while a NEXT waits"))
                 return None
-            slots, _ = p.decode_release(self.view[:n])
+            slots, wait_us = p.decode_release(self.view[:n])
             if not self.release_ok(slots):
                 return None
             self.release(slots)
+            if kind == p.NEXT:  # a trainer that keeps several NEXTs in flight
+                if wait_us is not None:
+                    self.engine.stats.consumer_wait(wait_us / 1e6)
+                self.owed += 1
 
     def skip_epoch(self) -> Item | None:
         """Drop the rest of the member's current epoch (a trainer broke out of its loop)."""
