@@ -24,12 +24,10 @@ before it (``bench.trainer.timed``). Writes ``docs/results/null.json``.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
 from bench import data, results, suite
-from bench.procs import BenchError
 from bench.server import BenchServer
 
 SYSTEMS = (
@@ -107,15 +105,6 @@ def bench_null(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
     from bench import tables
 
-    args.data_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        path = results.write(bench_null(args), args.out)
-    except BenchError as exc:
-        print(f"benchmark failed: {exc}", file=sys.stderr)
-        return 1
-    print(f"wrote {path}")
-    print(tables.null_table(results.load("null", args.out)))
-    return 0
+    return suite.write_and_show("null", bench_null, parse_args(argv), tables.null_table)

@@ -394,16 +394,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def scaling_main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv, "python -m bench scaling")
-    from bench import tables
-
+def write_and_show(name: str, make: Any, args: argparse.Namespace, table: Any) -> int:
+    """Run ``make(args)``, write its result file ``name`` and print its table (``table``
+    of the file as loaded back); 1, with the reason, where the benchmark failed."""
     args.data_dir.mkdir(parents=True, exist_ok=True)
     try:
-        path = results.write(bench_scaling(args), args.out)
+        path = results.write(make(args), args.out)
     except BenchError as exc:
         print(f"benchmark failed: {exc}", file=sys.stderr)
         return 1
     print(f"wrote {path}")
-    print(tables.scaling_table(results.load("scaling", args.out)))
+    print(table(results.load(name, args.out)))
     return 0
+
+
+def scaling_main(argv: list[str] | None = None) -> int:
+    from bench import tables
+
+    args = parse_args(argv, "python -m bench scaling")
+    return write_and_show("scaling", bench_scaling, args, tables.scaling_table)
