@@ -28,6 +28,7 @@ SYSTEM_NAMES = {
     "pinfeed-python": "pinfeed, named loader on the script's Dataset",
     "pinfeed-dataloader-getitems": "pinfeed.DataLoader, __getitems__",
     "floor": "floor (same messages and views, one process)",
+    "floor-ipc": "floor between two processes (same messages, another process answers)",
 }
 LOADED = "†"
 ORDER = (

@@ -10,6 +10,8 @@ batch: the messages between trainer and server, the wake-ups, the views. Per
 
 - ``floor``: the same messages (a NEXT, a BATCH head and dims) over a socket pair and
   the same tensor views, in one process, no other process (``bench.trainer._floor``);
+- ``floor-ipc``: the same with another process answering each NEXT, two NEXTs in
+  flight (``bench.trainer._floor_ipc``): what any two processes pay on this machine;
 - ``pinfeed``: a named loader (``pinfeed.Loader``) on the ``tensors`` kind;
 - ``pinfeed-dataloader``: ``pinfeed.DataLoader`` over torch's ``TensorDataset``, a
   ``__getitem__`` a sample; ``pinfeed-dataloader-getitems``: over a Dataset with a
@@ -32,6 +34,7 @@ from bench.server import BenchServer
 
 SYSTEMS = (
     "floor",
+    "floor-ipc",
     "pinfeed",
     "pinfeed-dataloader",
     "pinfeed-dataloader-getitems",

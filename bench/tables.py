@@ -278,34 +278,43 @@ def handoff(r: Results, args: list[str]) -> str:
 
 
 def null(r: Results, args: list[str]) -> str:
-    """``python -m bench null``: each path's cost per batch against the floor's."""
+    """``python -m bench null``: each path's cost per batch against the floors': one
+    process, and two (where the result file has it)."""
     res = r.get("null")
     if res is None:
         return missing("null", "python -m bench null")
     cells = res["cells"]
-    systems = [s for s in ordered(cells) if s != "floor"]
+    floors = [f for f in ("floor", "floor-ipc") if f in cells]
+    systems = [s for s in ordered(cells) if s not in floors]
     nws = sorted({nw for by in cells.values() for nw in by}, key=int)
 
     def us(x: float | None) -> str:
         return "-" if not x else f"{1e6 / x:,.1f}"
 
+    def rate(c: dict[str, Any] | None) -> float | None:
+        return c["batches_per_s"]["median"] if c else None
+
     rows = []
     for nw in nws:
-        floor = (cells.get("floor") or {}).get(nw)
-        floor_rate = floor["batches_per_s"]["median"] if floor else None
-        row = [nw, (ranged(floor["batches_per_s"]) + flag(floor)) if floor else "-"]
-        row.append(us(floor_rate))
+        row: list[Any] = [nw]
+        floor_rates = [rate(cells[f].get(nw)) for f in floors]
+        for f, fr in zip(floors, floor_rates, strict=True):
+            c = cells[f].get(nw)
+            row.append(f"{ranged(c['batches_per_s'])}{flag(c)}: {us(fr)} µs" if c else "-")
         for system in systems:
             c = cells[system].get(nw)
-            rate = c["batches_per_s"]["median"] if c else None
-            if not rate:
+            got = rate(c)
+            if not got or c is None:
                 row.append("-")
                 continue
-            times = f" ({floor_rate / rate:.1f}x)" if floor_rate else ""
-            row.append(f"{ranged(c['batches_per_s'])}{flag(c)}: {us(rate)} µs{times}")
+            times = ", ".join(f"{fr / got:.1f}x" for fr in floor_rates if fr)
+            times = f" ({times})" if times else ""
+            row.append(f"{ranged(c['batches_per_s'])}{flag(c)}: {us(got)} µs{times}")
         rows.append(row)
-    head = ["num_workers", "floor batches/s", "floor µs a batch"]
-    head += [f"{SYSTEM_NAMES.get(s, s)}: batches/s, µs a batch (x the floor's)" for s in systems]
+    head = ["num_workers"]
+    head += [f"{SYSTEM_NAMES.get(f, f)}: batches/s, µs a batch" for f in floors]
+    against = " and ".join(SYSTEM_NAMES.get(f, f).split(" (")[0] for f in floors)
+    head += [f"{SYSTEM_NAMES.get(s, s)}: batches/s, µs a batch (x {against})" for s in systems]
     w = res["workload"]
     return "\n".join(
         [

@@ -241,31 +241,53 @@ def _dataloader_tuned(spec: dict[str, Any], switched: bool = False) -> tuple[Run
     return run, time.perf_counter() - t0
 
 
-def _floor(spec: dict[str, Any]) -> tuple[Run, float]:
+def _floor(spec: dict[str, Any], ipc: bool = False) -> tuple[Run, float]:
     """The least a batch handed over by another process can cost, all in this one
     process, without that process: per batch, the messages a trainer and the data plane
     exchange (the trainer's NEXT, handing back the last batch's slot; the server's BATCH
     head and dims, ``protocol``'s own encodings) over a SEQPACKET socket pair, and the
     batch's views over a buffer, as the trainer builds them. No other process, no
-    wake-up, no making."""
+    wake-up, no making.
+
+    ``ipc``: another process on the other end, as a server is, answering each NEXT with
+    a BATCH head and dims, and the trainer keeping two NEXTs in flight, as
+    ``pinfeed.Loader`` does: what any two processes pay to hand over a batch on this
+    machine, the wake-ups each way."""
     from pinfeed import protocol as p
 
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     shape = (spec["batch_size"], *spec["sample_shape"])
-    dtype = getattr(torch, spec["dtype"])
-    base = torch.zeros(1 << 20, dtype=torch.uint8)
-    typed = base.view(dtype)
-    stride = torch.empty(shape).stride()
     dims = struct.pack(f"<{len(shape)}q", *shape)
-    buf_a, buf_b = bytearray(p.MAX_MESSAGE), bytearray(p.MAX_MESSAGE)
     n = spec["samples"] // spec["batch_size"]
     slots = 4
+    buf_a, buf_b = bytearray(p.MAX_MESSAGE), bytearray(p.MAX_MESSAGE)
+
+    def answer(i: int) -> None:
+        b.send(p.BATCH_HEAD.pack(p.BATCH, i % slots, i, 0, i, 0) + dims)
+
+    pid = os.fork() if ipc else None
+    if pid == 0:  # the other end: a NEXT in, a BATCH out, until the trainer closes
+        a.close()
+        try:
+            i = 0
+            while b.recv_into(buf_b):
+                answer(i)
+                i += 1
+        finally:
+            os._exit(0)
+    typed = torch.zeros(1 << 20, dtype=torch.uint8).view(getattr(torch, spec["dtype"]))
+    stride = torch.empty(shape).stride()
+    in_flight = p.NEXTS_IN_FLIGHT if ipc else 1
 
     def epoch() -> Iterator[Any]:
+        asked = 0
         for i in range(n):
-            a.send(p.encode_release(p.NEXT, [(i - 1) % slots], 0))
-            b.recv_into(buf_b)
-            b.send(p.BATCH_HEAD.pack(p.BATCH, i % slots, i, 0, i, 0) + dims)
+            while asked < min(n, i + in_flight):
+                a.send(p.encode_release(p.NEXT, [(asked - 1) % slots], 0))
+                if pid is None:
+                    b.recv_into(buf_b)
+                    answer(asked)
+                asked += 1
             got = a.recv_into(buf_a)
             _, slot, *_ = p.BATCH_HEAD.unpack_from(buf_a)
             assert got > p.BATCH_HEAD.size
@@ -274,6 +296,8 @@ def _floor(spec: dict[str, Any]) -> tuple[Run, float]:
     def cleanup() -> None:
         a.close()
         b.close()
+        if pid is not None:
+            os.waitpid(pid, 0)
 
     run = Run(epoch, cleanup)
     run.start()
@@ -540,6 +564,7 @@ SYSTEMS: dict[str, Callable[[dict[str, Any]], tuple[Run, float]]] = {
     "pinfeed-dataloader-getitems": lambda spec: _pinfeed_dataloader(spec, "getitems"),
     "roofline": _roofline,
     "floor": _floor,
+    "floor-ipc": lambda spec: _floor(spec, ipc=True),
 }
 MODES: dict[str, Callable[[Run, dict[str, Any]], dict[str, Any]]] = {
     "throughput": lambda run, spec: throughput(run, spec["epochs"]),

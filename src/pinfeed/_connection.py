@@ -79,7 +79,9 @@ class Connection:
         self.buf = transport.buf  # every reply lands here
         self.wait_us = 0  # the trainer's last wait for a batch, not yet reported
         self.keep = keep
-        self.rng_after = b""  # the RNG states the server sent last (a RNG message)
+        # The RNG states the last batch made on the trainer's left: those sent with its
+        # FEED, or those an RNG message brought (only where the batch moved them).
+        self.rng_after = b""
         self._t = transport
         self.ring = None
         try:

@@ -581,6 +581,8 @@ class _Owned:
             message = p.encode_feed_ahead(self.epoch, index, indices)
         else:
             message = p.encode_feed(self.epoch, index, indices, rng_state)
+            if rng_state:  # what the batch leaves, unless an RNG message says otherwise
+                self.conn.rng_after = rng_state
         if ask:
             message = p.feed_then_next(message, self.conn.release_message(_NEXT))
             self.state = State.AHEAD

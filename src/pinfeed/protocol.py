@@ -60,7 +60,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 14
 # The NEXTs a trainer keeps in flight inside an epoch whose length it knows
 # (``pinfeed._epochs``): the server answers them in order, each as its item is ready.
 # Their batches take no slot of their own (``engine/config.py``'s ``ring_slots``).

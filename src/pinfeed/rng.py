@@ -2,42 +2,131 @@
 worker sends after each batch (an RNG snapshot), and what travels with a batch made for
 a ``pinfeed.DataLoader`` without workers (FEED and RNG messages), since DataLoader makes
 those in the trainer, on the trainer's RNGs. Both sides read and write it here, and
-decide here which shipped objects draw nothing from them (``draws_nothing``)."""
+decide here which shipped objects draw nothing from them (``draws_nothing``).
+
+numpy's global ``RandomState`` is read and written as bytes (``_NumpyGlobal``): its
+Mersenne Twister's words and position where ``bit_generator.ctypes.state_address``
+points, and its cached Gaussian (``has_gauss``, ``gauss``) at an offset in the object
+found at import by setting known values through ``set_state`` and reading them back.
+numpy's own ``get_state``/``set_state`` copy the 624 words one Python-level item at a
+time (about 130 us each, the most of a batch's cost without workers); these are a
+``memcpy``. Where the offset cannot be found (another numpy's layout) both fall back to
+``get_state``/``set_state``. The bytes are the same logical state either way (624
+little-endian words, position, has_gauss, gauss), so two processes may differ in which
+way they use."""
 
 from __future__ import annotations
 
-import pickle
+import ctypes
 import random
-from typing import Any
+import struct
+from typing import Any, cast
 
 import numpy as np
 import torch
 
 from pinfeed.unbatched import Unbatched
 
-RngState = tuple[torch.Tensor, Any, Any]
+RngState = tuple[torch.Tensor, Any, bytes]  # torch's, random's, numpy's (``_NumpyGlobal``)
+
+_MT = struct.Struct("<624Ii")  # the Mersenne Twister's words and position
+_GAUSS = struct.Struct("<id")  # has_gauss, gauss
+
+
+class _NumpyGlobal:
+    """numpy's global ``RandomState`` (``np.random.mtrand._rand``) as bytes."""
+
+    SIZE = _MT.size + _GAUSS.size
+
+    def __init__(self) -> None:
+        self.rs = np.random.mtrand._rand
+        self.offset = self._find_offsets()  # of has_gauss in the object; None: the slow way
+
+    def _find_offsets(self) -> int | None:
+        rs = self.rs
+        saved: Any = rs.get_state()
+        try:
+            size = type(rs).__basicsize__
+            found = None
+            for has, gauss in ((1, 0.1234567891234), (0, -9876.54321), (1, 3.25e-200)):
+                rs.set_state((*saved[:3], has, gauss))
+                mem = ctypes.string_at(id(rs), size)
+                at = [
+                    i - 8
+                    for i in range(8, size - 7, 8)
+                    if mem[i : i + 8] == struct.pack("<d", gauss)
+                    and mem[i - 8 : i - 4] == struct.pack("<i", has)
+                ]
+                if len(at) != 1 or found not in (None, at[0]):
+                    return None
+                found = at[0]
+            return found
+        except Exception:  # another layout or runtime: numpy's own way
+            return None
+        finally:
+            rs.set_state(saved)
+
+    def _state_address(self) -> int:
+        return int(self.rs._bit_generator.ctypes.state_address)
+
+    def read(self) -> bytes:
+        if self.offset is None:
+            _, key, pos, has, gauss = cast(Any, self.rs.get_state())
+            return _MT.pack(*key.tolist(), pos) + _GAUSS.pack(has, gauss)
+        return (
+            ctypes.string_at(self._state_address(), _MT.size)
+            + ctypes.string_at(id(self.rs) + self.offset, 4)
+            + ctypes.string_at(id(self.rs) + self.offset + 8, 8)
+        )
+
+    def write(self, state: bytes) -> None:
+        if len(state) != self.SIZE:
+            raise ValueError(f"numpy's RNG state is {self.SIZE} bytes, not {len(state)}")
+        if self.offset is None:
+            *key, pos = _MT.unpack_from(state)
+            has, gauss = _GAUSS.unpack_from(state, _MT.size)
+            self.rs.set_state(("MT19937", np.array(key, dtype=np.uint32), pos, has, gauss))
+            return
+        ctypes.memmove(self._state_address(), state, _MT.size)
+        ctypes.memmove(id(self.rs) + self.offset, state[_MT.size : _MT.size + 4], 4)
+        ctypes.memmove(id(self.rs) + self.offset + 8, state[_MT.size + 4 :], 8)
+
+
+_NUMPY = _NumpyGlobal()
 
 
 def capture() -> RngState:
-    return torch.get_rng_state(), random.getstate(), np.random.get_state()
+    return torch.get_rng_state(), random.getstate(), _NUMPY.read()
 
 
 def restore(state: RngState) -> None:
     torch.set_rng_state(state[0])
     random.setstate(state[1])
-    np.random.set_state(state[2])
+    _NUMPY.write(state[2])
+
+
+_RANDOM = struct.Struct("<i625I?d")  # random's version, words, and gauss_next (if any)
 
 
 def dump_state() -> bytes:
-    """The global RNG states, as bytes."""
-    torch_state, random_state, np_state = capture()
-    return pickle.dumps((torch_state.numpy().tobytes(), random_state, np_state))
+    """The global RNG states, as bytes: torch's, then random's (``_RANDOM``), then
+    numpy's (``_NumpyGlobal``). Equal bytes are equal states and the other way round."""
+    torch_state, (version, words, gauss_next), np_state = capture()
+    t = torch_state.numpy().tobytes()
+    has = gauss_next is not None
+    r = _RANDOM.pack(version, *words, has, gauss_next if has else 0.0)
+    return b"".join((struct.pack("<I", len(t)), t, r, np_state))
 
 
 def load_state(blob: bytes) -> None:
     """Make the global RNG states those ``dump_state`` gave."""
-    torch_state, random_state, np_state = pickle.loads(blob)
-    restore((torch.frombuffer(bytearray(torch_state), dtype=torch.uint8), random_state, np_state))
+    (n,) = struct.unpack_from("<I", blob)
+    if len(blob) != 4 + n + _RANDOM.size + _NumpyGlobal.SIZE:
+        raise ValueError(f"an RNG state of {len(blob)} bytes does not fit its torch part of {n}")
+    t = torch.frombuffer(bytearray(blob[4 : 4 + n]), dtype=torch.uint8)
+    version, *words, has, gauss_next = _RANDOM.unpack_from(blob, 4 + n)
+    r = (version, tuple(words), gauss_next if has else None)
+    restore((t, r, blob[4 + n + _RANDOM.size :]))
 
 
 def draws_nothing(dataset: Any, collate_fn: Any, worker_init_fn: Any = None) -> bool:

@@ -36,6 +36,10 @@ def test_autotune_decides_reports_and_turns_off(admin: Client, server: Server) -
                 break
     assert report is not None and report["decisions"], "no decision within 60 s"
     assert all(d["reason"] for d in report["decisions"])
+    # A trainer reading as fast as it can from one busy worker: the first decision is the
+    # one the rule must make, a second worker (not fewer, not a deeper prefetch).
+    first = report["decisions"][0]
+    assert first["num_workers"] == 2 and "one more worker" in first["reason"], first
     assert max(seen) <= 2 and all(d["num_workers"] <= 2 for d in report["decisions"])
     assert got == list(range(40)) * (len(got) // 40)  # in order, none lost or repeated
     assert "arbiter" in ok(server, "status")  # the node line: what the arbiter is doing

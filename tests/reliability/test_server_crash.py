@@ -49,7 +49,7 @@ class Crash:
     datasets: list[str]
     acked: list[str]
     old_pids: list[int]
-    shm: set[str]
+    rings: set[int]  # inodes of crash-a's ring memfds, which its trainer had mapped
     temp_dirs: set[Path] = field(default_factory=set)
     plain_error: BaseException | None = None
     reconnecting: Loader | None = None
@@ -103,7 +103,7 @@ def crash(make_server: Callable[..., Server]) -> Iterator[Crash]:
         datasets=[d["name"] for d in admin.datasets()],
         acked=[],
         old_pids=[srv.proc.pid, *(p.pid for p in descendants(srv.proc.pid))],  # type: ignore[union-attr]
-        shm=set(os.listdir("/dev/shm")),
+        rings=set(),
     )
     for name, lo in c.loaders.items():
         c.refs[name] = reference(Slow(40, 0), 2, batch_size=4, shuffle=True, seed=lo["seed"])
@@ -120,6 +120,7 @@ def crash(make_server: Callable[..., Server]) -> Iterator[Crash]:
     writer.start()
     wait_for(lambda: len(c.acked) >= 3, "the registry writer to get going")
     c.temp_dirs = {Path(a).parent for a in unix_socket_paths(c.old_pids) if "/pymp-" in a}
+    c.rings = _memfds(["self"], "pinfeed-crash-a")
     srv.proc.kill()  # type: ignore[union-attr]
     srv.proc.wait(10)  # type: ignore[union-attr]
     stop.set()
@@ -146,10 +147,34 @@ def test_registry_survives(crash: Crash) -> None:
     assert not missing, f"acknowledged before the kill, gone after it: {missing}"
 
 
+def _memfds(pids: list[str], prefix: str) -> set[int]:
+    """Inodes of the memfds named ``prefix``.. that these processes map or hold open."""
+    found = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                for line in maps:
+                    parts = line.split(None, 5)
+                    if len(parts) == 6 and parts[5].startswith(f"/memfd:{prefix}"):
+                        found.add(int(parts[4]))
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith(f"/memfd:{prefix}"):
+                    found.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
+        except OSError:  # gone, or not ours
+            continue
+    return found
+
+
 def test_nothing_left_behind(crash: Crash) -> None:
+    """The killed server's processes are gone, and its ring's memory with them: once
+    the trainer that mapped it closed, no process maps or holds it (a memfd lives while
+    anything does)."""
     assert gone(crash.old_pids)
-    new = set(os.listdir("/dev/shm")) - crash.shm
-    assert not [n for n in new if "pinfeed" in n], new
+    assert crash.rings, "the trainer had mapped no ring of crash-a before the kill"
+    pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    held = _memfds(pids, "pinfeed-crash-a") & crash.rings
+    assert not held, f"the killed server's ring is still held: inodes {held}"
 
 
 def test_no_temp_dirs_left_behind(crash: Crash) -> None:

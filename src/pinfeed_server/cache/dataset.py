@@ -21,8 +21,8 @@ import copy
 import operator
 from typing import Any
 
+from pinfeed.rng import capture, restore
 from pinfeed_server.cache import record
-from pinfeed_server.cache.determinism import capture_rngs, restore_rngs
 from pinfeed_server.cache.region import Region
 from pinfeed_server.cache.store import SampleCache
 from pinfeed_server.datasets import DatasetContext, build_dataset
@@ -67,13 +67,13 @@ class CachedDataset:
         if planned is None:
             return None
         before = record.payload_bytes(planned)  # bytes now: a plan views the sample
-        saved = capture_rngs()
+        saved = capture()
         try:
             transform(sample)
         except Exception:
             return None  # its error is the batch's, as under DataLoader
         finally:
-            restore_rngs(saved)
+            restore(saved)
         after = record.plan(sample)
         if after is None or record.payload_bytes(after) != before:
             return (

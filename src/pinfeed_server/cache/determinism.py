@@ -12,13 +12,12 @@ named, with what to do. The RNG states are put back afterwards.
 from __future__ import annotations
 
 import hashlib
-import random
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
+from pinfeed.rng import RngState, capture, restore
 from pinfeed_server.cache import record
 from pinfeed_server.errors import DomainError
 
@@ -49,30 +48,11 @@ class Probe:
         return sum(self.sizes) / max(1, len(self.sizes))
 
 
-RngStates = tuple[Any, Any, Any]
-
-
-def capture_rngs() -> RngStates:
-    """torch's, random's and numpy's global RNG states."""
-    return torch.get_rng_state(), random.getstate(), np.random.get_state()
-
-
-def restore_rngs(states: RngStates) -> None:
-    torch.set_rng_state(states[0])
-    random.setstate(states[1])
-    np.random.set_state(states[2])
-
-
-def _moved(before: RngStates, after: RngStates) -> list[str]:
-    moved = []
-    if not torch.equal(before[0], after[0]):
-        moved.append("torch's")
-    if before[1] != after[1]:
-        moved.append("random's")
-    b, a = before[2], after[2]
-    if b[0] != a[0] or not np.array_equal(b[1], a[1]) or b[2:] != a[2:]:
-        moved.append("numpy's")
-    return moved
+def _moved(before: RngState, after: RngState) -> list[str]:
+    """Which of the global RNGs (``pinfeed.rng.capture``'s) moved between two states."""
+    names = ("torch's", "random's", "numpy's")
+    same = (torch.equal(before[0], after[0]), before[1] == after[1], before[2] == after[2])
+    return [name for name, kept in zip(names, same, strict=True) if not kept]
 
 
 def probe_indices(length: int) -> list[int]:
@@ -85,7 +65,7 @@ def check(what: str, dataset: Any, fix: str = FIX) -> Probe:
     """Read the probe samples of ``dataset`` (``what``, as messages name it: "dataset
     'x'") twice; NotCacheable naming what moved and ``fix``, what to do. Call it with
     the process's RNGs to itself (holding ``GLOBAL_RNG``: ``global_rng.py``)."""
-    saved = capture_rngs()
+    saved = capture()
     sizes: list[int] = []
     indices = probe_indices(len(dataset))
     digest = hashlib.sha256(len(dataset).to_bytes(8, "little"))
@@ -94,14 +74,14 @@ def check(what: str, dataset: Any, fix: str = FIX) -> Probe:
             reads: list[list[bytes]] = []
             size = 0
             for attempt in ("first", "second"):
-                before = capture_rngs()
+                before = capture()
                 try:
                     sample = dataset[i]
                 except Exception as exc:
                     raise NotCacheable(
                         f"{what}: reading sample {i} to check it raised {type(exc).__name__}: {exc}"
                     ) from None
-                moved = _moved(before, capture_rngs())
+                moved = _moved(before, capture())
                 if moved:
                     raise NotCacheable(
                         f"{what} cannot be cached: the {attempt} read of sample "
@@ -123,5 +103,5 @@ def check(what: str, dataset: Any, fix: str = FIX) -> Probe:
             for part in reads[0]:
                 digest.update(len(part).to_bytes(8, "little") + part)
     finally:
-        restore_rngs(saved)
+        restore(saved)
     return Probe(indices, sizes, digest.hexdigest())

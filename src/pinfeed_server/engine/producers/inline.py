@@ -161,10 +161,12 @@ class InlineProducer:
         """A ``pinfeed.DataLoader`` without workers: DataLoader makes its batches in the
         trainer, on the trainer's global RNGs, so ``make`` runs here on the states the
         trainer sent with the task (FEED), and the states after it go back with the
-        result (RNG), for the trainer to carry on from. A batch the trainer sent no
-        states with (its objects draw nothing: ``pinfeed.DataLoader`` feeds those
-        ahead) is made here and sends none back. The globals are lent to this loader
-        (``lent_to``): the server's own states are swapped out once, not each batch.
+        result (RNG), for the trainer to carry on from, where the batch moved them (else
+        the trainer's are already those: it waits, drawing nothing, for the batch). A
+        batch the trainer sent no states with (its objects draw nothing:
+        ``pinfeed.DataLoader`` feeds those ahead) is made here and sends none back. The
+        globals are lent to this loader (``lent_to``): the server's own states are
+        swapped out once, not each batch.
 
         A batch fed ahead of its states (the trainer drew nothing between its batches so
         far) is made at once on the states the batch before left, while the trainer
@@ -190,12 +192,14 @@ class InlineProducer:
                 return Result(task.seq, rows=0)
             if made is not None and state == guess:
                 self._after = (task.epoch, task.index, made.rng)
+                made.rng = _moved(state, made.rng)
                 return made
         with GLOBAL_RNG.lent_to(self):
             load_state(state)
             result = _attempt(task, make)
             result.rng = dump_state()
         self._after = (task.epoch, task.index, result.rng)
+        result.rng = _moved(state, result.rng)
         return result
 
     def _make_as_workers(self, task: Task, indices: list[int]) -> Result:
@@ -279,6 +283,12 @@ def _load(fds: list[int], shared: list[int]) -> Shipped:
     RNG states (a DatasetError, as a loader's failure, where they cannot be)."""
     with GLOBAL_RNG:
         return shipped.load(fds, shared)
+
+
+def _moved(before: bytes, after: bytes) -> bytes:
+    """The states a batch left, to send to the trainer (RNG), or none where they are
+    those it was made on: the trainer waited for the batch with those in its globals."""
+    return after if after != before else b""
 
 
 def _attempt(task: Task, make: Callable[[], Result]) -> Result:
