@@ -9,6 +9,7 @@ against them: the same batches, read a batch at a time.
 
 from __future__ import annotations
 
+import pickle
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -257,3 +258,39 @@ def test_pinfeed_dataloader_gives_dataloaders_batches(
 
 def _made(make: Any, w: data.Workload, root: Path, nw: int, cls: Any, extra: Any) -> Any:
     return make(w, root, nw, cls, **extra)
+
+
+# --- W9's tuned DataLoader: decoded once, by whichever process reads a sample first -------
+
+
+def _w9(w: data.Workload, root: Path, system: str, num_workers: int) -> DataLoader[Any]:
+    from bench.w9_trainer import loader
+
+    spec = {"system": system, "data_root": str(root), "params": w.params, "seed": 0}
+    spec |= {"transform": w.transform, "batch_size": w.batch_size, "num_workers": num_workers}
+    dl: DataLoader[Any] = loader(spec)
+    return dl
+
+
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_w9_caching_dataloader_gives_the_plain_batches(bench_root: Path, num_workers: int) -> None:
+    """W9's ``dataloader-cached`` against ``dataloader``, two epochs from the same seed:
+    the same batches (the transform's draws alike); after epoch 1 every sample is in
+    the cache, as this process sees it (with workers: written by them), and a copy of
+    the Dataset (as a worker started afresh gets it) maps the same samples."""
+    w = data.make_w9(bench_root, 0.0)
+    torch.manual_seed(3)  # the transform's RNG without workers: the trainer's
+    want = _epochs(_w9(w, bench_root, "dataloader", num_workers))
+    torch.manual_seed(3)
+    cached = _w9(w, bench_root, "dataloader-cached", num_workers)
+    ds = cached.dataset.dataset  # type: ignore[attr-defined]
+    assert isinstance(ds, references.SharedDecoded) and not ds.filled.any()
+    got = [list(cached)]
+    assert ds.filled.all()
+    got.append(list(cached))
+    assert _same(got, want) == 2 * -(-w.samples // w.batch_size)
+    copy = pickle.loads(pickle.dumps(ds))
+    for i in (0, 3, len(ds) - 1):  # every fourth image portrait: shapes differ
+        image, label = copy[i]
+        assert_same((image, label), ds.dataset[i], f"sample {i}")
+    del copy, ds, cached
