@@ -23,6 +23,7 @@ SYSTEM_NAMES = {
     "pinfeed": "pinfeed",
     "dataloader": "DataLoader",
     "dataloader-tuned": "tuned DataLoader",
+    "dataloader-cached": "DataLoader caching decoded samples",
     "pinfeed-dataloader": "pinfeed.DataLoader",
     "pinfeed-dataloader-tuned": "pinfeed.DataLoader, tuned",
     "pinfeed-python": "pinfeed, named loader on the script's Dataset",
@@ -38,16 +39,27 @@ ORDER = (
     "pinfeed-python",
     "dataloader",
     "dataloader-tuned",
+    "dataloader-cached",
 )
 
 
 # One colour per system, the same in every panel of the figure (matplotlib's tab10, by
 # the system's place in ORDER; a system outside ORDER takes the next colour).
-PALETTE = ("#1f77b4", "#17becf", "#9467bd", "#8c564b", "#ff7f0e", "#2ca02c", "#e377c2")
+PALETTE = ("#1f77b4", "#17becf", "#9467bd", "#8c564b", "#ff7f0e", "#2ca02c", "#bcbd22", "#e377c2")
 
 
 def color(system: str) -> str:
     return PALETTE[ORDER.index(system) if system in ORDER else len(ORDER)]
+
+
+# The tuned DataLoader of a workload, the first its result has: one batched read a batch,
+# or where a sample is read file by file (W9), a DataLoader keeping its decoded samples.
+TUNED = ("dataloader-tuned", "dataloader-cached")
+
+
+def tuned_system(cells: dict[str, Any]) -> str | None:
+    """The system that stands for the tuned DataLoader in a result's ``cells``."""
+    return next((s for s in TUNED if s in cells), None)
 
 
 def ordered(cells: dict[str, Any]) -> list[str]:

@@ -541,7 +541,8 @@ WHY = {
     "W9": "Decode-bound, decoded once per node: pinfeed stores each sample's decode and "
     "resize in the node's cache in epoch 1 (the same work as DataLoader's, plus a copy "
     "into the cache) and from epoch 2 runs only the transform; DataLoader decodes every "
-    "epoch (a per-file read: tuned = DataLoader at its best).",
+    "epoch. The tuned DataLoader, where measured, keeps its own decoded samples in shared "
+    "memory from epoch 1 (one copy per job, not per node) and from epoch 2 transforms only.",
 }
 
 # ``python -m bench training``: the workloads a training loop is measured on, with the

@@ -158,6 +158,97 @@ class PilImageFolder(Dataset[tuple[torch.Tensor, int]]):
         with open(path, "rb") as f:
             return _pil_fit(f, self.size, self.crop), label
 
+    def shape(self, index: int) -> tuple[int, int, int]:
+        """Sample ``index``'s image shape, [3, H, W], from its file's header (no decode)."""
+        from PIL import Image
+
+        if self.crop:
+            return 3, self.size, self.size
+        with Image.open(self.samples[index][0]) as img:
+            w, h = _fitted(*img.size, self.size)
+        return 3, h, w
+
+
+class SharedDecoded(Dataset[tuple[torch.Tensor, int]]):
+    """What a tuned DataLoader user writes to decode each image once: ``dataset``'s
+    ``(image, label)`` samples kept, as read, in a uint8 file in shared memory, and its
+    labels and a filled flag per sample beside it (``np.memmap``, ``MAP_SHARED``). Made
+    before the DataLoader; whichever process reads a sample first (the trainer, or any
+    of DataLoader's workers, forked or started afresh: a copy reopens the files by
+    path) decodes it, writes it and then sets its flag; from then on every process
+    hands out a read-only view of it (the transform after it must not write into its
+    input, as ``bench.transforms.w9`` does not). Each sample's place is fixed at
+    construction from ``shapes`` (the decoded shapes, known without decoding: an image
+    file's header), so no process allocates while others read. Two processes that
+    decode the same sample at once write the same bytes. The files go when the object
+    that made them is collected, or at exit (its process only)."""
+
+    def __init__(
+        self, dataset: Any, shapes: Sequence[tuple[int, ...]], tmp: str | None = None
+    ) -> None:
+        import tempfile
+        import weakref
+
+        self.dataset = dataset
+        self.shapes = np.asarray(shapes, dtype=np.int64)
+        sizes = self.shapes.prod(axis=1)
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)])
+        shm = "/dev/shm" if tmp is None and os.path.isdir("/dev/shm") else tmp
+        self.folder = tempfile.mkdtemp(prefix="bench-decoded-", dir=shm)
+        n, total = len(self.shapes), int(self.offsets[-1])
+        for name, length in (("pixels", total), ("labels", 8 * n), ("filled", n)):
+            with open(os.path.join(self.folder, name), "wb") as f:
+                f.truncate(max(1, length))  # sparse: pages come as samples are written
+        self._open()
+        weakref.finalize(self, _remove_folder, self.folder, os.getpid())
+
+    def _open(self) -> None:
+        n = len(self.shapes)
+        path = os.path.join(self.folder, "{}").format
+        total = max(1, int(self.offsets[-1]))
+        self.pixels = np.memmap(path("pixels"), dtype=np.uint8, mode="r+", shape=(total,))
+        self.labels = np.memmap(path("labels"), dtype=np.int64, mode="r+", shape=(n,))
+        self.filled = np.memmap(path("filled"), dtype=np.uint8, mode="r+", shape=(n,))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in ("pixels", "labels", "filled")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._open()
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        a, b = int(self.offsets[index]), int(self.offsets[index + 1])
+        shape = tuple(int(x) for x in self.shapes[index])
+        if not self.filled[index]:
+            image, label = self.dataset[index]
+            if tuple(image.shape) != shape:
+                raise ValueError(f"sample {index}: decoded {tuple(image.shape)}, not {shape}")
+            self.pixels[a:b] = image.numpy().reshape(-1)
+            self.labels[index] = label
+            self.filled[index] = 1  # after its bytes: a reader that sees it sees them
+            return image, label
+        view = torch.from_numpy(self.pixels[a:b]).view(shape)
+        return view, int(self.labels[index])
+
+
+def _remove_folder(folder: str, owner: int) -> None:
+    import shutil
+
+    if os.getpid() == owner:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _fitted(w: int, h: int, size: int) -> tuple[int, int]:
+    """(width, height) of a ``w`` x ``h`` image resized to shorter side ``size``, the
+    aspect kept (torchvision's ``Resize(size)``)."""
+    short, long = (w, h) if w <= h else (h, w)
+    new_short, new_long = size, int(size * long / short)
+    return (new_short, new_long) if w <= h else (new_long, new_short)
+
 
 def _pil_fit(f: Any, size: int, crop: bool) -> torch.Tensor:
     """The image in file ``f`` as RGB: Resize(size), CenterCrop(size) with ``crop``,
@@ -166,9 +257,7 @@ def _pil_fit(f: Any, size: int, crop: bool) -> torch.Tensor:
 
     img = Image.open(f).convert("RGB")
     w, h = img.size
-    short, long = (w, h) if w <= h else (h, w)
-    new_short, new_long = size, int(size * long / short)
-    new_w, new_h = (new_short, new_long) if w <= h else (new_long, new_short)
+    new_w, new_h = _fitted(w, h, size)
     if (new_w, new_h) != (w, h):
         img = img.resize((new_w, new_h), Image.Resampling.BILINEAR)
     if not crop:
@@ -250,6 +339,14 @@ class S3ImageFolder(Dataset[tuple[torch.Tensor, int]]):
 
 def imagefolder(root: Path, params: dict[str, Any]) -> PilImageFolder:
     return PilImageFolder(root / params["path"], params["size"], params.get("crop", True))
+
+
+def imagefolder_cached(root: Path, params: dict[str, Any]) -> SharedDecoded:
+    """:func:`imagefolder` decoded once (:class:`SharedDecoded`): W9's
+    ``dataloader-cached``, a tuned DataLoader user's own cache of the deterministic
+    stage."""
+    base = imagefolder(root, params)
+    return SharedDecoded(base, [base.shape(i) for i in range(len(base))])
 
 
 class MemmapTokens(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -346,6 +443,7 @@ REFERENCES: dict[str, Callable[[Path, dict[str, Any]], Any]] = {
     "getitems": getitems,
     "memmap": memmap,
     "imagefolder": imagefolder,
+    "imagefolder-cached": imagefolder_cached,
     "tokens": tokens,
     "hf": hf,
     "webdataset": webdataset,

@@ -19,6 +19,7 @@ from bench import data, results
 from bench.cells import (
     LOADED,
     SYSTEM_NAMES,
+    TUNED,
     MiB,
     Results,
     best,
@@ -35,6 +36,7 @@ from bench.cells import (
     ranged,
     section_from,
     table,
+    tuned_system,
     verdict,
     with_provenance,
     workload_title,
@@ -53,9 +55,11 @@ def headline(r: Results, args: list[str]) -> str:
         nws = sorted(set(cells.get("pinfeed", {})) & set(cells.get("dataloader", {})), key=int)
         pn, pc = best(cells, "pinfeed", nws)
         dn, dc = best(cells, "dataloader", nws)
-        if "dataloader-tuned" in cells:
-            tn, tc = best(cells, "dataloader-tuned", nws)
+        if tuned_sys := tuned_system(cells):
+            tn, tc = best(cells, tuned_sys, nws)
             tuned = best_text(tn, tc)
+            if tuned_sys != "dataloader-tuned":
+                tuned = f"{SYSTEM_NAMES[tuned_sys]}: {tuned}"
         else:
             tn, tc = dn, dc
             tuned = f"= DataLoader (no batched read): {best_text(dn, dc)}"
@@ -86,8 +90,15 @@ def headline(r: Results, args: list[str]) -> str:
 BASE = ("pinfeed", "dataloader", "dataloader-tuned")
 
 
-# Systems with a table of their own, left out of the throughput table's columns.
-OWN_TABLE = ("pinfeed-python",)
+# Systems with a table of their own, or shown in the tuned DataLoader's column
+# (``tuned_system``), left out of the throughput table's columns.
+OWN_TABLE = ("pinfeed-python", *TUNED[1:])
+
+
+def _shown(cells: dict[str, Any], system: str) -> str:
+    """The system whose cells a column shows: the tuned DataLoader's is the result's
+    ``tuned_system``."""
+    return (tuned_system(cells) or system) if system == "dataloader-tuned" else system
 
 
 def _systems(found: list[dict[str, Any]]) -> list[str]:
@@ -146,14 +157,16 @@ def throughput_rows(
     for i, nw in enumerate(nws):
         row = [workload_title(key, res) if i == 0 else "", nw]
         for system in systems:
-            c = cells.get(system, {}).get(nw)
-            if system not in cells:
+            shown = _shown(cells, system)
+            c = cells.get(shown, {}).get(nw)
+            if shown not in cells:
                 row.append("(none)" if system == "dataloader-tuned" else "-")
             else:
-                row.append(ranged(c["samples_per_s"]) + flag(c) if c else "-")
+                label = f"{SYSTEM_NAMES[shown]}: " if shown != system else ""
+                row.append(label + ranged(c["samples_per_s"]) + flag(c) if c else "-")
         p = cells.get("pinfeed", {}).get(nw)
         for other in others:
-            c = cells.get(other, {}).get(nw)
+            c = cells.get(_shown(cells, other), {}).get(nw)
             row.append(verdict(p["samples_per_s"], c["samples_per_s"]) if p and c else "-")
         rows.append(row)
     return rows
@@ -222,7 +235,7 @@ def roofline(r: Results, args: list[str]) -> str:
         roof = res["roofline"]["cell"]["samples_per_s"]
         share = []
         for system in ("pinfeed", "dataloader", "dataloader-tuned"):
-            nw, c = best(res["cells"], system)
+            nw, c = best(res["cells"], _shown(res["cells"], system))
             if c is None or not roof["median"]:
                 share.append("-")
             else:
@@ -986,6 +999,12 @@ def w9_table(res: dict[str, Any]) -> str:
             p, d = by["pinfeed-dataloader"], by["dataloader"]
             title = f"`pinfeed.DataLoader(..., cache=)`, num_workers={nw}"
             rows.append([title, *_epoch_cells(p, d), *_costs(p, d)])
+    cached = SYSTEM_NAMES["dataloader-cached"]
+    for nw, by in single.items():  # the tuned DataLoader, where the result has it
+        if "dataloader-cached" in by:
+            p, d = by["pinfeed"], by["dataloader-cached"]
+            title = f"pinfeed vs {cached} (its own, in shared memory), num_workers={nw}"
+            rows.append([title, *_epoch_cells(p, d), *_costs(p, d)])
     jobs = (res.get("jobs") or {}).get("cells")
     if jobs:
         p, d = jobs["pinfeed"], jobs["dataloader"]
@@ -993,6 +1012,10 @@ def w9_table(res: dict[str, Any]) -> str:
         rows.append(
             [f"{n} jobs at once (1 worker each), aggregate", *_epoch_cells(p, d), *_costs(p, d)]
         )
+        if "dataloader-cached" in jobs:
+            d = jobs["dataloader-cached"]
+            title = f"{n} jobs at once, pinfeed vs {cached} (a cache per job), aggregate"
+            rows.append([title, *_epoch_cells(p, d), *_costs(p, d)])
     restart = (res.get("restart") or {}).get("cells")
     if restart:
         p, d = restart["pinfeed"], restart["dataloader"]

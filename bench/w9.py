@@ -15,11 +15,18 @@ the systems alternating ABBA, medians over ``--runs`` (spread = min..max):
 - ``single``: one trainer, ``num_workers`` 0/1/2. Each pinfeed run registers the dataset
   afresh, so its first epoch fills an empty cache; the server deletes it afterwards.
   Also the one-line switch: DataLoader's very call with ``pinfeed.DataLoader`` and
-  ``cache=`` (a new cache name each run), on the same ImageFolder object.
+  ``cache=`` (a new cache name each run), on the same ImageFolder object; and
+  ``dataloader-cached``, the tuned DataLoader here: that DataLoader call on the
+  ImageFolder decoded once by the trainer's own processes (``bench.references.
+  SharedDecoded``: each sample's decode and resize written in epoch 1, by whichever
+  process reads it first, to a file in shared memory that every worker maps; later
+  epochs run only the transform), the same batches as ``dataloader``'s.
 - ``jobs``: four trainers at once, four loaders (seeds 0-3, one worker each) over one
-  cached dataset, against four DataLoaders (one worker each): aggregate samples/s per
-  epoch, CPU seconds of everything either system ran (trainers, DataLoader's workers;
-  the server, its zygote and workers), and the cache's misses over all four loaders.
+  cached dataset, against four DataLoaders (one worker each), and four caching
+  DataLoaders (a cache each: a job's own processes share it, other jobs do not):
+  aggregate samples/s per epoch, CPU seconds of everything each system ran (trainers,
+  DataLoader's workers; the server, its zygote and workers), and the cache's misses
+  over all four loaders.
 - ``restart``: a persisted cache filled by one epoch, then per run a new server process
   on the same state dir and one epoch (``num_workers`` 2), against DataLoader's first.
   The cache file's pages are still in the page cache (a server restart, not a reboot).
@@ -63,8 +70,11 @@ from tests.launcher import Server
 
 RESIZE = W9_RESIZE
 SYSTEMS = ("pinfeed", "dataloader")
+# A tuned DataLoader user's own cache of the decode and resize (issue 44): single and jobs.
+CACHED = "dataloader-cached"
+JOBS = (*SYSTEMS, CACHED)
 # the single section also runs the one-line switch (pinfeed.DataLoader with cache=)
-SINGLE = ("pinfeed", "pinfeed-dataloader", "dataloader")
+SINGLE = ("pinfeed", "pinfeed-dataloader", "dataloader", CACHED)
 
 
 # -- processes -------------------------------------------------------------------------------
@@ -251,7 +261,7 @@ def single(args: argparse.Namespace, params: dict[str, Any], progress: Any) -> l
                         kw = {"socket": str(srv.socket), "cache": f"w9-{next(_ids)}"}
                     out = run_trainers(
                         [_spec(system, nw, args, params, **kw)],
-                        srv.pid if system != "dataloader" else None,
+                        srv.pid if system.startswith("pinfeed") else None,
                     )
                     out["cache"] = _cleanup(srv, ds) if ds else None
                     runs.append({"num_workers": nw, "system": system, "run": r, **out})
@@ -264,7 +274,7 @@ def jobs(args: argparse.Namespace, params: dict[str, Any], progress: Any) -> lis
     with BenchServer(args.data_dir) as srv:
         _warm(srv, params, args)
         for r in range(args.runs):
-            for system in _order(r):
+            for system in _order(r, JOBS):
                 ds = _register(srv, params, {}) if system == "pinfeed" else None
                 specs = []
                 for k in range(args.jobs):
@@ -513,7 +523,7 @@ def summarize(result: dict[str, Any]) -> None:
         result["jobs"]["cells"] = {
             system: _cell(rs, [_aggregate(r["jobs"]) for r in rs])
             | {"misses": [r["cache"]["misses"] for r in rs if r.get("cache")]}
-            for system in SYSTEMS
+            for system in JOBS
             if (rs := [r for r in runs if r["system"] == system])
         }
     if result.get("restart"):

@@ -18,7 +18,10 @@ the parent registered), ``dataloader`` (``DataLoader(Transformed(ImageFolder,
 transform))`` with ``persistent_workers``, the same seed: ``bench.references``'
 ImageFolder, uncropped, the same pixels as the ``images`` kind's) and
 ``pinfeed-dataloader`` (that very call with ``pinfeed.DataLoader`` and ``cache=``: the
-one-line switch, its dataset part cached by the node).
+one-line switch, its dataset part cached by the node) and ``dataloader-cached`` (the
+``dataloader`` call on a tuned user's own cache of the decode and resize,
+``bench.references.SharedDecoded``: epoch 1 fills it in whichever process reads a
+sample, later epochs run only the transform).
 """
 
 from __future__ import annotations
@@ -84,14 +87,16 @@ def _pinfeed(spec: dict[str, Any]) -> Callable[[], list[dict[str, Any]]]:
     return run
 
 
-def _dataloader(spec: dict[str, Any]) -> Callable[[], list[dict[str, Any]]]:
+def loader(spec: dict[str, Any]) -> Any:
     """DataLoader, or with ``one_line`` the same call with ``pinfeed.DataLoader`` and
-    ``cache=``, on ``Transformed(the script's ImageFolder, the transform)``."""
+    ``cache=``, on ``Transformed(the script's ImageFolder, the transform)``; for
+    ``dataloader-cached`` the ImageFolder decoded once, into shared memory."""
     import pinfeed
-    from bench.references import imagefolder
+    from bench.references import imagefolder, imagefolder_cached
     from pinfeed_server.plugins import resolve
 
-    base = imagefolder(Path(spec["data_root"]), spec["params"])
+    read = imagefolder_cached if spec["system"] == "dataloader-cached" else imagefolder
+    base = read(Path(spec["data_root"]), spec["params"])
     transform = resolve(spec["transform"], ("bench",))
     nw = spec["num_workers"]
     one_line = spec["system"] == "pinfeed-dataloader"
@@ -108,6 +113,11 @@ def _dataloader(spec: dict[str, Any]) -> Callable[[], list[dict[str, Any]]]:
         generator=torch.Generator().manual_seed(spec["seed"]),
         **extra,
     )
+    return dl
+
+
+def _dataloader(spec: dict[str, Any]) -> Callable[[], list[dict[str, Any]]]:
+    dl = loader(spec)
     return lambda: _epochs(lambda: dl, spec["epochs"], lambda _: None)
 
 

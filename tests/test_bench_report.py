@@ -142,3 +142,27 @@ def test_a_cell_under_load_is_marked(tmp_path: Path) -> None:
     results.write(res, tmp_path)
     text = tables.headline(cells.Results(tmp_path), ["W1"])
     assert "200† (nw 1)" in text
+
+
+def test_a_caching_dataloader_is_the_tuned_one_where_there_is_no_batched_read(
+    tmp_path: Path,
+) -> None:
+    """W9: no batched read, a DataLoader keeping its decoded samples (``dataloader-cached``)
+    shows in the tuned DataLoader's column, labelled so, and pinfeed's verdict against
+    the tuned one is against it; without it the column says tuned = DataLoader."""
+    res = _result("W9")
+    del res["cells"]["dataloader-tuned"]
+    results.write(res, tmp_path)
+    r = cells.Results(tmp_path)
+    assert "= DataLoader (no batched read): 150 (nw 0)" in tables.headline(r, ["W9"])
+    res["cells"]["dataloader-cached"] = {"0": _cell(300, 301, 299), "1": _cell(250, 251, 249)}
+    results.write(res, tmp_path)
+    r = cells.Results(tmp_path)
+    head = tables.headline(r, ["W9"])
+    assert "DataLoader caching decoded samples: 300 (nw 0)" in head
+    assert "**loses 0.67x**" in head  # pinfeed's best 200 against the caching 300
+    rows = tables.throughput(r, ["W9"]).splitlines()
+    assert not any("caching" in c for c in rows[0].split("|"))  # no column of its own
+    nw0 = next(line for line in rows if line.startswith("| W9"))
+    assert "DataLoader caching decoded samples: 300 [299-301]" in nw0
+    assert "**loses 0.33x**" in nw0  # pinfeed 100 at nw 0 against it

@@ -9,6 +9,8 @@ against them: the same batches, read a batch at a time.
 
 from __future__ import annotations
 
+import pickle
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from bench import data, references
 from pinfeed import Client
 from pinfeed_server.datasets import DatasetContext, build_dataset
 from tests.conftest import Server
+from tests.dataloader.test_parity import check
 from tests.datasets.parity import check_parity
 from tests.helpers import assert_same, unique
 
@@ -144,23 +147,33 @@ def _same(got: list[list[Any]], want: list[list[Any]]) -> int:
     return sum(len(e) for e in got)
 
 
-def _plain(w: data.Workload, root: Path, num_workers: int = 0) -> DataLoader[Any]:
+def _plain(
+    w: data.Workload, root: Path, num_workers: int = 0, cls: Any = DataLoader, **extra: Any
+) -> DataLoader[Any]:
+    """The ``dataloader`` system's DataLoader; ``cls=pinfeed.DataLoader``: the
+    ``pinfeed-dataloader`` system's (the same call on the same Dataset object)."""
     from bench.trainer import _collate_fn, _dataset, _reference
 
     spec = {"kind": w.kind, "params": w.params, "data_root": str(root)}
     spec |= {"reference": w.reference, "collate_fn": w.collate_fn}
     ds = _reference(spec) if w.reference else _dataset(spec)
-    return DataLoader(
+    loader: DataLoader[Any] = cls(
         ds,
         batch_size=w.batch_size,
         shuffle=w.shuffle,
         collate_fn=_collate_fn(spec),
         num_workers=num_workers,
         generator=torch.Generator().manual_seed(0),
+        **extra,
     )
+    return loader
 
 
-def _tuned(w: data.Workload, root: Path, num_workers: int = 0) -> DataLoader[Any]:
+def _tuned(
+    w: data.Workload, root: Path, num_workers: int = 0, cls: Any = DataLoader, **extra: Any
+) -> DataLoader[Any]:
+    """The ``dataloader-tuned`` system's DataLoader (``pinfeed-dataloader-tuned``'s with
+    ``cls=pinfeed.DataLoader``)."""
     assert w.tuned is not None
     return references.tuned_loader(
         w.tuned,
@@ -170,6 +183,8 @@ def _tuned(w: data.Workload, root: Path, num_workers: int = 0) -> DataLoader[Any
         shuffle=w.shuffle,
         generator=torch.Generator().manual_seed(0),
         num_workers=num_workers,
+        cls=cls,
+        **extra,
     )
 
 
@@ -218,3 +233,64 @@ def test_tuned_with_workers_keeps_the_order(bench_root: Path) -> None:
     w = data.make_w1(bench_root, 0.0)
     tuned = _tuned(w, bench_root, num_workers=2)
     assert _same(_epochs(tuned), _epochs(_plain(w, bench_root))) == 2 * 4
+
+
+# --- the one-line switch: the same objects through pinfeed.DataLoader --------------------
+
+# Workloads whose pinfeed-dataloader and pinfeed-dataloader-tuned systems are checked here
+# (W1 and W2's Datasets are checked in tests/dataloader).
+SWITCHED = [pytest.param(k, id=k) for k in ("W4", "W6")]
+
+
+@pytest.mark.parametrize("num_workers", WORKERS)
+@pytest.mark.parametrize("key", SWITCHED)
+def test_pinfeed_dataloader_gives_dataloaders_batches(
+    server: Server, bench_root: Path, key: str, num_workers: int
+) -> None:
+    """The suite's ``pinfeed-dataloader`` (``pinfeed-dataloader-tuned``) system: the
+    ``dataloader`` (``dataloader-tuned``) system's call on the same objects with
+    ``pinfeed.DataLoader``; two epochs equal batch for batch, the RNGs alike after."""
+    w = data.MAKERS[key](bench_root, 0.0)
+    assert {"pinfeed-dataloader", "pinfeed-dataloader-tuned"} <= set(w.systems)
+    for make in (_plain, _tuned):
+        check(server, partial(_made, make, w, bench_root, num_workers), epochs=2)
+
+
+def _made(make: Any, w: data.Workload, root: Path, nw: int, cls: Any, extra: Any) -> Any:
+    return make(w, root, nw, cls, **extra)
+
+
+# --- W9's tuned DataLoader: decoded once, by whichever process reads a sample first -------
+
+
+def _w9(w: data.Workload, root: Path, system: str, num_workers: int) -> DataLoader[Any]:
+    from bench.w9_trainer import loader
+
+    spec = {"system": system, "data_root": str(root), "params": w.params, "seed": 0}
+    spec |= {"transform": w.transform, "batch_size": w.batch_size, "num_workers": num_workers}
+    dl: DataLoader[Any] = loader(spec)
+    return dl
+
+
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_w9_caching_dataloader_gives_the_plain_batches(bench_root: Path, num_workers: int) -> None:
+    """W9's ``dataloader-cached`` against ``dataloader``, two epochs from the same seed:
+    the same batches (the transform's draws alike); after epoch 1 every sample is in
+    the cache, as this process sees it (with workers: written by them), and a copy of
+    the Dataset (as a worker started afresh gets it) maps the same samples."""
+    w = data.make_w9(bench_root, 0.0)
+    torch.manual_seed(3)  # the transform's RNG without workers: the trainer's
+    want = _epochs(_w9(w, bench_root, "dataloader", num_workers))
+    torch.manual_seed(3)
+    cached = _w9(w, bench_root, "dataloader-cached", num_workers)
+    ds = cached.dataset.dataset  # type: ignore[attr-defined]
+    assert isinstance(ds, references.SharedDecoded) and not ds.filled.any()
+    got = [list(cached)]
+    assert ds.filled.all()
+    got.append(list(cached))
+    assert _same(got, want) == 2 * -(-w.samples // w.batch_size)
+    copy = pickle.loads(pickle.dumps(ds))
+    for i in (0, 3, len(ds) - 1):  # every fourth image portrait: shapes differ
+        image, label = copy[i]
+        assert_same((image, label), ds.dataset[i], f"sample {i}")
+    del copy, ds, cached
