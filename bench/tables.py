@@ -72,6 +72,7 @@ def headline(r: Results, args: list[str]) -> str:
                 verdict(pick, dc["samples_per_s"] if dc else None),
                 tuned,
                 verdict(pick, tc["samples_per_s"] if tc else None),
+                " / ".join(_cpu(c) for c in (pc, dc, tc)),
                 data.WHY.get(key, ""),
             ]
         )
@@ -82,9 +83,17 @@ def headline(r: Results, args: list[str]) -> str:
         "pinfeed vs DataLoader",
         "tuned DataLoader, best",
         "pinfeed vs tuned",
+        "CPU ms a 1k samples, all processes: pinfeed / DataLoader / tuned",
         "why",
     ]
     return with_provenance([table(head, rows)], files)
+
+
+def _cpu(c: dict[str, Any] | None) -> str:
+    """CPU milliseconds per 1,000 samples of every process of a system in its timed
+    window (the trainer's tree, and for pinfeed the server's), at its best."""
+    m = (c or {}).get("cpu_ms_per_ksample")
+    return f"{m['median']:,.1f}" if m and m.get("median") is not None else "-"
 
 
 BASE = ("pinfeed", "dataloader", "dataloader-tuned")
