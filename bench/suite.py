@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import data, results
+from bench.cells import best
 from bench.procs import BenchError, run_trainers
 from bench.server import BenchServer
 
@@ -60,7 +61,11 @@ def parse_args(argv: list[str] | None, prog: str = "python -m bench suite") -> a
     ap.add_argument("--systems", default="", help="only these systems (default: each workload's)")
     ap.add_argument("--handoff-batches", type=int, default=150)
     ap.add_argument("--trainers", default="1,2,4", help="scaling: trainer counts")
-    ap.add_argument("--scaling-workers", type=int, default=1, help="scaling: num_workers each")
+    ap.add_argument(
+        "--scaling-workers",
+        default="best",
+        help="scaling: num_workers each, or 'best': each system at its best in W1's result file",
+    )
     ap.add_argument(
         "--quick",
         action="store_true",
@@ -323,18 +328,40 @@ def bench_workload(args: argparse.Namespace, w: data.Workload) -> dict[str, Any]
     return results.finish(result, runs + roof + handoff)
 
 
+def _scaling_workers(choice: str, systems: tuple[str, ...], folder: Path) -> dict[str, int]:
+    """Each system's num_workers for ``scaling``: ``choice`` for all, or (``best``) each
+    at its best median samples/s in W1's result file (the run's folder's, else the
+    committed one), the setting its user would pick."""
+    if choice != "best":
+        return dict.fromkeys(systems, int(choice))
+    w1 = results.load("W1", folder) or results.load("W1")
+    if w1 is None:
+        raise BenchError("--scaling-workers best reads W1.json: run python -m bench suite W1")
+    picks = {s: best(w1["cells"], s)[0] for s in systems}
+    missing = [s for s, nw in picks.items() if nw == "-"]
+    if missing:
+        raise BenchError(f"W1.json has no cells of {', '.join(missing)}: run it again")
+    return {s: int(nw) for s, nw in picks.items()}
+
+
 def bench_scaling(args: argparse.Namespace) -> dict[str, Any]:
-    """1, 2, 4 trainers on one server, one loader each (W1, ``--scaling-workers``), one
-    epoch each, against as many DataLoaders (plain and tuned)."""
+    """1, 2, 4 trainers on one server, one loader each (W1, ``--scaling-workers``: each
+    system at its best by default), one epoch each, against as many DataLoaders (plain
+    and tuned)."""
     root = args.data_dir
     w = data.make_w1(root, args.scale)
     systems = tuple(s for s in w.systems if not args.only_systems or s in args.only_systems)
-    nw = args.scaling_workers
+    workers = _scaling_workers(args.scaling_workers, systems, args.out)
     result = results.start(
         "scaling",
-        {"scale": args.scale, "runs": args.runs, "trainers": args.trainers, "num_workers": nw},
+        {
+            "scale": args.scale,
+            "runs": args.runs,
+            "trainers": args.trainers,
+            "num_workers": args.scaling_workers,
+        },
     )
-    result |= {"kind": "scaling", "workload": w.describe(), "num_workers": nw}
+    result |= {"kind": "scaling", "workload": w.describe(), "num_workers": workers}
     runs: list[dict[str, Any]] = []
     data.warm_page_cache(root, w)
     with BenchServer(root) as srv:
@@ -342,6 +369,7 @@ def bench_scaling(args: argparse.Namespace) -> dict[str, Any]:
         for n in args.trainer_counts:
             for run in range(args.runs):
                 for system in order(systems, run):
+                    nw = workers[system]
                     # One epoch each: n trainers share the cores, so each runs ~n times longer.
                     specs = [
                         _spec(

@@ -387,10 +387,19 @@ def scaling(r: Results, args: list[str]) -> str:
         [
             table(head, rows),
             "",
-            f"W1, one loader of num_workers {res['num_workers']} per trainer, one epoch each.",
+            f"W1, one loader per trainer, one epoch each; num_workers {_workers(res)}.",
             provenance([res]),
         ]
     )
+
+
+def _workers(res: dict[str, Any]) -> str:
+    """The num_workers each system ran at (one for all in older result files)."""
+    nw = res["num_workers"]
+    if not isinstance(nw, dict):
+        return f"{nw} for every system"
+    each = ", ".join(f"{SYSTEM_NAMES.get(s, s)} {n}" for s, n in nw.items())
+    return f"each system at its best in W1's result file: {each}"
 
 
 def scaling_table(res: dict[str, Any] | None) -> str:
