@@ -98,6 +98,33 @@ def test_next_use_evicts_what_no_loader_needs_first(
     assert _held(cache, units) == {1, 2, 4, 5, 6}
 
 
+def test_what_is_fetched_ahead_fits_beside_what_is_needed_before_it(
+    tmp_path: Path, client: S3Client, manifest: Manifest
+) -> None:
+    """A cache of five units holding 0-4, the loader's order 0-7. Units may be fetched
+    ahead for a read only if they fit beside every unit needed by then, the pinned ones
+    and the bytes already asked for: at the start none (0-4 are needed before 5); once
+    0 is read (out of sight after), one unit, not two (it would evict 0 and a unit
+    needed before them; the cache held one unit needed later than they, which let them
+    in before); with 0 pinned, or a unit's bytes queued, none."""
+    cache = _cache(tmp_path, client, "next-use")
+    schedule = Schedule()
+    schedule.set_epoch(0, np.arange(8, dtype=np.int64))
+    cache.schedule(OWNER, schedule)
+    units = _units(manifest)
+    for k in range(5):
+        cache.get(units[k], "d", owner=OWNER)
+    assert not cache.room_for(SIZE, 5)
+    schedule.advance(0, 1)
+    assert cache.room_for(SIZE, 5)
+    assert not cache.room_for(2 * SIZE, 6)
+    assert not cache.room_for(SIZE, 5, queued=SIZE)
+    cache.get(units[0], "d", pin=True)
+    assert not cache.room_for(SIZE, 5)
+    cache.unpin([units[0].digest])
+    assert cache.room_for(SIZE, 5)
+
+
 def test_pinned_units_are_never_evicted(
     tmp_path: Path, client: S3Client, manifest: Manifest
 ) -> None:
