@@ -20,7 +20,8 @@ sent. Each run is read for ``--epochs`` epochs, batch 64, shuffled, 224x224 crop
   (``PINFEED_REMOTE_CACHE_MAX_BYTES`` half its bytes), unthrottled, three epochs, 2
   workers, under each eviction rule
   (``next-use``: the loaders' known order, Belady's; ``lru``): the store's GETs each
-  epoch, and the hit ratio, 1 - GETs / samples (one object a sample).
+  epoch, the hit ratio, 1 - GETs / samples (one object a sample), and the units fetched
+  ahead and evicted before any read (the cache's ``wasted``, by the end of each epoch).
 
 Mosaic Streaming, LitData and WebDataset are not run here: see docs/how-to/object-storage.md.
 Writes ``docs/results/remote.json`` (``bench.results``).
@@ -204,15 +205,24 @@ def cache(args: argparse.Namespace, s3: S3Server, proxy: FaultProxy) -> dict[str
             admin.create_loader(
                 "w3", dataset="w3", batch_size=CACHE_BATCH, shuffle=True, seed=0, num_workers=2
             )
-            gets, samples = [], 0
+            gets, wasted, samples = [], [], 0
             with Loader("w3", socket=srv.socket) as loader:
                 for _ in range(3):
                     proxy.reset_counts()
                     samples = sum(len(b[1]) for b in loader)
                     gets.append(proxy.counts.by_method.get("GET", 0))
+                    wasted.append(admin.node()["remote"]["cache"]["wasted"])
         ratios = [1 - g / samples for g in gets]
-        out["rules"][rule] = {"gets": gets, "samples": samples, "hit_ratio": ratios}
-        print(f"cache {rule:<8}: GETs by epoch {gets} of {samples}; hit ratio {ratios}")
+        out["rules"][rule] = {
+            "gets": gets,
+            "samples": samples,
+            "hit_ratio": ratios,
+            "wasted": wasted,
+        }
+        print(
+            f"cache {rule:<8}: GETs by epoch {gets} of {samples}; hit ratio {ratios}; "
+            f"fetched ahead and evicted unread, by the end of each epoch, {wasted}"
+        )
     return out
 
 

@@ -1,11 +1,14 @@
-"""Once per node, against the anchors: ``python -m bench remote-anchors [--samples N] [--quick]``.
+"""Once per node, against the anchors: ``python -m bench remote-anchors [--samples N]
+[--links cloud,unthrottled] [--quick]``.
 
 W3's JPEG folder (``bench.data``) converted once to each anchor's format and uploaded to
 a real S3 server on loopback (SeaweedFS, ``tests/remote/s3server.py``) behind the fault
-proxy (``tests/remote/proxy.py``), unthrottled, which counts the bytes and requests the
-store served. Per system, four training jobs (four processes, each its own loader and
-seed, released together) read ``--epochs`` epochs, batch 64, shuffled, each sample
-decoded to 224x224 as W3 does:
+proxy (``tests/remote/proxy.py``), which shapes the link and counts the bytes and
+requests the store served. The links are ``bench.remote``'s (``LINKS``): ``cloud``
+(100 MB/s for the node, 20 ms added to every request) and ``unthrottled`` (loopback);
+each system is run at each link of ``--links``, from empty caches. Per system and link,
+four training jobs (four processes, each its own loader and seed, released together)
+read ``--epochs`` epochs, batch 64, shuffled, each sample decoded to 224x224 as W3 does:
 
 - ``pinfeed``: one server, the ``images`` kind over the folder's ``s3://`` prefix, a
   loader per job (``tests/remote/job.py``'s shape);
@@ -21,8 +24,8 @@ decoded to 224x224 as W3 does:
   the AWS CLI is not installed here; its docs' pattern is ``pipe:`` a command that writes
   the object to stdout), shard shuffle and a sample buffer, no cache (its default).
 
-Result per system: bytes the store sent / the bytes of the format's objects, requests,
-samples/s of each epoch (the median of the four jobs). Writes
+Result per system and link: bytes the store sent / the bytes of the format's objects,
+requests, samples/s of each epoch (the median of the four jobs). Writes
 ``docs/results/remote-anchors.json`` (``bench.results``).
 """
 
@@ -44,7 +47,7 @@ from typing import Any
 from bench import data, results
 from bench.data import DATA_DIR
 from bench.references import _pil_fit
-from bench.remote import read_epochs
+from bench.remote import LINKS, read_epochs
 from tests.remote.proxy import FaultProxy
 from tests.remote.s3server import S3Server
 
@@ -62,6 +65,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--workers", type=int, default=1, help="each job's loader workers")
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--links", default=",".join(LINKS), help=f"of {', '.join(LINKS)}")
     ap.add_argument("--data-dir", type=Path, default=DATA_DIR)
     ap.add_argument("--out", type=Path, default=None, help="result folder (docs/results/)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 128 samples")
@@ -69,6 +73,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if args.quick:
         args.samples = 128
     args.system_names = [x.strip() for x in args.systems.split(",") if x.strip()]
+    args.link_names = [x.strip() for x in args.links.split(",") if x.strip()]
+    unknown = sorted(set(args.link_names) - set(LINKS))
+    if unknown:
+        ap.error(f"unknown link {', '.join(unknown)}; choose from {', '.join(LINKS)}")
     return args
 
 
@@ -289,43 +297,59 @@ def run_jobs(
     return [json.loads(out.decode().strip().splitlines()[-1]) for out in outs]
 
 
+def upload(system: str, folder: Path, s3: S3Server, tmp: Path) -> dict[str, Any]:
+    """``system``'s format of ``folder``, in the store: its prefix, keys and bytes."""
+    src = convert(system, folder, tmp / "formats")
+    prefix = f"anchors-{system}"
+    keys = s3.upload(BUCKET, prefix, src)
+    size = sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
+    return {"prefix": prefix, "keys": keys, "size": size}
+
+
 def run_system(
     system: str,
-    folder: Path,
+    link: str,
+    stored: dict[str, Any],
     args: argparse.Namespace,
     s3: S3Server,
     proxy: FaultProxy,
     tmp: Path,
 ) -> dict[str, Any]:
-    src = convert(system, folder, tmp / "formats")
-    prefix = f"anchors-{system}"
-    keys = s3.upload(BUCKET, prefix, src)
-    size = sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
+    """Four jobs of ``system`` at ``link``, each cache (pinfeed's object cache, Mosaic's
+    per-job folders, LitData's under ``HOME``) empty at the start."""
+    prefix, keys = stored["prefix"], stored["keys"]
+    work = tmp / f"{system}-{link}"
+    work.mkdir()
     env = s3.env(proxy.endpoint)
-    env |= {"S3_ENDPOINT_URL": proxy.endpoint, "HOME": str(tmp / f"home-{system}")}
+    env |= {"S3_ENDPOINT_URL": proxy.endpoint, "HOME": str(work / "home")}
     env["BENCH_SHARDS"] = str(sum(1 for k in keys if k.endswith(".tar")))
+    proxy.bandwidth, proxy.latency_s = LINKS[link]
     proxy.reset_counts()
-    if system == "pinfeed":
-        from bench.server import BenchServer
+    try:
+        if system == "pinfeed":
+            from bench.server import BenchServer
 
-        settings = {
-            **env,
-            "PINFEED_REMOTE_ALLOW": f'["s3://{BUCKET}/"]',
-            "PINFEED_REMOTE_CACHE_DIR": str(tmp / "objects"),
-        }
-        with BenchServer(args.data_dir, env=settings) as srv, srv.client() as admin:
-            admin.create_dataset(
-                prefix, "images", {"path": f"s3://{BUCKET}/{prefix}/", "size": SIZE}
-            )
-            jobs = run_jobs(
-                system, prefix, args, env, tmp, [f"--url={srv.url}", f"--socket={srv.socket}"]
-            )
-    else:
-        jobs = run_jobs(system, prefix, args, env, tmp)
-    seen = proxy.counts
+            settings = {
+                **env,
+                "PINFEED_REMOTE_ALLOW": f'["s3://{BUCKET}/"]',
+                "PINFEED_REMOTE_CACHE_DIR": str(work / "objects"),
+            }
+            with BenchServer(args.data_dir, env=settings) as srv, srv.client() as admin:
+                admin.create_dataset(
+                    prefix, "images", {"path": f"s3://{BUCKET}/{prefix}/", "size": SIZE}
+                )
+                jobs = run_jobs(
+                    system, prefix, args, env, work, [f"--url={srv.url}", f"--socket={srv.socket}"]
+                )
+        else:
+            jobs = run_jobs(system, prefix, args, env, work)
+        seen = proxy.counts
+    finally:
+        proxy.bandwidth, proxy.latency_s = LINKS["unthrottled"]
     return {
         "system": system,
-        "dataset_bytes": size,
+        "link": link,
+        "dataset_bytes": stored["size"],
         "objects": len(keys),
         "store_bytes": seen.bytes,
         "store_requests": seen.requests,
@@ -344,25 +368,35 @@ def main(argv: list[str]) -> int:
     folder = args.data_dir / w.files[0]
     result = results.start(
         "remote-anchors",
-        {"samples": w.samples, "jobs": JOBS, "workers": args.workers, "epochs": args.epochs},
+        {
+            "samples": w.samples,
+            "jobs": JOBS,
+            "workers": args.workers,
+            "epochs": args.epochs,
+            "links": args.link_names,
+        },
     )
-    result |= {"kind": "remote-anchors", "method": __doc__, "runs": []}
+    links = {name: LINKS[name] for name in args.link_names}
+    result |= {"kind": "remote-anchors", "method": __doc__, "links": links, "runs": []}
     with (
         tempfile.TemporaryDirectory(prefix="pinfeed-bench-anchors-") as tmp,
         S3Server(Path(tmp), buckets=(BUCKET,)) as s3,
         FaultProxy(s3.endpoint) as proxy,
     ):
         for system in args.system_names:
-            foreign = results.ForeignCpu().start()
-            run = run_system(system, folder, args, s3, proxy, Path(tmp)) | foreign.stop()
-            shown = ", ".join(f"{x:.0f}" for x in run["epochs"])
-            print(
-                f"{system:<11} {run['store_bytes'] / run['dataset_bytes']:.3f}x the dataset's "
-                f"{run['dataset_bytes'] / 1e6:.1f} MB in {run['store_requests']} requests; "
-                f"samples/s by epoch (median job) {shown}",
-                flush=True,
-            )
-            result["runs"].append(run)
+            stored = upload(system, folder, s3, Path(tmp))
+            for link in args.link_names:
+                foreign = results.ForeignCpu().start()
+                run = run_system(system, link, stored, args, s3, proxy, Path(tmp))
+                run |= foreign.stop()
+                shown = ", ".join(f"{x:.0f}" for x in run["epochs"])
+                print(
+                    f"{system:<11} {link:<11} {run['store_bytes'] / run['dataset_bytes']:.3f}x "
+                    f"the dataset's {run['dataset_bytes'] / 1e6:.1f} MB in "
+                    f"{run['store_requests']} requests; samples/s by epoch (median job) {shown}",
+                    flush=True,
+                )
+                result["runs"].append(run)
     results.finish(result, result["runs"])
     print(f"wrote {results.write(result, args.out)}")
     return 0

@@ -1261,7 +1261,8 @@ ANCHOR_NAMES = {
 
 def remote_anchors(r: Results, args: list[str]) -> str:
     """docs/how-to/object-storage.md: four jobs over one dataset in the store, the bytes
-    and requests it served, by system (``bench.remote_anchors``)."""
+    and requests it served, by system and link (``bench.remote_anchors``; a result
+    without links ran unthrottled)."""
     res = r.get("remote-anchors")
     if res is None:
         return missing("remote-anchors", "python -m bench remote-anchors")
@@ -1271,23 +1272,33 @@ def remote_anchors(r: Results, args: list[str]) -> str:
         rows.append(
             [
                 ANCHOR_NAMES.get(run["system"], run["system"]),
+                run.get("link", "unthrottled"),
                 f"{run['store_bytes'] / run['dataset_bytes']:.3f}",
                 f"{run['dataset_bytes'] / 1e6:.1f} MB",
                 f"{run['store_requests']:,}",
                 *(num(x) for x in run["epochs"]),
             ]
         )
-    head = ["system", "bytes fetched / dataset", "dataset (its format)", "requests"]
+    head = ["system", "link", "bytes fetched / dataset", "dataset (its format)", "requests"]
     head += [f"epoch {i + 1} samples/s (median job)" for i in range(p["epochs"])]
     return "\n".join(
         [
             f"{p['jobs']} jobs x {p['epochs']} epochs over W3's {p['samples']:,} JPEGs, "
-            f"{p['workers']} loader worker(s) a job, unthrottled.",
+            f"{p['workers']} loader worker(s) a job. "
+            f"Links: {links_shown(res.get('links', {'unthrottled': (0.0, 0.0)}))}.",
             "",
             table(head, rows),
             "",
             provenance([res]),
         ]
+    )
+
+
+def links_shown(links: dict[str, Any]) -> str:
+    """``bench.remote``'s links as a result file records them: name, bandwidth, latency."""
+    return "; ".join(
+        f"`{name}`: " + (f"{bw / 1e6:.0f} MB/s, {lat * 1e3:.0f} ms a request" if bw else "loopback")
+        for name, (bw, lat) in links.items()
     )
 
 
@@ -1323,10 +1334,7 @@ def remote(r: Results, args: list[str]) -> str:
     head = ["link", "system"]
     head += [f"epoch {i + 1} samples/s" for i in range(p["epochs"])]
     head += ["first batch", "from the store", "requests"]
-    links = "; ".join(
-        f"`{name}`: " + (f"{bw / 1e6:.0f} MB/s, {lat * 1e3:.0f} ms a request" if bw else "loopback")
-        for name, (bw, lat) in res["links"].items()
-    )
+    links = links_shown(res["links"])
     lines = [
         f"{p['samples']:,} JPEGs ({res['dataset_bytes'] / 1e6:.1f} MB), batch 64, "
         f"{p['workers']} workers, {p['runs']} runs a cell (median [min-max]). Links: {links}.",
@@ -1335,22 +1343,29 @@ def remote(r: Results, args: list[str]) -> str:
     ]
     cache = res.get("cache")
     if cache:
+        # a result from before the cache counted them has no ``wasted``
+        counted = all("wasted" in c for c in cache["rules"].values())
         crow = [
             [
                 rule,
                 ", ".join(f"{g:,}" for g in c["gets"]),
                 ", ".join(f"{h:.2f}" for h in c["hit_ratio"]),
+                *([", ".join(f"{w:,}" for w in c["wasted"])] if counted else []),
             ]
             for rule, c in cache["rules"].items()
         ]
+        chead = ["eviction rule", "GETs by epoch", "hit ratio by epoch"]
+        chead += ["fetched ahead, evicted unread (by epoch's end)"] if counted else []
         lines += [
             "",
             f"A dataset twice the object cache's size ({cache['samples']:,} objects, "
             f"{cache['dataset_bytes'] / 1e6:.1f} MB, cache {cache['cache_bytes'] / 1e6:.1f} MB), "
-            "three epochs; hit ratio 1 - GETs / samples (below zero: objects fetched ahead "
-            "were evicted before their use and fetched again):",
+            "three epochs; GETs counted while the trainer reads each epoch (the look-ahead "
+            "fetches the next epoch's first objects before it ends); hit ratio 1 - GETs / "
+            "samples (below zero: more GETs than objects, the next epoch's or objects fetched "
+            "ahead, evicted before their use and fetched again):",
             "",
-            table(["eviction rule", "GETs by epoch", "hit ratio by epoch"], crow),
+            table(chead, crow),
         ]
     return "\n".join([*lines, "", provenance([res])])
 

@@ -264,7 +264,8 @@ def _remote(remote: dict[str, Any] | None) -> list[str]:
         f"{st['wait_s']:.1f} s",
         f"object cache: {_mb(cache['held_bytes'])}/{_mb(cache['max_bytes'])} MB, "
         f"{cache['entries']} units ({cache['pinned']} pinned), hits {ratio(st)}, "
-        f"{cache['evictions']} evicted ({cache['eviction']})",
+        f"{cache['evictions']} evicted ({cache['eviction']}; "
+        f"{cache.get('wasted', 0)} fetched ahead, unread)",
     ]
     for name, c in sorted(remote["loaders"].items()):
         lines.append(

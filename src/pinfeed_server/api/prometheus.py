@@ -259,6 +259,7 @@ REMOTE_CACHE = (  # gauge, help, the object cache's field
     ("pinfeed_remote_cache_pinned", "Units pinned by batches in the making", "pinned"),
 )
 REMOTE_EVICTIONS = "Units evicted from the node's object cache"
+REMOTE_WASTED = "Units fetched ahead and evicted before any read (fetched again when needed)"
 
 
 def _remote(out: list[str], service: Service) -> None:
@@ -278,6 +279,8 @@ def _remote(out: list[str], service: Service) -> None:
         out.append(f"{metric} {_num(getattr(stats.cache, field))}\n")
     _family(out, "pinfeed_remote_cache_evictions_total", "counter", REMOTE_EVICTIONS)
     out.append(f"pinfeed_remote_cache_evictions_total {_num(stats.cache.evictions)}\n")
+    _family(out, "pinfeed_remote_cache_wasted_total", "counter", REMOTE_WASTED)
+    out.append(f"pinfeed_remote_cache_wasted_total {_num(stats.cache.wasted)}\n")
 
 
 # A mixture loader's sources (``LoaderStatus.sources``), labelled loader and dataset.
@@ -332,6 +335,7 @@ def families() -> list[Family]:
         ),
         *(Family(metric, "gauge", doc, ()) for metric, doc, _ in REMOTE_CACHE),
         Family("pinfeed_remote_cache_evictions_total", "counter", REMOTE_EVICTIONS, ()),
+        Family("pinfeed_remote_cache_wasted_total", "counter", REMOTE_WASTED, ()),
         *(Family(metric, kind, doc, ("loader", "dataset")) for metric, kind, _, doc in MIXTURE),
     ]
 

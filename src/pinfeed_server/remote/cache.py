@@ -45,6 +45,9 @@ from pinfeed_server.remote.stats import CacheState, Counts
 log = logging.getLogger("pinfeed.remote")
 
 WAIT_S = 600.0  # a reader waits this long at most for another's download of a unit
+# making room evicts down to 1/LOW_WATER of the cache below its size (a round of ranking
+# serves many inserts); what is fetched ahead fits below that mark
+LOW_WATER = 50
 
 
 @dataclass
@@ -54,6 +57,7 @@ class Entry:
     owner: str | None = None  # the manifest whose schedules rank it
     uid: int = -1
     pins: int = 0
+    ahead: bool = False  # fetched ahead, not read since
 
 
 class ObjectCache:
@@ -78,6 +82,7 @@ class ObjectCache:
         self._held = 0
         self._reserved = 0
         self.evictions = 0
+        self.wasted = 0  # units fetched ahead, evicted before a read
         self._clock = itertools.count()
         self._slots = threading.BoundedSemaphore(concurrency)
         self._schedules: dict[str, list[Schedule]] = {}
@@ -132,6 +137,7 @@ class ObjectCache:
                 e = self._entries.get(d)
                 if e is not None and e.size == unit.length:
                     e.used = next(self._clock)
+                    e.ahead = e.ahead and ahead
                     e.pins += int(pin)
                     if owner is not None and e.owner is None:
                         e.owner, e.uid = owner, unit.uid
@@ -151,7 +157,7 @@ class ObjectCache:
                 counts.add(**({"prefetched": 1} if ahead else {"misses": 1}))
             missed = True  # a miss once, however long the wait
             if leader:
-                self._download(unit, dataset, fut, owner)
+                self._download(unit, dataset, fut, owner, ahead)
             try:
                 fut.result(WAIT_S)
             except TimeoutError:
@@ -159,7 +165,9 @@ class ObjectCache:
             if time.monotonic() - t0 > WAIT_S:
                 raise RemoteError(f"{unit}: evicted again before it could be read")
 
-    def _download(self, unit: Unit, dataset: str, fut: Future[None], owner: str | None) -> None:
+    def _download(
+        self, unit: Unit, dataset: str, fut: Future[None], owner: str | None, ahead: bool
+    ) -> None:
         d = unit.digest
         final = self.path(d)
         part = final.with_name(f".{d}.{os.getpid()}.{next(self._parts)}.part")
@@ -181,7 +189,7 @@ class ObjectCache:
             with self._lock:
                 self._reserved -= unit.length
                 self._held += unit.length
-                self._entries[d] = Entry(unit.length, next(self._clock), owner, unit.uid)
+                self._entries[d] = Entry(unit.length, next(self._clock), owner, unit.uid, 0, ahead)
             fut.set_result(None)
         except BaseException as exc:
             part.unlink(missing_ok=True)
@@ -203,16 +211,23 @@ class ObjectCache:
         with self._lock:
             return digest in self._entries
 
-    def room_for(self, nbytes: int, next_use: int) -> bool:
-        """Whether a unit needed ``next_use`` reads from now may be fetched ahead: the
-        cache has room, or holds a unit needed later than it (which it would evict)."""
+    def room_for(self, nbytes: int, next_use: int, queued: int = 0) -> bool:
+        """Whether units of ``nbytes`` needed ``next_use`` reads from now (their batch's
+        last read) may be fetched ahead and still be here then: under ``next-use``, what
+        the cache must keep until then fits with them below its low-water mark (the
+        pinned units, the downloads under way, ``queued`` bytes a loader asked for and
+        not yet had, and every unit some loader needs by then), so that fetching them
+        evicts only units needed later than they are (Belady's rule, for the bytes they
+        displace, not for one unit) and no eviction after them needs to take one of
+        them. Under ``lru``, always (its look-ahead is bounded by bytes, ``node.py``)."""
+        if self.eviction != "next-use":
+            return True
+        limit = self.max_bytes - self.max_bytes // LOW_WATER
         with self._lock:
-            if self._held + self._reserved + nbytes <= self.max_bytes:
+            base = self._reserved + queued + nbytes
+            if self._held + base <= limit:
                 return True
-            if self.eviction != "next-use":
-                return True
-            worst = self._worst_next_use()
-        return worst > next_use
+            return self._kept_until(next_use) + base <= limit
 
     # -- eviction ------------------------------------------------------------------------
     def schedule(self, owner: str, schedule: Schedule) -> Callable[[], None]:
@@ -228,13 +243,10 @@ class ObjectCache:
 
         return remove
 
-    def _ranks(self, digests: list[str]) -> np.ndarray:
-        """The order to evict ``digests`` in, last first out: by next use, then age."""
-        entries = [self._entries[d] for d in digests]
-        age = np.array([-e.used for e in entries], dtype=np.int64)
-        if self.eviction == "lru":
-            return np.argsort(age, kind="stable")
-        nxt = np.full(len(entries), float(INF))
+    def _next_uses(self, entries: list[Entry]) -> np.ndarray:
+        """Reads until each entry's unit is needed, the soonest of its owner's loaders
+        (INF: no loader needs it in sight)."""
+        nxt = np.full(len(entries), INF, dtype=np.int64)
         by_owner: dict[str, list[int]] = {}
         for j, e in enumerate(entries):
             if e.owner is not None and self._schedules.get(e.owner):
@@ -244,28 +256,28 @@ class ObjectCache:
             best = np.full(len(js), INF, dtype=np.int64)
             for s in self._schedules[owner]:
                 best = np.minimum(best, s.next_use(uids))
-            nxt[js] = best.astype(np.float64)
-        # next use first; age breaks ties (those not in sight: least recently used)
-        return np.lexsort((age, nxt))
+            nxt[js] = best
+        return nxt
 
-    def _worst_next_use(self) -> int:
-        free = [d for d, e in self._entries.items() if e.pins == 0]
+    def _ranks(self, digests: list[str]) -> np.ndarray:
+        """The order to evict ``digests`` in, last first out: by next use, then age."""
+        entries = [self._entries[d] for d in digests]
+        age = np.array([-e.used for e in entries], dtype=np.int64)
+        if self.eviction == "lru":
+            return np.argsort(age, kind="stable")
+        # next use first; age breaks ties (those not in sight: least recently used)
+        return np.lexsort((age, self._next_uses(entries)))
+
+    def _kept_until(self, reads: int) -> int:
+        """Bytes the cache must keep for the next ``reads`` reads: units pinned, and
+        units some loader needs within them."""
+        entries = list(self._entries.values())
+        pinned = sum(e.size for e in entries if e.pins)
+        free = [e for e in entries if not e.pins]
         if not free:
-            return -1
-        entries = [self._entries[d] for d in free]
-        worst = -1
-        by_owner: dict[str, list[int]] = {}
-        for e in entries:
-            if e.owner is None or not self._schedules.get(e.owner):
-                return int(INF)
-            by_owner.setdefault(e.owner, []).append(e.uid)
-        for owner, uids in by_owner.items():
-            arr = np.array(uids, dtype=np.int64)
-            best = np.full(len(arr), INF, dtype=np.int64)
-            for s in self._schedules[owner]:
-                best = np.minimum(best, s.next_use(arr))
-            worst = max(worst, int(best.max()))
-        return worst
+            return pinned
+        sizes = np.array([e.size for e in free], dtype=np.int64)
+        return pinned + int(sizes[self._next_uses(free) <= reads].sum())
 
     def _make_room(self, nbytes: int) -> None:
         """Evict (under the lock) until ``nbytes`` more fit, down to a low-water mark
@@ -273,7 +285,7 @@ class ObjectCache:
         over = self._held + self._reserved + nbytes - self.max_bytes
         if over <= 0:
             return
-        target = over + self.max_bytes // 50
+        target = over + self.max_bytes // LOW_WATER
         free = [d for d, e in self._entries.items() if e.pins == 0]
         if not free:
             return
@@ -284,8 +296,9 @@ class ObjectCache:
                 break
             d = free[int(j)]
             freed += self._entries[d].size
-            self._drop(d, self._entries[d])
             self.evictions += 1
+            self.wasted += int(self._entries[d].ahead)
+            self._drop(d, self._entries[d])
 
     def _drop(self, d: str, e: Entry) -> None:
         self._entries.pop(d, None)
@@ -301,4 +314,5 @@ class ObjectCache:
                 sum(1 for e in self._entries.values() if e.pins),
                 self.evictions,
                 self.eviction,
+                self.wasted,
             )

@@ -141,9 +141,11 @@ class Remote:
                 self._pool = ThreadPoolExecutor(
                     self.config.concurrency, thread_name_prefix="pinfeed-fetch"
                 )
-            # What is fetched ahead must still be there when its batch comes: a quarter of
-            # the cache at most (more, in a cache smaller than the dataset, evicts what it
-            # fetched before it is read, and fetches it again: 28 GETs a sample measured)
+            # What is fetched ahead must still be there when its batch comes: under
+            # next-use the cache lets in only what it keeps until then (``room_for``);
+            # under either rule a quarter of the cache at most (more, under LRU in a cache
+            # smaller than the dataset, evicts what it fetched before it is read, and
+            # fetches it again: 28 GETs a sample measured)
             ahead = min(self.config.ahead_bytes, self.config.max_bytes // 4)
             reader = Reader(name, dataset, cache, self._pool, ahead, self.config.concurrency)
             self._readers[id(reader)] = reader

@@ -3,9 +3,11 @@ pinned until the batch is made (``release``); the batches after it are fetched a
 
 ``ahead(batches)`` starts a thread that walks the loader's future index batches (its
 plan, from the engine's position on, across epochs) and fetches their units through
-the node's pool of GETs, at most ``ahead_bytes`` beyond the last batch gated; a unit
-the cache would have to evict something needed sooner for is not fetched ahead (it
-waits for its batch). A seek restarts it from the new position.
+the node's pool of GETs, at most ``ahead_bytes`` beyond the last batch gated, and in
+order: a batch is fetched once the cache can keep its units until its last read (with
+every unit needed before then, ``ObjectCache.room_for``), and until then nothing after
+it is (if its turn comes first, the batch fetches its own). So nothing fetched ahead is
+evicted before it is read, to be fetched again. A seek restarts it from the new position.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class Reader:
         self._cond = threading.Condition()
         self._gated = 0  # batches gated since the look-ahead (re)started
         self._gen = 0
+        self._queued = 0  # bytes submitted to the pool, not yet fetched
         self._closed = False
 
     def units(self, indices: Sequence[int]) -> list[Unit]:
@@ -90,6 +93,8 @@ class Reader:
 
     def release(self, digests: list[str]) -> None:
         self.cache.unpin(digests)
+        with self._cond:  # room, maybe, for the batch the look-ahead waits on
+            self._cond.notify_all()
 
     # -- look-ahead ----------------------------------------------------------------------
     def ahead(self, batches: IndexBatches) -> None:
@@ -115,7 +120,7 @@ class Reader:
             for ordinal, indices in enumerate(batches):
                 if indices is None:
                     return
-                units = [u for u in self.units(indices) if not self.cache.has(u.digest)]
+                units = self._missing(indices)
                 nbytes = sum(u.length for u in units)
                 with self._cond:
                     while True:
@@ -126,19 +131,40 @@ class Reader:
                         if held + nbytes <= self._ahead_bytes or not window:
                             break
                         self._cond.wait(0.5)
+                # The batch's units, once the cache can keep them until its last read
+                # (``room_for``); until then, none after them either (they would take
+                # the room first). A batch gated meanwhile fetched its own.
+                while units:
+                    with self._cond:
+                        if self._stale(gen):
+                            return
+                        if ordinal < self._gated:
+                            units = []
+                            break
+                        # the last gated batch starts at the schedule's position
+                        reads = (ordinal - self._gated + 2) * len(indices)
+                        queued = self._queued
+                    if self.cache.room_for(nbytes, reads, queued):
+                        break
+                    with self._cond:  # a batch gated or made frees room
+                        self._cond.wait(0.5)
+                    units = self._missing(indices)
+                    nbytes = sum(u.length for u in units)
                 window.append((ordinal, nbytes))
                 held += nbytes
-                distance = max(0, ordinal - self._gated) * len(indices)  # in samples
                 for unit in units:
-                    if not self.cache.room_for(unit.length, distance):
-                        continue  # the cache holds only what is needed sooner
                     inflight.acquire()
                     if self._stale(gen):
                         inflight.release()
                         return
+                    with self._cond:
+                        self._queued += unit.length
                     self._pool.submit(self._fetch, unit, inflight)
         except Exception:  # a plan that cannot be walked: reads still work, unhelped
             log.exception("loader %s: fetching ahead stopped", self.name)
+
+    def _missing(self, indices: Sequence[int]) -> list[Unit]:
+        return [u for u in self.units(indices) if not self.cache.has(u.digest)]
 
     def _fetch(self, unit: Unit, inflight: threading.BoundedSemaphore) -> None:
         try:
@@ -148,6 +174,8 @@ class Reader:
         except Exception:
             log.exception("loader %s: fetching %s ahead", self.name, unit)
         finally:
+            with self._cond:
+                self._queued -= unit.length
             inflight.release()
 
     def close(self) -> None:

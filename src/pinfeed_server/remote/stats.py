@@ -48,6 +48,7 @@ class CacheState:
     pinned: int
     evictions: int
     eviction: str  # the rule: "next-use" or "lru"
+    wasted: int = 0  # units fetched ahead and evicted before any read: fetched twice
 
 
 @dataclass(frozen=True)
