@@ -35,16 +35,17 @@ compile: $(STAMP)
 # tests that measure the machine, alone. PYTEST_WORKERS=auto: one worker per CPU.
 PYTEST_WORKERS ?= 2
 pytest: $(STAMP) compile
-	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile -m 'not serial and not heavy'
-	$(BIN)/pytest -m 'serial and not heavy'
+	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile -m 'not serial and not heavy and not slow'
+	$(BIN)/pytest -m 'serial and not heavy and not slow'
 
 # Tests that run many processes at once or a whole deployment (torchrun and Lightning DDP
 # jobs of 2-6 ranks, Docker images and compose stacks, two nodes, the benchmarks' smoke
-# runs, fifty trainer processes in a row): minutes of their own, so not in `make test`;
-# CI runs both. The same two passes as `pytest`.
+# runs and objects, fifty trainer processes in a row), and the `slow` ones (10 s or more
+# each: a server killed and restarted, a script's whole life): minutes of their own, so
+# not in `make test`, which keeps to 10 minutes; CI runs both. The same two passes.
 test-heavy: $(STAMP) compile
-	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile -m 'heavy and not serial'
-	$(BIN)/pytest -m 'heavy and serial'
+	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile -m '(heavy or slow) and not serial'
+	$(BIN)/pytest -m '(heavy or slow) and serial'
 
 test: lint typecheck deploy-check docs pytest
 

@@ -86,6 +86,7 @@ def test_what_a_cache_reports_and_drop(admin: Client, server: Server) -> None:
     admin.delete_dataset(ds)
 
 
+@pytest.mark.slow
 def test_caches_share_the_budget_and_come_back_after_a_restart(make_server: MakeServer) -> None:
     # Pairs(400, 1024): 400 records of ~4.2 KB, ~1.7 MB for the whole dataset
     big = {"factory": "tests.fixtures.datasets:Pairs", "kwargs": {"length": 400, "width": 1024}}

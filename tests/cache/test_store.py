@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from pinfeed_server.cache import CacheSpec, build, check, reservation
@@ -41,6 +42,7 @@ def _reads(log: Path) -> list[int]:
     return [int(x) for x in log.read_text().split()] if log.exists() else []
 
 
+@pytest.mark.slow
 def test_two_processes_missing_a_sample_store_it_once(tmp_path: Path) -> None:
     log = tmp_path / "reads"
     cached = _cached(tmp_path, CountedReads(str(log), 16))

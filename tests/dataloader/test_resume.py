@@ -89,6 +89,7 @@ def test_state_between_epochs_is_the_next_epochs_start(server: Server) -> None:
     loader.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("answered", [False, True], ids=["killed", "killed-after-answering"])
 def test_reconnect_after_a_server_restart_mid_epoch(restartable: Server, answered: bool) -> None:
     """``reconnect=True``: the server is SIGKILLed after 4 batches and started again;

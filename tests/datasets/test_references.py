@@ -29,7 +29,9 @@ from tests.datasets.parity import check_parity
 from tests.helpers import assert_same, unique
 
 # webdataset's gopen (W8's reference) leaves shard files for the garbage collector to close.
-pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
+# The benchmarks' own objects, checked against the kinds and torch's DataLoader: heavy
+# (make test-heavy), as the benchmarks' smoke runs are.
+pytestmark = [pytest.mark.filterwarnings("ignore::ResourceWarning"), pytest.mark.heavy]
 
 LENGTH = 45  # 6 batches of 7 and one of 3
 BATCH = 7

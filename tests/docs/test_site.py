@@ -79,6 +79,7 @@ chromium = pytest.mark.skipif(
 
 
 @chromium
+@pytest.mark.slow
 def test_every_page_renders_offline(site: Site) -> None:
     urls = site.pages()
     assert len(urls) >= 10, urls

@@ -164,6 +164,7 @@ def test_sigkilled_worker_keeps_dataloaders_sequence(
     admin.delete_loader(name)
 
 
+@pytest.mark.slow
 def test_a_collate_fn_that_draws_is_replayed_too(restartable: Server) -> None:
     """A stream resumed on a new server (no RNG snapshot to restore) replays its earlier
     batches through the ``collate_fn`` as well (DataLoader's fetcher collates in the

@@ -168,6 +168,7 @@ def test_resume_in_a_new_trainer_process(
     admin.delete_dataset(ds)
 
 
+@pytest.mark.slow
 def test_a_server_restart_serves_the_persisted_cache(restartable: Server) -> None:
     """A checkpoint after 6 batches, a server restart, a resume: the batches are
     DataLoader's, and the new server reads from the files only what the old one had not

@@ -4,9 +4,12 @@ earlier one left; the retries' deadline."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +20,7 @@ from pinfeed import Loader
 from pinfeed_server.remote.cache import ObjectCache
 from pinfeed_server.remote.client import S3Client
 from pinfeed_server.remote.objects import Manifest, Unit
+from pinfeed_server.remote.reader import Reader
 from pinfeed_server.remote.retry import Backoff
 from pinfeed_server.remote.schedule import Schedule
 from pinfeed_server.remote.stats import Counts
@@ -123,6 +127,50 @@ def test_what_is_fetched_ahead_fits_beside_what_is_needed_before_it(
     assert not cache.room_for(SIZE, 5)
     cache.unpin([units[0].digest])
     assert cache.room_for(SIZE, 5)
+
+
+class _OnePerSample:
+    """A remote dataset whose sample k reads unit k of ``manifest`` (``RemoteReads``)."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        self.remote_manifest = manifest
+
+    def remote_units(self, indices: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        return [(indices, indices)]
+
+
+def test_the_look_ahead_stops_within_its_bytes_when_the_cache_holds_everything(
+    tmp_path: Path, client: S3Client, manifest: Manifest
+) -> None:
+    """The plan has no end (epoch after epoch). With every unit cached nothing is left
+    to fetch, and the walk must still stop at ``ahead_bytes`` of reads beyond the last
+    batch gated, not run on through the epochs to come (it did: a core of the server
+    spent on it, and the loader's epochs from the cache at half the speed of local
+    files)."""
+    cache = _cache(tmp_path, client, "next-use", units=8)
+    for unit in _units(manifest):
+        cache.get(unit, "d")
+    pulled = [0]
+
+    def plan() -> Iterator[list[int]]:
+        for _ in itertools.count():  # epochs of four batches of two samples
+            for b in range(4):
+                pulled[0] += 1
+                yield [2 * b, 2 * b + 1]
+
+    pool = ThreadPoolExecutor(2)
+    reader = Reader("r", _OnePerSample(manifest), cache, pool, 4 * SIZE, 2)  # two batches
+    try:
+        reader.ahead(plan())
+        time.sleep(1.0)
+        assert pulled[0] <= 3, f"walked {pulled[0]} batches with two batches' bytes ahead"
+        for k in range(4):  # the trainer reads on: the walk follows it, as far ahead
+            reader.release(reader.gate(0, 2 * k, [2 * k, 2 * k + 1]))
+        time.sleep(0.5)
+        assert pulled[0] <= 7, pulled[0]
+    finally:
+        reader.close()
+        pool.shutdown()
 
 
 def test_pinned_units_are_never_evicted(

@@ -156,6 +156,7 @@ def test_store_down_mid_epoch_and_back(
             proxy.up()
 
 
+@pytest.mark.slow
 def test_store_down_past_the_retry_budget_then_back(
     own_server: Server, s3: S3Server, proxy: FaultProxy, prefix: str
 ) -> None:
@@ -183,6 +184,7 @@ def test_store_down_past_the_retry_budget_then_back(
             proxy.up()
 
 
+@pytest.mark.slow
 def test_cache_kept_across_a_restart_with_the_store_down_at_start(
     own_server: Server, s3: S3Server, proxy: FaultProxy, prefix: str
 ) -> None:

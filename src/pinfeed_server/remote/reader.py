@@ -3,11 +3,14 @@ pinned until the batch is made (``release``); the batches after it are fetched a
 
 ``ahead(batches)`` starts a thread that walks the loader's future index batches (its
 plan, from the engine's position on, across epochs) and fetches their units through
-the node's pool of GETs, at most ``ahead_bytes`` beyond the last batch gated, and in
-order: a batch is fetched once the cache can keep its units until its last read (with
-every unit needed before then, ``ObjectCache.room_for``), and until then nothing after
-it is (if its turn comes first, the batch fetches its own). So nothing fetched ahead is
-evicted before it is read, to be fetched again. A seek restarts it from the new position.
+the node's pool of GETs, at most ``ahead_bytes`` of reads beyond the last batch gated
+(counting the units already cached: the plan has no end, and a walk that counted only
+what it fetched would run on through the epochs to come once the cache holds the
+dataset), and in order: a batch is fetched once the cache can keep its units until its
+last read (with every unit needed before then, ``ObjectCache.room_for``), and until
+then nothing after it is (if its turn comes first, the batch fetches its own). So
+nothing fetched ahead is evicted before it is read, to be fetched again. A seek restarts
+it from the new position.
 """
 
 from __future__ import annotations
@@ -120,17 +123,19 @@ class Reader:
             for ordinal, indices in enumerate(batches):
                 if indices is None:
                     return
-                units = self._missing(indices)
-                nbytes = sum(u.length for u in units)
+                reads = self.units(indices)
+                span = sum(u.length for u in reads)  # what the batch reads, cached or not
                 with self._cond:
                     while True:
                         if self._stale(gen):
                             return
                         while window and window[0][0] < self._gated:
                             held -= window.popleft()[1]
-                        if held + nbytes <= self._ahead_bytes or not window:
+                        if held + span <= self._ahead_bytes or not window:
                             break
                         self._cond.wait(0.5)
+                units = [u for u in reads if not self.cache.has(u.digest)]
+                nbytes = sum(u.length for u in units)
                 # The batch's units, once the cache can keep them until its last read
                 # (``room_for``); until then, none after them either (they would take
                 # the room first). A batch gated meanwhile fetched its own.
@@ -150,8 +155,8 @@ class Reader:
                         self._cond.wait(0.5)
                     units = self._missing(indices)
                     nbytes = sum(u.length for u in units)
-                window.append((ordinal, nbytes))
-                held += nbytes
+                window.append((ordinal, span))
+                held += span
                 for unit in units:
                     inflight.acquire()
                     if self._stale(gen):
