@@ -123,8 +123,8 @@ class Reader:
             for ordinal, indices in enumerate(batches):
                 if indices is None:
                     return
-                reads = self.units(indices)
-                span = sum(u.length for u in reads)  # what the batch reads, cached or not
+                needed = self.units(indices)
+                span = sum(u.length for u in needed)  # what the batch reads, cached or not
                 with self._cond:
                     while True:
                         if self._stale(gen):
@@ -134,7 +134,7 @@ class Reader:
                         if held + span <= self._ahead_bytes or not window:
                             break
                         self._cond.wait(0.5)
-                units = [u for u in reads if not self.cache.has(u.digest)]
+                units = [u for u in needed if not self.cache.has(u.digest)]
                 nbytes = sum(u.length for u in units)
                 # The batch's units, once the cache can keep them until its last read
                 # (``room_for``); until then, none after them either (they would take
