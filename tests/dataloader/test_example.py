@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import Server
 from tests.launcher import REPO
 
@@ -37,6 +39,7 @@ def _run(code: str, tmp: Path, server: Server) -> list[str]:
     return out.stdout.splitlines()
 
 
+@pytest.mark.slow
 def test_the_one_line_switch_gives_the_same_losses(server: Server, tmp_path: Path) -> None:
     code = _example()
     torch_code = code.replace(IMPORT, "from torch.utils.data import DataLoader")

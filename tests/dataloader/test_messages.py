@@ -350,6 +350,7 @@ def record(server: Server, sent: list[bytes]) -> dict[str, list[str]]:
     return got
 
 
+@pytest.mark.slow
 def test_the_messages_each_configuration_sends(server: Server, sent: list[bytes]) -> None:
     got = record(server, sent)
     if os.environ.get("PINFEED_WRITE_MESSAGES") == "1":

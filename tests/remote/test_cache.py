@@ -279,6 +279,7 @@ def test_a_cache_smaller_than_the_dataset_fetches_each_object_about_once_an_epoc
     assert all(g <= 1.25 * 128 for g in gets), gets
 
 
+@pytest.mark.slow
 def test_the_next_use_rule_fetches_ahead_only_what_it_keeps_until_read(
     tmp_path: Path, s3: S3Server, proxy: FaultProxy, prefix: str
 ) -> None:
