@@ -11,17 +11,20 @@ dataset's length: 10 MiB each at 1.28 M samples, several per loader): the server
 by ~59 MiB a loader at that size. A fixed threshold turns the adaptation off: such
 buffers are always mapped, and always returned. Only the server is set, and only once
 its forkserver has been forked from it (``Service.start``), so the forkserver and each
-dataset's zygote keep glibc's defaults. The cost the server keeps: a loader without
-workers makes its batches in the server, so a dataset that allocates a buffer of 1 MiB
-or more per batch (a batched read's ``index_select``) has it mapped and faulted in each
-batch. And a fixed mmap threshold turns the adaptive *trim* threshold off too, leaving
-it at glibc's 128 KiB: a loader without workers whose samples are buffers below 1 MiB
-(W2's 588 KiB rows through a per-sample Dataset, 37 MiB a batch) had its heap trimmed
-after each batch and faulted in again, in some threads' arenas (the third loader on a
-fresh server): 9,000 page faults and 30 ms a batch where 750 and 8 ms were its due.
-So while such a loader lives, the server keeps a batch of freed heap for its next
-batch, as a worker does (``keep_inline_batches``), and gives it back when the last one
-goes (``release_inline_batches``: the threshold back to glibc's, and ``malloc_trim``).
+dataset's zygote keep glibc's defaults. But a loader without workers makes its batches
+in the server, and a dataset that allocates a buffer of 1 MiB or more per batch (a
+batched read's ``index_select``: 3 MiB a W1 batch) then had it mapped and faulted in
+each batch: ~770 page faults, 1.8 ms of a 3.3 ms batch. And a fixed mmap threshold
+turns the adaptive *trim* threshold off too, leaving it at glibc's 128 KiB: a loader
+without workers whose samples are buffers below 1 MiB (W2's 588 KiB rows through a
+per-sample Dataset, 37 MiB a batch) had its heap trimmed after each batch and faulted
+in again, in some threads' arenas (the third loader on a fresh server). So while such a
+loader lives, the server serves buffers up to a slot (at most glibc's 32 MiB ceiling)
+from its heap and keeps a batch of freed heap for the next batch, as a worker does
+(``keep_inline_batches``); a bigger buffer (an epoch order of millions of samples) is
+still mapped and returned. When the last such loader goes, both thresholds are
+glibc's again and ``malloc_trim`` gives the heap's free memory back
+(``release_inline_batches``), so loaders created and deleted leave nothing behind.
 
 A worker (``keep_batch_buffers``). A worker allocates much the same buffers for every
 batch, and frees them once the batch is in its slot. glibc's adaptive thresholds fit
@@ -53,6 +56,7 @@ MMAP_THRESHOLD = 1 << 20  # the server's
 WORKER_MMAP_THRESHOLD = 32 << 20  # glibc's ceiling for its own adaptive threshold (64-bit)
 WORKER_TRIM_SLACK = 32 << 20
 DEFAULT_TRIM_THRESHOLD = 128 << 10  # glibc's
+PAGE = 4096
 
 _inline: dict[int, int] = {}  # the server's loaders without workers: id -> slot bytes
 _inline_lock = threading.Lock()
@@ -97,35 +101,41 @@ def keep_batch_buffers(slot_bytes: int) -> bool:
 
 def keep_inline_batches(owner: object, slot_bytes: int) -> bool:
     """A loader without workers (``owner``) makes batches of up to ``slot_bytes`` in this
-    process: keep a batch of freed heap for the next one while it lives (see the module
-    docstring); False where it is not glibc or glibc refused."""
+    process: serve its buffers from the heap and keep a batch of freed heap for the next
+    one while it lives (see the module docstring); False where it is not glibc or glibc
+    refused."""
     with _inline_lock:
         _inline[id(owner)] = slot_bytes
-        return _set_trim()
+        return _set_thresholds()
 
 
 def release_inline_batches(owner: object) -> None:
-    """``owner`` is gone: the trim threshold for those left, and the heap's free memory
-    back to the system (``malloc_trim``)."""
+    """``owner`` is gone: the thresholds for those left (the server's own where none
+    is), and the heap's free memory back to the system (``malloc_trim``)."""
     with _inline_lock:
         if _inline.pop(id(owner), None) is None:
             return
-        _set_trim()
+        _set_thresholds()
         trim = _glibc("malloc_trim")
         if trim is not None:
             trim(0)
 
 
-def _set_trim() -> bool:
+def _set_thresholds() -> bool:
     mallopt = _mallopt()
     if mallopt is None:
         return False
     most = max(_inline.values(), default=None)
-    threshold = DEFAULT_TRIM_THRESHOLD if most is None else 2 * most + WORKER_TRIM_SLACK
-    ok = bool(mallopt(M_TRIM_THRESHOLD, threshold))
+    if most is None:
+        mapped, threshold = MMAP_THRESHOLD, DEFAULT_TRIM_THRESHOLD
+    else:  # a batch's buffers (each at most a slot) from the heap; bigger ones mapped
+        mapped = min(WORKER_MMAP_THRESHOLD, max(MMAP_THRESHOLD, most + PAGE))
+        threshold = 2 * most + WORKER_TRIM_SLACK
+    ok = bool(mallopt(M_MMAP_THRESHOLD, mapped))
+    ok = bool(mallopt(M_TRIM_THRESHOLD, threshold)) and ok
     if not ok:
         log.warning(
-            "mallopt(M_TRIM_THRESHOLD) refused: a loader without workers may fault "
-            "its sample buffers in anew each batch"
+            "mallopt refused: a loader without workers may fault its batch buffers in "
+            "anew each batch"
         )
     return ok
