@@ -18,6 +18,7 @@ def test_healthz(server: Server) -> None:
         assert c.health() == {"status": "ok"}
 
 
+@pytest.mark.slow
 def test_readyz_is_503_while_a_loader_starts(make_server: MakeServer) -> None:
     server = make_server(PINFEED_ALLOWED_PLUGINS=PLUGINS)
     gate = server.root / "gate"

@@ -11,6 +11,7 @@ from pinfeed import Client, Conflict, InvalidRequest, WorkerLimit
 from tests.api.conftest import MakeServer, synthetic
 
 
+@pytest.mark.slow
 def test_node_shows_the_budget_and_every_loader(make_server: MakeServer) -> None:
     server = make_server(PINFEED_MAX_WORKERS="3")
     with Client(server.url) as c:

@@ -24,6 +24,7 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, settings
+from hypothesis.errors import FlakyStrategyDefinition
 from schemathesis.config import SchemathesisConfig
 from schemathesis.specs.openapi.checks import ensure_resource_availability
 
@@ -145,24 +146,34 @@ def _run_stateful(schema: Any, url: str, headers: dict[str, str]) -> None:
                 if http.get("/v1/loaders/demo").status_code == 404:
                     http.post("/v1/loaders", json=DEMO_LOADER.model_dump(mode="json"))
 
-    Machine.run(
-        settings=settings(
-            max_examples=25,
-            stateful_step_count=8,
-            deadline=None,
-            database=None,
-            suppress_health_check=list(HealthCheck),
-            # No replay: a replay meets a server whose state has moved on (datasets made
-            # by earlier steps), draws differently and ends in FlakyStrategyDefinition
-            # instead of the failure; the failing sequence is reported as it ran.
-            phases=(Phase.explicit, Phase.generate),
-        )
+    run_settings = settings(
+        max_examples=25,
+        stateful_step_count=8,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+        # No replay: a replay meets a server whose state has moved on (datasets made
+        # by earlier steps), draws differently and ends in FlakyStrategyDefinition
+        # instead of the failure; the failing sequence is reported as it ran.
+        phases=(Phase.explicit, Phase.generate),
     )
+    # A sequence's draws follow the server's answers (the links take what a response
+    # returned), so one that meets a loader still starting where an earlier one met it
+    # running draws differently: Hypothesis's FlakyStrategyDefinition, about its own
+    # bookkeeping, not the API (seen in a parallel pass under load). Such a run is run
+    # once more; a check that fails (a status, a body against the schema) fails the
+    # test at once.
+    try:
+        Machine.run(settings=run_settings)
+    except FlakyStrategyDefinition:
+        Machine.run(settings=run_settings)
 
 
+@pytest.mark.slow
 def test_stateful_with_a_token(token_server: Server) -> None:
     _run_stateful(token_schema, token_server.url, AUTH)
 
 
+@pytest.mark.slow
 def test_stateful_without_a_token(open_server: Server) -> None:
     _run_stateful(open_schema, open_server.url, {})

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from torch.utils.data import DataLoader
 
@@ -75,6 +76,7 @@ def _tamper(how: str, srv: Server, params: dict[str, Any]) -> None:
 HOWS = ("stale", "truncated", "unreadable", "corrupt")
 
 
+@pytest.mark.slow
 def test_a_bad_file_is_rebuilt_counted_and_never_served(restartable: Server) -> None:
     """One dataset (and its own JPEGs and cache file) per way a file goes bad, each
     filled by a server, spoilt while it is down and read by the next one."""
@@ -116,6 +118,7 @@ def test_a_bad_file_is_rebuilt_counted_and_never_served(restartable: Server) -> 
             assert stats[how]["samples"] == 40, how
 
 
+@pytest.mark.slow
 def test_a_sigkilled_server_loses_only_the_entries_in_flight(
     restartable: Server, tmp_path: Path
 ) -> None:

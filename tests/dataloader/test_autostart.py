@@ -103,6 +103,7 @@ def _run(env: dict[str, str], code: str = TRAINER, *args: str) -> subprocess.Pop
     )
 
 
+@pytest.mark.slow
 def test_a_server_starts_for_the_trainer_and_exits_when_idle(tmp_path: Path) -> None:
     socket = tmp_path / "pinfeed.sock"
     assert not answers(socket)
@@ -120,6 +121,7 @@ def test_a_server_starts_for_the_trainer_and_exits_when_idle(tmp_path: Path) -> 
     assert not answers(socket)
 
 
+@pytest.mark.slow
 def test_two_trainers_at_once_start_one_server(tmp_path: Path) -> None:
     env = _env(tmp_path, PINFEED_IDLE_EXIT_S="5")
     trainers = [_run(env) for _ in range(2)]
@@ -297,6 +299,7 @@ def _registered(path: Path) -> list[LoaderRow]:
         registry.close()
 
 
+@pytest.mark.slow
 def test_a_scripts_server_says_so_and_when_it_exits(tmp_path: Path) -> None:
     """GET /v1/node and ``pinfeed status`` of the server a script started: started by
     a script, exits PINFEED_IDLE_EXIT_S after its last trainer, and how long is left."""

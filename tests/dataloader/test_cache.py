@@ -145,6 +145,7 @@ def test_read_once_and_shared_by_the_loaders_that_name_it(server: Server, folder
     wait_for(lambda: not cache_holders(server.pid, own_key), "its own cache gone with it")
 
 
+@pytest.mark.slow
 def test_two_trainer_processes_read_each_sample_once(server: Server, folder: Path) -> None:
     """Two jobs on one cache: each sample read once over both; one SIGKILLed leaves the
     cache to the other, and the cache goes with the last."""

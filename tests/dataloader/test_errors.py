@@ -169,6 +169,7 @@ def test_a_sampler_of_keys_without_automatic_batching(server: Server) -> None:
     _alive(server)
 
 
+@pytest.mark.slow
 def test_a_trainer_of_another_uid_may_not_ship_objects(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
@@ -209,6 +210,7 @@ def test_a_trainer_of_another_uid_may_not_ship_objects(
         _alive(srv)
 
 
+@pytest.mark.slow
 def test_a_server_that_accepts_no_objects(tmp_path_factory: pytest.TempPathFactory) -> None:
     env = {"PINFEED_ACCEPT_OBJECTS": "false"}
     with (

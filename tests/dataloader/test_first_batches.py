@@ -222,6 +222,7 @@ class Slow(Dataset[Any]):
         return torch.tensor([i])
 
 
+@pytest.mark.slow
 def test_a_timeout_is_dataloaders(server: Server) -> None:
     """DataLoader's ``timeout`` bounds the wait for a batch from its workers: its own
     RuntimeError, in its words, at the batch that comes too late."""

@@ -216,6 +216,7 @@ def _run_trainer(server: Server, name: str, out: Path, *extra: str) -> int:
     ).returncode
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("persistent", [False, True])
 def test_resume_in_a_new_trainer_process(
     admin: Client, server: Server, tmp_path: Path, persistent: bool

@@ -242,6 +242,7 @@ def test_the_batch_lookup_of_an_elastic_epoch(admin: Client, server: Server, dat
         admin.batch(new[1], 0, 0)  # consumed before the resize: not this loader's
 
 
+@pytest.mark.slow
 def test_a_second_resize_in_the_epoch_across_a_server_crash(restartable: Server) -> None:
     srv = restartable  # its worker cap is 64
     with srv.client() as admin:

@@ -101,6 +101,7 @@ def test_replay_of_an_elastic_epoch(admin: Client, server: Server) -> None:
         admin.delete_loader(name)
 
 
+@pytest.mark.slow
 def test_replay_after_a_server_restart(restartable: Server) -> None:
     srv = restartable
     with srv.client() as admin:

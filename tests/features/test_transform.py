@@ -143,6 +143,7 @@ def test_a_live_patch_changes_no_batch(
     admin.delete_dataset(ds)
 
 
+@pytest.mark.slow
 def test_resume_in_a_new_trainer_process(
     admin: Client, server: Server, images: dict[str, Any], tmp_path: Path
 ) -> None:

@@ -108,6 +108,7 @@ def test_workers_keep_a_batch_of_sample_buffers_for_the_next_batch(server: Serve
     assert statistics.median(per_batch) < 512, f"page faults a batch: {per_batch}"
 
 
+@pytest.mark.slow
 def test_a_loader_without_workers_keeps_a_batch_of_sample_buffers(
     make_server: Callable[..., Server],
 ) -> None:

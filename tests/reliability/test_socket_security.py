@@ -124,6 +124,7 @@ def test_accept_loop_survives_running_out_of_fds(make_server: Callable[..., Serv
         assert len(next(iter(loader))[0]) == 4
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
 def test_socket_group_lets_its_members_attach(make_server: Callable[..., Server]) -> None:
     """PINFEED_SOCKET_GROUP: a trainer running as another uid but in that group attaches;
@@ -150,6 +151,7 @@ def test_socket_group_lets_its_members_attach(make_server: Callable[..., Server]
         shutil.rmtree(reach)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to plant another uid's symlink")
 def test_run_dir_symlinked_by_another_uid_is_refused(
     make_server: Callable[..., Server], tmp_path: Path

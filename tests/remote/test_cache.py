@@ -260,6 +260,7 @@ def _half_cache(
     return Server(tmp_path / "srv", env=env)
 
 
+@pytest.mark.slow
 def test_a_cache_smaller_than_the_dataset_fetches_each_object_about_once_an_epoch(
     tmp_path: Path, s3: S3Server, proxy: FaultProxy, prefix: str
 ) -> None:
