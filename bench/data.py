@@ -513,8 +513,9 @@ WHY = {
     "0). Plain DataLoader pays 256 `__getitem__` calls and `default_collate`'s stack. "
     "Without workers the tuned DataLoader gathers with torch's intra-op threads (2 "
     "here), pinfeed's server with one (`PINFEED_TORCH_THREADS`, default 1: the cores "
-    "are the trainers'); how fast that gather runs depends on how the file's pages sit "
-    "in the page cache (the same code: 297k at commit 02f0849, 848k at 6d21ce5).",
+    "are the trainers'), and each batch then crosses to the trainer's process, a fixed "
+    "cost a batch (`python -m bench null`); how fast the gather runs depends on how the "
+    "file's pages sit in the page cache.",
     "W2": "Rows of 588 KiB: the gather is memory bandwidth. pinfeed gathers a batch into "
     "the slot, its only host copy; the tuned DataLoader does one fancy index per "
     "field, then its workers copy the batch into shared memory; plain DataLoader "
