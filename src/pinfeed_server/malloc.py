@@ -22,9 +22,10 @@ in again, in some threads' arenas (the third loader on a fresh server). So while
 loader lives, the server serves buffers up to a slot (at most glibc's 32 MiB ceiling)
 from its heap and keeps a batch of freed heap for the next batch, as a worker does
 (``keep_inline_batches``); a bigger buffer (an epoch order of millions of samples) is
-still mapped and returned. When the last such loader goes, both thresholds are
-glibc's again and ``malloc_trim`` gives the heap's free memory back
-(``release_inline_batches``), so loaders created and deleted leave nothing behind.
+still mapped and returned. When the last such loader goes, the mmap threshold is the
+server's 1 MiB again, the trim threshold glibc's 128 KiB, and ``malloc_trim`` gives
+the heap's free memory back (``release_inline_batches``), so loaders created and
+deleted leave nothing behind.
 
 A worker (``keep_batch_buffers``). A worker allocates much the same buffers for every
 batch, and frees them once the batch is in its slot. glibc's adaptive thresholds fit
