@@ -54,7 +54,7 @@ log = logging.getLogger("pinfeed")
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 MMAP_THRESHOLD = 1 << 20  # the server's
-WORKER_MMAP_THRESHOLD = 32 << 20  # glibc's ceiling for its own adaptive threshold (64-bit)
+MMAP_CEILING = 32 << 20  # glibc's ceiling for its mmap threshold (64-bit): a worker's, and a cap
 WORKER_TRIM_SLACK = 32 << 20
 DEFAULT_TRIM_THRESHOLD = 128 << 10  # glibc's
 PAGE = 4096
@@ -93,7 +93,7 @@ def keep_batch_buffers(slot_bytes: int) -> bool:
     if mallopt is None:
         return False
     # The mmap threshold first: setting either turns glibc's adaptation off.
-    ok = bool(mallopt(M_MMAP_THRESHOLD, WORKER_MMAP_THRESHOLD))
+    ok = bool(mallopt(M_MMAP_THRESHOLD, MMAP_CEILING))
     ok = bool(mallopt(M_TRIM_THRESHOLD, 2 * slot_bytes + WORKER_TRIM_SLACK)) and ok
     if not ok:
         log.warning("mallopt refused: a worker may fault its batch buffers in anew each batch")
@@ -130,7 +130,7 @@ def _set_thresholds() -> bool:
     if most is None:
         mapped, threshold = MMAP_THRESHOLD, DEFAULT_TRIM_THRESHOLD
     else:  # a batch's buffers (each at most a slot) from the heap; bigger ones mapped
-        mapped = min(WORKER_MMAP_THRESHOLD, max(MMAP_THRESHOLD, most + PAGE))
+        mapped = min(MMAP_CEILING, max(MMAP_THRESHOLD, most + PAGE))
         threshold = 2 * most + WORKER_TRIM_SLACK
     ok = bool(mallopt(M_MMAP_THRESHOLD, mapped))
     ok = bool(mallopt(M_TRIM_THRESHOLD, threshold)) and ok
