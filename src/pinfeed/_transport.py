@@ -9,6 +9,7 @@ in-process fake (as httpx clients take a mock transport). Every reply lands in
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import select
@@ -115,7 +116,7 @@ class SocketTransport:
         try:
             self._sock.send(message)
         except OSError as exc:
-            raise lost(exc.strerror) from None
+            self._send_failed(exc)
 
     def send_fds(self, message: bytes, fds: Sequence[int]) -> None:
         assert self._sock is not None
@@ -123,7 +124,21 @@ class SocketTransport:
         try:
             self._sock.sendmsg([message], [rights])
         except OSError as exc:
-            raise lost(exc.strerror) from None
+            self._send_failed(exc)
+
+    def _send_failed(self, exc: OSError) -> None:
+        """A send the server's hang-up refused. Where it said something before it hung
+        up (batches already made, then the ERROR that says why: a failed loader), that
+        is not lost: the next receive reads it, and the EOF after it is the loss. Only a
+        hang-up with nothing left to read is lost here."""
+        assert self._sock is not None
+        if exc.errno in (errno.EPIPE, errno.ECONNRESET):
+            try:
+                if self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                    return
+            except OSError:
+                pass
+        raise lost(exc.strerror) from None
 
     def recv(self) -> int:
         self._wait()

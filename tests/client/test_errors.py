@@ -4,6 +4,9 @@ either plane, and ``ServerUnavailable`` for a failed HTTP connection too."""
 
 from __future__ import annotations
 
+import select
+import time
+
 import pytest
 
 import pinfeed
@@ -57,3 +60,35 @@ def test_another_protocol_version_is_refused_by_name(server: Server) -> None:
         assert sock.recv(16) == b"", "the server hangs up after a fatal error"
     finally:
         sock.close()
+
+
+def test_a_loader_ended_with_nexts_in_flight_delivers_what_came_then_says_why(
+    server: Server,
+) -> None:
+    """The server sends batch 1, then (the loader deleted while batch 2 is being made)
+    the ERROR that answers the other NEXT, and hangs up. The trainer takes batch 1 and
+    asks for more on a socket the server closed (EPIPE): batch 1 is still delivered,
+    and the next batch raises what the server said, not 'lost the server (Broken
+    pipe)' (which a Ray loader's trainer met when its cluster went)."""
+    with server.client() as admin:
+        ds = unique("slow")
+        admin.create_dataset(
+            ds, "python", {"factory": "tests.fixtures.datasets:Slow", "kwargs": {"seconds": 0.3}}
+        )
+        name = unique("ended")
+        admin.create_loader(name, dataset=ds, batch_size=2, num_workers=1)
+        with pinfeed.Loader(name, socket=server.socket, copy=True) as loader:
+            it = iter(loader)
+            assert next(it).tolist() == [0, 1]  # NEXTs for batches 1 and 2 are in flight
+            deadline = time.monotonic() + 30
+            while admin.loader(name)["slots"]["leased"] < 2:  # batch 1 sent, 2 being made
+                assert time.monotonic() < deadline, "batch 1 never sent"
+                time.sleep(0.01)
+            admin.delete_loader(name)
+            hangup = select.poll()
+            hangup.register(loader._conn._t._sock, select.POLLHUP)  # type: ignore[attr-defined]
+            assert hangup.poll(30_000), "the server did not hang up"
+            assert next(it).tolist() == [2, 3]
+            with pytest.raises(pinfeed.ServerUnavailable, match="was deleted or is stopping"):
+                next(it)
+        admin.delete_dataset(ds)
