@@ -33,15 +33,22 @@ trainer's RNG states travel with each index batch and come back with the batch. 
 nothing can draw (torch's ``TensorDataset`` and ``default_collate`` under one of torch's
 samplers) the next index batches are sent ahead instead, without RNG states, and made
 while the trainer steps. Where something may draw, under one of torch's samplers: once
-the trainer drew nothing between two batches in a row, each batch's FEED is followed by
-the next batch's indices, ahead of their RNG states, which the server makes right after
-it, on the states it left; when the trainer asks for that batch, its states go as
-always, and the batch stands only if they are those (else it is made again on them, and
-no batch is made ahead for this loader again). So the batches are DataLoader's either
-way. What a batch made ahead can change is how often the dataset was called: once, in
-the batch made again, and in the one made ahead of a loop left early (as DataLoader's
-workers make batches ahead): a ``__getitem__`` whose result depends on how often it
-ran before sees more calls than under DataLoader without workers.
+the trainer drew nothing between two batches in a row, the next batch is made before
+the trainer asks for it (``pinfeed._feeding.AheadOfStates``). Where the trainer steps
+longer than it waits for a batch (a training loop), it is fed as the batch before
+arrives, on the RNG states the trainer has then, with the NEXT in flight: the server
+makes it during the step and sends it at once; when the trainer asks, it compares its
+states with those, and if it drew meanwhile it makes that batch itself, on its states,
+as DataLoader does, and drops the server's. Else (a loop that only iterates) each
+batch's FEED is followed by the next batch's indices, ahead of their RNG states, which
+the server makes right after it, on the states it left; the trainer's states go when it
+asks for that batch, and the batch stands only if they are those (else it is made again
+on them). After the first batch made again, this loader makes none ahead. So the
+batches are DataLoader's either way. What a batch made ahead can change is how often
+the dataset was called: once, in the batch made again, and in the one made ahead of a
+loop left early (as DataLoader's workers make batches ahead): a ``__getitem__`` whose
+result depends on how often it ran before sees more calls than under DataLoader
+without workers.
 
 The batches arrive as zero-copy views into the server's ring (page-locked and
 registered with CUDA once when ``pin_memory=True`` and a GPU is present), as a
@@ -59,6 +66,7 @@ import mmap
 import operator
 import os
 import struct
+import time
 import types
 import warnings
 import weakref
@@ -79,8 +87,10 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 from torch.utils.data import DataLoader as TorchDataLoader
+from torch.utils.data import _utils as torch_utils
 from torch.utils.data.dataloader import (
     _BaseDataLoaderIter,
+    _DatasetKind,
     _get_distributed_settings,
     _sharding_worker_init_fn,
 )
@@ -104,6 +114,7 @@ from pinfeed._feeding import (
 from pinfeed._inflight import State, reply
 from pinfeed._shipping import Shipper
 from pinfeed._transport import SocketTransport
+from pinfeed._views import _map_tensors
 from pinfeed.errors import (
     InsufficientMemory,
     InvalidRequest,
@@ -136,6 +147,7 @@ _QUIET_SAMPLERS = (
     DistributedSampler,
 )
 _BATCH_HEAD = p.BATCH_HEAD
+_RAN_OUT = object()  # the sampler ran out (``_Iter._next_or_end``)
 
 
 _T_co = TypeVar("_T_co", covariant=True)
@@ -694,11 +706,11 @@ def _feeding(loader: DataLoader[Any], collate: Any) -> Feeding:
     default_collate, one of torch's samplers, which draw at most at their first index)
     the next batches are fed ahead, with no RNG states, and made while the trainer
     steps: the same batches, no wait; where something may draw but the sampler's moments
-    cannot be seen, ahead of their RNG states once the trainer draws nothing between
-    batches. Wherever the next batch does not wait for an index fed in ``next()`` on the
-    trainer's RNGs, one NEXT is kept in flight (sent as a batch arrives, after that
-    batch's FEED), so a ready batch is in the socket when the trainer asks, as a named
-    Loader's."""
+    cannot be seen, before the trainer asks for them once it draws nothing between
+    batches (``AheadOfStates``). Wherever the next batch does not wait for an index fed
+    in ``next()`` on the trainer's RNGs, one NEXT is kept in flight (sent as a batch
+    arrives, after that batch's FEED), so a ready batch is in the socket when the
+    trainer asks, as a named Loader's."""
     if isinstance(loader.dataset, IterableDataset):
         return NextOnly() if loader.num_workers else Turns()
     batches = _quiet_batches(loader)
@@ -944,6 +956,14 @@ class _Iter(_BaseDataLoaderIter):
         self._indices: Iterator[Any] | None = None  # the sampler's, for _feed_chunk
         self._exhausted = False
         self._spec: list[int] | None = None  # the batch fed ahead of its RNG states
+        # The batch fed on arrival of the one before (AheadOfStates): the sampler's
+        # indices, and the RNG states it is made on.
+        self._speculated: tuple[Any, bytes] | None = None
+        # Such a batch to make here, on these states: the trainer drew since it was fed.
+        self._redo: tuple[Any, bytes] | None = None
+        # The trainer's last step and its last wait for a batch (AheadOfStates chooses
+        # by them), and when the last batch was handed out.
+        self._step_s = self._wait_s = self._out_at = 0.0
         # What was fed this epoch: sent again to a restarted server (reconnect).
         self._history: list[tuple[list[int], bytes]] = []
         feeding = owned.feeding
@@ -1027,11 +1047,8 @@ class _Iter(_BaseDataLoaderIter):
             return
         spec, self._spec = self._spec, None
         if spec is None:
-            try:
-                indices = self._next_index()  # type: ignore[no-untyped-call]
-            except StopIteration:
-                self._exhausted = True
-                owned.feed(self._fed, None, ask=True)
+            indices = self._next_or_end()
+            if indices is _RAN_OUT:
                 return
         state = rng.dump_state()
         # (the first batch: the iterator drew its base seed; nothing to compare)
@@ -1046,6 +1063,60 @@ class _Iter(_BaseDataLoaderIter):
         self._fed += 1
         if go_ahead:
             self._feed_ahead_of_states()
+
+    def feed_on_arrival(self) -> None:
+        """Without workers, as a batch arrived (its RNG states applied): the sampler's
+        next index batch, on the states this process has now, and the NEXT, kept in
+        flight: the server makes it while the trainer steps. Where the sampler ran out,
+        its end, with the NEXT."""
+        owned = self._owned
+        if self._exhausted:
+            return
+        indices = self._next_or_end()
+        if indices is _RAN_OUT:
+            return
+        state = rng.dump_state()
+        batch = self._send(indices, lambda b: owned.feed(self._fed, b, state, ask=True))
+        self._speculated = (indices, state)
+        self._history.append((batch, state))
+        self._fed += 1
+
+    @property
+    def speculating(self) -> bool:
+        return self._speculated is not None
+
+    @property
+    def fed_ahead(self) -> bool:
+        return self._spec is not None
+
+    @property
+    def stepping(self) -> bool:
+        """Whether the trainer's last step (from a batch handed out to the next
+        ``next()``) took longer than its last wait for a batch."""
+        return self._step_s > self._wait_s
+
+    def speculation_stands(self) -> bool:
+        """The batch fed on arrival of the one before: True if this process's RNG states
+        are still those it was fed on (the trainer drew nothing since). Else it is made
+        here in ``next()`` (``_made_here``), on the states now."""
+        assert self._speculated is not None
+        (indices, fed_on), self._speculated = self._speculated, None
+        now = rng.dump_state()
+        if now == fed_on:
+            return True
+        self._history[-1] = (self._history[-1][0], now)
+        self._redo = (indices, now)
+        return False
+
+    def _next_or_end(self) -> Any:
+        """The sampler's next index batch; ``_RAN_OUT`` once it ran out (its end fed to
+        the server, with the NEXT)."""
+        try:
+            return self._next_index()  # type: ignore[no-untyped-call]
+        except StopIteration:
+            self._exhausted = True
+            self._owned.feed(self._fed, None, ask=True)
+            return _RAN_OUT
 
     def feed_turn(self) -> None:
         """An iterable without workers: the next turn of its one iterator, made on this
@@ -1077,11 +1148,8 @@ class _Iter(_BaseDataLoaderIter):
         states: the next one, ahead of its states (made while the trainer steps), or, if
         the sampler ran out, its end; with the NEXT."""
         owned = self._owned
-        try:
-            indices = self._next_index()  # type: ignore[no-untyped-call]
-        except StopIteration:
-            self._exhausted = True
-            owned.feed(self._fed, None, ask=True)
+        indices = self._next_or_end()
+        if indices is _RAN_OUT:
             return
         self._spec = self._send(indices, lambda b: owned.feed(self._fed, b, ask=True, ahead=True))
 
@@ -1092,19 +1160,68 @@ class _Iter(_BaseDataLoaderIter):
         # Without workers, as DataLoader: the next index (an iterable: the next turn of
         # its one iterator), then the batch, made on this process's RNGs.
         feeding = owned.feeding
+        asked = time.perf_counter()
+        # (the epoch's first batch: no step before it)
+        self._step_s = asked - self._out_at if self._out_at else 0.0
         feeding.before(self)
+        if self._redo is not None:
+            return self._made_here()
         try:
             got = self._next_batch()
         except Exception as exc:
             owned.yielded += 1  # a failed batch counts as consumed, as in DataLoader
             # not the loader's failure: the NEXT stays in flight
+            self._waited(asked)
             feeding.after(self, _failed_batch(exc))
             raise
         if not got:
             raise StopIteration
         owned.yielded += 1
+        self._waited(asked)
         feeding.after(self, True)
         return owned.deliver()
+
+    def _waited(self, asked: float) -> None:
+        """The batch asked for at ``asked`` came (or failed): the wait's length."""
+        self._out_at = time.perf_counter()
+        self._wait_s = self._out_at - asked
+
+    def _made_here(self) -> Any:
+        """The batch fed on arrival of the one before, which the trainer drew before
+        asking for: the server made it on the states it had then, so this process makes
+        it, on its states now, as DataLoader makes a batch without workers (its own
+        fetcher over the script's objects, then ``pin_memory``), and drops the server's
+        (its slot goes back with the next message). A failure of it is the dataset's
+        own exception, as DataLoader's; the loader goes on."""
+        assert self._redo is not None
+        (indices, state), self._redo = self._redo, None
+        owned = self._owned
+        try:
+            if self._next_batch():
+                owned.deliver()  # the server's, made on other states: dropped
+        except PinfeedError as exc:
+            if not _failed_batch(exc):
+                raise  # the loader's failure, not that batch's
+        rng.load_state(state)  # the RNG message ahead of the server's batch moved them
+        owned.yielded += 1
+        fetcher = _DatasetKind.create_fetcher(  # type: ignore[no-untyped-call]
+            self._dataset_kind,
+            self._dataset,
+            self._auto_collation,
+            self._collate_fn,
+            self._drop_last,
+        )
+        try:
+            data = fetcher.fetch(indices)
+        finally:
+            owned.conn.rng_after = rng.dump_state()
+            owned.feeding.after(self, True)
+        if self._pin_memory:
+            data = torch_utils.pin_memory.pin_memory(data, self._pin_memory_device)  # type: ignore[no-untyped-call]
+        device = owned.conn.delivery.device
+        if device is not None:
+            data = _map_tensors(data, lambda t: t.to(device, non_blocking=True))
+        return data
 
     def _next_batch(self) -> bool:
         """The owned loader's next item; after a server restart (``reconnect=True``),

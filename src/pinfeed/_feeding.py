@@ -13,8 +13,11 @@ the wait itself is ``pinfeed._inflight.reply``, a named ``Loader``'s too, whose 
 - ``OnStates``: without workers, where something may draw: each batch's FEED, sent in
   ``next()``, carries the trainer's RNG states (the batch is made on them) and the NEXT.
 - ``AheadOfStates``: the same, and once the trainer drew nothing between batches a few
-  times in a row, each next batch's indices go ahead of its states, to be made while the
-  trainer steps (it stands if its states are those it was made on).
+  times in a row, each next batch is fed as the one before arrives, on the states the
+  trainer has then, with the NEXT kept in flight: the server makes it while the trainer
+  steps. It stands if the trainer draws nothing before it asks for it; else the trainer
+  makes that batch itself on its states, as DataLoader does, drops the server's, and
+  feeds on states from then on.
 - ``PerBatch``: with workers: ``prefetch`` index batches at ``iter()``, then one more with
   the NEXT as each batch arrives, as DataLoader puts indices to its workers.
 - ``Ahead``: where nothing can see when the sampler is iterated: ``depth`` index batches
@@ -33,6 +36,8 @@ from typing import Protocol
 # Whether the trainer drew from its RNGs since the last batch (None: the first batch of
 # an epoch, nothing to compare), whether the batch asked for was made ahead of its states.
 AheadOfStatesRule = Callable[[bool | None, bool], bool]
+# AheadOfStates: batches in a row whose step and wait agree before the way changes.
+WAY_AFTER = 2
 
 
 class Feeder(Protocol):
@@ -55,6 +60,32 @@ class Feeder(Protocol):
     def feed_on_states(self, ahead: AheadOfStatesRule) -> None:
         """Feed the next index batch with the RNG states it is made on, and the NEXT;
         where ``ahead`` says so, the batch after it too, ahead of its states."""
+
+    @property
+    def fed_ahead(self) -> bool:
+        """Whether the next batch went ahead of its states (``feed_on_states``)."""
+        ...
+
+    @property
+    def stepping(self) -> bool:
+        """Whether the trainer's last step took longer than its last wait for a batch."""
+        ...
+
+    def feed_on_arrival(self) -> None:
+        """As a batch arrived: feed the next index batch on the RNG states the trainer
+        has now, and the NEXT, kept in flight (``speculating``)."""
+
+    @property
+    def speculating(self) -> bool:
+        """Whether the batch the trainer asks for next was fed on arrival of the one
+        before."""
+        ...
+
+    def speculation_stands(self) -> bool:
+        """Whether the trainer drew nothing since the batch it asks for was fed on
+        arrival (it stands); if it drew, that batch is made in the trainer, on its
+        states, as DataLoader makes it, and the server's is dropped."""
+        ...
 
     def feed_turn(self) -> None:
         """An iterable's next turn, with the RNG states it is made on, and the NEXT."""
@@ -88,15 +119,37 @@ class OnStates(Feeding):
 
 
 class AheadOfStates(OnStates):
-    """``OnStates``, and the next batch ahead of its states once the trainer drew
-    nothing between ``quiet_before`` batches in a row: the server makes it on the states
-    the last one left. The first time the trainer drew before such a batch (which is then
-    made again, on its states), this stops for the loader's life."""
+    """``OnStates``, and, once the trainer drew nothing between ``quiet_before`` batches
+    in a row, the next batch made before the trainer asks for it, one of two ways:
+
+    - where the trainer steps longer than it waits for a batch (a training loop), fed as
+      the batch before arrives, on the states the trainer has then, with the NEXT kept
+      in flight: the server makes it while the trainer steps and sends it at once, and
+      the trainer finds it in the socket. It stands if the trainer's states are still
+      those when it asks; else the trainer makes that batch itself, on its states, as
+      DataLoader does, and drops the server's;
+    - else (a loop that waits more than it steps), fed ahead of its states when the
+      batch before is asked for, and made at once on the states that batch leaves; it
+      stands if the states the trainer sends when it asks for it are those, else the
+      server makes it again on them.
+
+    The first time the trainer drew before asking for such a batch, this stops for the
+    loader's life."""
 
     def __init__(self, quiet_before: int) -> None:
         self.quiet_before = quiet_before
         self.quiet = 0  # batches in a row the trainer drew nothing between
         self.armed = True
+        self.on_arrival = False  # the way: chosen by the trainer's last batches
+        self.steps = 0  # batches in a row the trainer stepped longer than it waited (<0: not)
+
+    def before(self, it: Feeder) -> None:
+        speculating = it.speculating
+        if speculating and not it.speculation_stands():
+            self.armed = False
+        self._choose(it.stepping)
+        if not speculating:
+            it.feed_on_states(self.ahead_of_states)
 
     def ahead_of_states(self, drew: bool | None, made_ahead: bool) -> bool:
         if drew is not None:
@@ -106,6 +159,23 @@ class AheadOfStates(OnStates):
                 self.quiet = 0
                 if made_ahead:
                     self.armed = False
+        return self._ready() and not self.on_arrival
+
+    def after(self, it: Feeder, goes_on: bool) -> None:
+        if goes_on and self.on_arrival and self._ready() and not it.fed_ahead:
+            it.feed_on_arrival()
+
+    def _choose(self, stepping: bool) -> None:
+        """The way changes once the trainer's last ``WAY_AFTER`` batches agree (a
+        hiccup of one does not change it)."""
+        if stepping:
+            self.steps = max(1, self.steps + 1)
+        else:
+            self.steps = min(-1, self.steps - 1)
+        if abs(self.steps) >= WAY_AFTER:
+            self.on_arrival = self.steps > 0
+
+    def _ready(self) -> bool:
         return self.armed and self.quiet >= self.quiet_before
 
 

@@ -1,12 +1,15 @@
 """``pinfeed.DataLoader`` without workers, over objects that may draw: DataLoader makes
 each batch in ``next()``, on the trainer's global RNGs, so pinfeed makes it on the
 states the trainer sends then. Once the trainer drew nothing between two batches in a
-row, the next batch is fed ahead of its states and made while the trainer steps, on the
-states the last batch left; it stands only if the trainer's states, sent when it asks
-for it, are those. These tests hold both halves: the batches made ahead (seen through a
-dataset that logs each read to a file), and DataLoader's batches and RNG states, batch
-for batch, when the trainer draws between batches (the batch made ahead is made again,
-and no batch is made ahead after that)."""
+row, the next batch is made before the trainer asks for it: in a loop that only
+iterates, fed ahead of its states and made on the states the last batch left (it stands
+only if the trainer's states, sent when it asks for it, are those, else the server makes
+it again); in a loop that steps longer than it waits, fed as the batch before arrives, on
+the trainer's states then (it stands only if the trainer's states are still those when it
+asks, else the trainer makes it itself). These tests hold both: the batches made ahead
+(seen through a dataset that logs each read to a file), and DataLoader's batches and RNG
+states, batch for batch, when the trainer draws between batches (the batch made ahead
+is made again, and no batch is made ahead after that)."""
 
 from __future__ import annotations
 
@@ -55,9 +58,12 @@ def _seed() -> None:
     np.random.seed(13)
 
 
-def _epochs(cls: Any, log: Path, draw_at: set[tuple[int, int]], **extra: Any) -> Any:
+def _epochs(
+    cls: Any, log: Path, draw_at: set[tuple[int, int]], step_s: float = 0.0, **extra: Any
+) -> Any:
     """Three epochs of a shuffled loader; the trainer draws from its RNGs after the
-    batches in ``draw_at`` ((epoch, index)), as a training step on the CPU may."""
+    batches in ``draw_at`` ((epoch, index)), as a training step on the CPU may, and
+    steps ``step_s`` after each batch."""
     _seed()
     loader = cls(
         Logged(log),
@@ -72,18 +78,21 @@ def _epochs(cls: Any, log: Path, draw_at: set[tuple[int, int]], **extra: Any) ->
             got.append([x.clone() if isinstance(x, torch.Tensor) else x for x in batch])
             if (epoch, index) in draw_at:
                 torch.rand(3), random.random(), np.random.rand()
+            time.sleep(step_s)
     after = (torch.rand(2), random.random(), np.random.rand())
     if isinstance(loader, pinfeed.DataLoader):
         loader.close()
     return got, after
 
 
-def _same_as_dataloader(server: Server, tmp_path: Path, draw_at: set[tuple[int, int]]) -> None:
+def _same_as_dataloader(
+    server: Server, tmp_path: Path, draw_at: set[tuple[int, int]], step_s: float = 0.0
+) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
         want, want_after = _epochs(TorchDataLoader, tmp_path / "torch.log", draw_at)
     got, got_after = _epochs(
-        pinfeed.DataLoader, tmp_path / "pinfeed.log", draw_at, socket=server.socket
+        pinfeed.DataLoader, tmp_path / "pinfeed.log", draw_at, step_s, socket=server.socket
     )
     assert len(got) == len(want) == 30
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
@@ -101,6 +110,16 @@ def test_the_same_batches_when_the_trainer_draws_between_batches(
     # Batch (0, 5) was made ahead on the states batch 4 left; the trainer then drew, so
     # it is made again on the trainer's states; later draws meet no batch made ahead.
     _same_as_dataloader(server, tmp_path, {(0, 4), (1, 2), (2, 7)})
+
+
+def test_the_same_batches_when_a_stepping_trainer_draws_between_batches(
+    server: Server, tmp_path: Path
+) -> None:
+    # A step longer than the wait for a batch: each batch is fed as the one before
+    # arrives, on the trainer's states then, across epoch 0 and into epoch 1; batch
+    # (1, 5) was, and the trainer then drew, so the trainer makes it itself, on its
+    # states, and drops the server's; later draws meet no batch made ahead.
+    _same_as_dataloader(server, tmp_path, {(1, 4), (2, 7)}, step_s=0.005)
 
 
 def _wait_for(log: Path, count: int, timeout: float = 5.0) -> list[int]:

@@ -284,7 +284,8 @@ def test_lost_head_fails_the_loader_and_it_recovers(
     dataset, ds = _npy(ray_server)
     name = _loader(ray_server, dataset, seed=16)
     want = _reference(ds, 16)
-    assert _wait_state(ray_server, name, {"ready", "failed"})["state"] == "ready"
+    info = _wait_state(ray_server, name, {"ready", "failed"})
+    assert info["state"] == "ready", info["failure"]
     got: list[Any] = []
     with Loader(name, socket=ray_server.socket, timeout=300, copy=True) as loader:
         it = iter(loader)
