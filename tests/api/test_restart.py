@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pinfeed import Loader, ServerUnavailable
+from pinfeed.protocol import NEXTS_IN_FLIGHT
 from tests.api.conftest import synthetic
 from tests.conftest import Server
 
@@ -30,8 +31,11 @@ def test_loader_survives_a_server_restart(restartable: Server) -> None:
         logged = server.log.stat().st_size  # the log is the shared server's, appended to
         assert server.stop(signal.SIGTERM) == 0
         assert b"Application shutdown complete" in server.log.read_bytes()[logged:]
+        # What the server sent before it stopped is delivered (at most the NEXTs in
+        # flight), then the loss.
         with pytest.raises(ServerUnavailable):
-            next(it)
+            for _ in range(NEXTS_IN_FLIGHT + 1):
+                next(it)
 
     server.env["PINFEED_MAX_WORKERS"] = "1"  # "lo" starts first (by name), "wide" cannot
     server.start()

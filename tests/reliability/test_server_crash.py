@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from pinfeed import Client, Loader, ServerUnavailable
+from pinfeed.protocol import NEXTS_IN_FLIGHT
 from tests.conftest import Server
 from tests.helpers import assert_same
 from tests.reliability.datasets import Slow
@@ -52,6 +53,7 @@ class Crash:
     rings: set[int]  # inodes of crash-a's ring memfds, which its trainer had mapped
     temp_dirs: set[Path] = field(default_factory=set)
     plain_error: BaseException | None = None
+    plain_delivered: int = 0  # batches the plain trainer got after the kill
     reconnecting: Loader | None = None
     reconnecting_epoch: Iterator[Any] | None = None  # its epoch, 3 batches in
     refs: dict[str, list[list[Any]]] = field(default_factory=dict)
@@ -125,10 +127,17 @@ def crash(make_server: Callable[..., Server]) -> Iterator[Crash]:
     srv.proc.wait(10)  # type: ignore[union-attr]
     stop.set()
     writer.join(10)
-    try:
-        next(plain_it)
-    except BaseException as exc:
-        c.plain_error = exc
+    # The batches the server sent before it died are the trainer's (their slots are
+    # mapped here); each is delivered, checked as it comes, then the loss is raised.
+    for index in range(3, len(c.refs["crash-a"][0])):
+        try:
+            batch = next(plain_it)
+        except BaseException as exc:
+            c.plain_error = exc
+            break
+        assert_same(batch, c.refs["crash-a"][0][index], f"batch {index}, sent before the kill")
+        del batch  # its views map the ring, which test_nothing_left_behind sees unmapped
+        c.plain_delivered += 1
     plain.close()
     wait_for(lambda: gone(c.old_pids), "every process of the killed server to exit", 10)
     srv.start()
@@ -200,6 +209,9 @@ def test_loaders_serve_after_restart(crash: Crash) -> None:
 
 def test_attached_trainer_is_told_the_server_went_away(crash: Crash) -> None:
     assert isinstance(crash.plain_error, ServerUnavailable), repr(crash.plain_error)
+    # Told as soon as the batches already in its socket are read: no more of them than
+    # NEXTs it had in flight, never the rest of the epoch.
+    assert crash.plain_delivered <= NEXTS_IN_FLIGHT, crash.plain_delivered
     assert "restarted or stopped" in str(crash.plain_error)
 
 

@@ -75,7 +75,9 @@ def stopped(
     holding.send("go")
     kind, still = trainers.expect(holding, 10)
     assert kind == "still"
-    holding_error = trainers.expect(holding, 10)
+    # ... and, like the waiting one, gets the batches already on their way first.
+    while (holding_error := trainers.expect(holding, 10))[0] == "batch":
+        pass
     yield Stopped(srv, seconds, code, old_pids, held, still, holding_error, waiting_error)
     for proc in (hold, wait):
         proc.kill()
