@@ -7,7 +7,8 @@ Every batch a trainer gets is checked against ``torch.utils.data.DataLoader`` ov
 same file with the same seed (sample indices *and* values), and against the position
 ``Loader.state_dict()`` reports. A killed trainer is replaced by a new one that attaches
 where the server says the loader is; the gap across a kill (batches handed to the dead
-trainer: the one it was reading and the one it had asked for ahead) is measured too.
+trainer: the one it was reading and the ``protocol.NEXTS_IN_FLIGHT`` it had asked for
+ahead, at most 3) is measured too.
 Meanwhile the server's open fds, memfds, threads, processes and RSS are sampled.
 
 Prints a summary and writes ``docs/results/soak.json``; exits 1 if a batch was wrong or a
@@ -36,6 +37,7 @@ from torch.utils.data import DataLoader
 
 from bench import results
 from pinfeed import Client, Loader
+from pinfeed.protocol import NEXTS_IN_FLIGHT
 from tests.launcher import Server
 
 LENGTH = 512
@@ -44,6 +46,9 @@ WIDTH = 16
 # Bounds the run must stay within, from the first sample after warm-up to the end.
 FD_GROWTH_MAX = 8  # a few HTTP keep-alive sockets come and go
 RSS_GROWTH_MAX = 64 << 20
+# Batches a killed trainer takes with it: the one it was checking (not yet counted) and
+# the NEXTs it had in flight, which the server sent and moved its position past.
+MAX_GAP = 1 + NEXTS_IN_FLIGHT
 
 # Trainer report slots (one int64 array per trainer process, written by the trainer).
 STATE, ATTACH_E, ATTACH_I, LAST_E, LAST_I, COUNT, MISMATCH, DISCONT, ERRORS, FIRST_E, FIRST_I = (
@@ -407,7 +412,7 @@ class Soak:
             for key in ("mismatches", "discontinuities", "trainer_errors"):
                 if lo[key]:
                     problems.append(f"{lo['name']}: {lo[key]} {key}")
-            if lo["max_gap_across_kill"] > 2 or min(lo["gaps_across_kills"], default=0) < 0:
+            if lo["max_gap_across_kill"] > MAX_GAP or min(lo["gaps_across_kills"], default=0) < 0:
                 problems.append(f"{lo['name']}: gaps across kills {lo['gaps_across_kills']}")
             if lo["worker_restarts"] != lo["worker_kills"] and lo["failure"] is None:
                 problems.append(
