@@ -13,11 +13,14 @@ the wait itself is ``pinfeed._inflight.reply``, a named ``Loader``'s too, whose 
 - ``OnStates``: without workers, where something may draw: each batch's FEED, sent in
   ``next()``, carries the trainer's RNG states (the batch is made on them) and the NEXT.
 - ``AheadOfStates``: the same, and once the trainer drew nothing between batches a few
-  times in a row, each next batch is fed as the one before arrives, on the states the
-  trainer has then, with the NEXT kept in flight: the server makes it while the trainer
-  steps. It stands if the trainer draws nothing before it asks for it; else the trainer
-  makes that batch itself on its states, as DataLoader does, drops the server's, and
-  feeds on states from then on.
+  times in a row, the next batch is made before the trainer asks for it, one of two
+  ways. A trainer that steps longer than it waits has it fed as the batch before
+  arrives, on the states it has then, with the NEXT kept in flight (the server makes it
+  during the step); if the trainer drew meanwhile, it makes that batch itself on its
+  states, as DataLoader does, and drops the server's. A loop that only iterates has it
+  fed with the batch before, ahead of its states; if the states the trainer sends when
+  it asks differ, the server makes it again on them. After the first such draw, it
+  feeds on states for the loader's life.
 - ``PerBatch``: with workers: ``prefetch`` index batches at ``iter()``, then one more with
   the NEXT as each batch arrives, as DataLoader puts indices to its workers.
 - ``Ahead``: where nothing can see when the sampler is iterated: ``depth`` index batches
