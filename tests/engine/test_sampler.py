@@ -57,3 +57,17 @@ def test_with_last_marks_the_final_batch() -> None:
         (7, [3], True),
     ]
     assert list(with_last(iter([]), 0)) == []
+
+
+def test_walk_counts_the_epochs_a_read_draws_first() -> None:
+    """A shuffled epoch's order follows from the ones before it (DataLoader's generator):
+    reading it draws from the epoch read last, or from the seed going back; an order
+    drawn on its own (seed + epoch) or none is no walk."""
+    sampler = EpochSampler(23, 5, shuffle=True, seed=7, drop_last=False)
+    assert sampler.walk(0) == 1 and sampler.walk(5) == 6
+    list(sampler.batches(5))
+    assert sampler.walk(6) == 1 and sampler.walk(9) == 4
+    assert sampler.walk(5) == 6 and sampler.walk(2) == 3  # back: from the seed
+    assert EpochSampler(23, 5, shuffle=False, seed=7, drop_last=False).walk(10**9) == 0
+    distributed = EpochSampler(23, 5, shuffle=True, seed=7, drop_last=False, world_size=2)
+    assert distributed.walk(10**9) == 0

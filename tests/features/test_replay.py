@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 import pytest
 
 from pinfeed import Client, InvalidPosition, Loader, merge_states
@@ -131,4 +132,25 @@ def test_an_iterable_has_nothing_to_replay(admin: Client, server: Server) -> Non
         loader.replay(0, 0)
     with pytest.raises(Exception, match="no sample indices"):
         admin.batch(name, 0, 0)
+    admin.delete_loader(name)
+
+
+def test_a_lookup_too_far_to_draw_is_refused_at_once(
+    admin: Client, server: Server, dataset: str
+) -> None:
+    """A shuffled loader's epoch 2**31 - 1 is a valid path, but its order follows from
+    every epoch before it: the server refuses it (404, saying how to get there) instead of
+    drawing for hours on an HTTP thread; epochs within reach still answer, the same
+    whichever way they are reached."""
+    name = _loader(admin, dataset, 0)
+    far = httpx.get(
+        f"{server.url}/v1/loaders/{name}/batches/{2**31 - 1}/0",
+        timeout=30,  # the unbounded walk: a ReadTimeout here
+    )
+    assert far.status_code == 404, far.text
+    assert far.headers["content-type"] == "application/problem+json"
+    assert "look up epochs on the way first" in far.json()["detail"]
+    ahead = admin.batch(name, 40, 3)["indices"]
+    assert admin.batch(name, 2, 1)["indices"] != ahead  # back to epoch 2: from the seed
+    assert admin.batch(name, 40, 3)["indices"] == ahead
     admin.delete_loader(name)

@@ -216,6 +216,11 @@ class CustomPlan:
     def span(self, epoch: int) -> tuple[int, int]:
         return 0, self._len
 
+    def walk(self, epoch: int) -> int:
+        if epoch in self._epochs:
+            return 0
+        return epoch + 1 if epoch <= self._epoch else epoch - self._epoch
+
     def batches(self, epoch: int, start: int = 0) -> Iterator[list[int]]:
         for i in itertools.count(start):
             rec = self._recorded(epoch)

@@ -142,6 +142,9 @@ class FedPlan:
     def span(self, epoch: int) -> tuple[int, None]:
         return 0, None  # the trainer's sampler says, when it runs out
 
+    def walk(self, epoch: int) -> int:
+        return 0  # kept as the trainer fed it
+
     def batches(self, epoch: int, start: int = 0) -> Iterator[list[int] | None]:
         with self._cond:
             interrupts = self._interrupts

@@ -69,6 +69,9 @@ class IterablePlan:
     def span(self, epoch: int) -> tuple[int, None]:
         return 0, None  # its producer finds the end
 
+    def walk(self, epoch: int) -> int:
+        return 0  # no order: its producer draws from the iterators
+
     def batches(self, epoch: int, start: int = 0) -> Iterator[list[int] | None]:
         while True:
             yield None

@@ -85,6 +85,11 @@ Admit = Callable[[LoaderConfig, int, int], None]
 Keep = Callable[[dict[str, Any] | None], None]
 
 PRODUCER_THREAD = "pinfeed-produce-"
+# GET .../batches/{epoch}/{index} draws at most this many samples' worth of epochs to
+# reach the one asked for (``History.walk``): about 5 s on 2 cores. Further is refused,
+# where it held an HTTP thread and a core for hours (epoch 2**31 - 1 of a shuffled
+# loader was a valid request).
+LOOKUP_WALK_MAX = 200_000_000
 
 
 @dataclass(frozen=True)
@@ -605,6 +610,15 @@ class LoaderEngine:
             raise NotFound(f"no epoch {epoch}")
         history = self.history()
         with self._history_lock:  # one lookup at a time: the plan copy is not shared
+            walk = history.walk(epoch)
+            if walk > LOOKUP_WALK_MAX:
+                raise NotFound(
+                    f"loader {self.config.name!r}: epoch {epoch}'s order follows from the "
+                    "epochs before it, as DataLoader's generator draws them, and a lookup "
+                    f"draws at most {LOOKUP_WALK_MAX:,} samples' worth of them; it would "
+                    f"draw {walk:,} from the epoch looked up last (or from epoch 0, going "
+                    "back): look up epochs on the way first, each within reach of the last"
+                )
             batches = history.batches(epoch)
         indices = batches[index] if 0 <= index < len(batches) else None
         if indices is None:

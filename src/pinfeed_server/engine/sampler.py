@@ -69,6 +69,13 @@ class BatchPlan(Protocol):
         """The index of ``epoch``'s first batch (0 but for an elastic epoch) and the
         index after its last (None: not known ahead, as an iterable's)."""
 
+    def walk(self, epoch: int) -> int:
+        """The epochs the plan draws in full to read ``epoch``'s batches now: where an
+        epoch's order follows from the one before (DataLoader's generator, a user's
+        sampler), those from the one it last read, or from the first going back; 0
+        where it is drawn on its own (from ``seed + epoch``, or fed)."""
+        ...
+
 
 @dataclass(frozen=True)
 class ElasticEpoch:
@@ -182,6 +189,12 @@ class EpochSampler:
         if e is not None and e.epoch == epoch:
             return e.start, e.end
         return 0, len(self)
+
+    def walk(self, epoch: int) -> int:
+        if self.world_size is not None or self.shard_size is not None or not self.shuffle:
+            return 0  # seed + epoch (DistributedSampler's, the shard-aware order), or none
+        with self._lock:
+            return epoch + 1 - (self._next_epoch if epoch >= self._next_epoch else 0)
 
     def _plain(self, epoch: int) -> torch.Tensor:
         # A tensor, not a list: 8 bytes a sample instead of ~40 (1.28 M samples: 10 MiB,

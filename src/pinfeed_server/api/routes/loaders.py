@@ -66,7 +66,8 @@ async def get_loader_stats(name: LoaderName, service: ServiceDep) -> Any:
         404,
         409,
         d404="no such loader, or no such batch: outside the epoch, an IterableDataset's "
-        "(no sample indices), or a trainer-fed epoch no longer kept",
+        "(no sample indices), a trainer-fed epoch no longer kept, or a shuffled epoch "
+        "further from the one looked up last than a lookup draws",
         d409="the loader failed to start",
     ),
 )
