@@ -86,9 +86,9 @@ Keep = Callable[[dict[str, Any] | None], None]
 
 PRODUCER_THREAD = "pinfeed-produce-"
 # GET .../batches/{epoch}/{index} draws at most this many samples' worth of epochs to
-# reach the one asked for (``History.walk``): about 5 s on 2 cores. Further is refused,
-# where it held an HTTP thread and a core for hours (epoch 2**31 - 1 of a shuffled
-# loader was a valid request).
+# reach the one asked for (``History.walk_samples``): about 5 s on 2 cores. Further is
+# refused, where it held an HTTP thread and a core for hours (epoch 2**31 - 1 of a
+# shuffled loader was a valid request).
 LOOKUP_WALK_MAX = 200_000_000
 
 
@@ -610,7 +610,7 @@ class LoaderEngine:
             raise NotFound(f"no epoch {epoch}")
         history = self.history()
         with self._history_lock:  # one lookup at a time: the plan copy is not shared
-            walk = history.walk(epoch)
+            walk = history.walk_samples(epoch)
             if walk > LOOKUP_WALK_MAX:
                 raise NotFound(
                     f"loader {self.config.name!r}: epoch {epoch}'s order follows from the "

@@ -90,7 +90,7 @@ class History(Protocol):
 
     def batches(self, epoch: int) -> Sequence[list[int] | None]: ...
 
-    def walk(self, epoch: int) -> int:
+    def walk_samples(self, epoch: int) -> int:
         """Samples ``batches(epoch)`` draws first: the plan's ``walk``, an epoch counted
         as its samples and ``WALK_EPOCH`` more (a randperm's own cost)."""
         ...
@@ -132,7 +132,7 @@ class PlannedHistory:
         first, _ = plan.span(epoch)
         return [None] * first + list(plan.batches(epoch, first))
 
-    def walk(self, epoch: int) -> int:
+    def walk_samples(self, epoch: int) -> int:
         plan = self._synced()
         return plan.walk(epoch) * (plan.samples + WALK_EPOCH)
 
@@ -156,7 +156,7 @@ class FedHistory:
     def batches(self, epoch: int) -> Sequence[list[int] | None]:
         return self._plan.fed(epoch)[0]
 
-    def walk(self, epoch: int) -> int:
+    def walk_samples(self, epoch: int) -> int:
         return 0
 
     def length(self, epoch: int) -> int | None:
