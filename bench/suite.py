@@ -119,9 +119,9 @@ _ids = itertools.count()
 
 def warmup_batches(num_workers: int, prefetch_factor: int = 2) -> int:
     """The batches a timed run takes before its window: more than any system queues
-    ahead of a trainer (pinfeed's ring, ``num_workers * prefetch_factor`` and two spare
-    slots; DataLoader's ``num_workers * prefetch_factor``), so none enters the window
-    with batches made before it."""
+    ahead of a trainer (pinfeed's ring: ``num_workers * prefetch_factor`` and the
+    trainer's three slots; DataLoader's ``num_workers * prefetch_factor``), so none
+    enters the window with batches made before it."""
     return prefetch_factor * max(1, num_workers) + 4
 
 

@@ -211,12 +211,13 @@ def test_a_live_change_is_admitted_against_the_other_loaders(
 def test_rings_over_the_memory_budget_are_refused_with_need_and_free(
     make_service: MakeService,
 ) -> None:
-    # batch 4 of 256 KiB samples: 1 MiB slots; num_workers=0 rings have 3 slots
+    # batch 4 of 256 KiB samples: 1 MiB slots; num_workers=0 rings have 4 slots (1 made
+    # ahead, 3 a trainer's)
     service = make_service(max_shm_bytes=5 * MiB)
     dataset(service)
     first = loader(service, "a", batch_size=4)
     used = first["ring_bytes"]
-    assert first["slots"]["total"] == 3 and used >= 3 * 4 * SAMPLE_BYTES
+    assert first["slots"]["total"] == 4 and used >= 4 * 4 * SAMPLE_BYTES
     assert service.shm_used() == used
     with pytest.raises(errors.InsufficientMemory) as info:
         loader(service, "b", batch_size=4)
@@ -235,16 +236,16 @@ def test_a_live_change_whose_ring_outgrows_the_budget_is_refused(
     dataset(service)
     slot = loader(service, "a", batch_size=4, num_workers=1, executor="thread")["slot_bytes"]
     with pytest.raises(errors.InsufficientMemory) as info:
-        patch(service, "a", num_workers=4)  # 4 x 2 ahead + 2 for the trainer
-    assert info.value.need_bytes == (4 * 2 + 2) * slot
+        patch(service, "a", num_workers=4)  # 4 x 2 ahead + 3 for the trainer
+    assert info.value.need_bytes == (4 * 2 + 3) * slot
     assert info.value.free_bytes == 8 * MiB  # the loader's own ring counts as free
     with pytest.raises(errors.InsufficientMemory):
         patch(service, "a", prefetch_factor=8)
     assert service.describe_loader("a")["num_workers"] == 1
     assert registered(service, "a")["num_workers"] == 1
     grown = patch(service, "a", num_workers=2)
-    assert grown["slots"]["total"] == 2 * 2 + 2
-    assert service.shm_used() == (2 * 2 + 2) * slot
+    assert grown["slots"]["total"] == 2 * 2 + 3
+    assert service.shm_used() == (2 * 2 + 3) * slot
 
 
 # -- loaders that cannot start after a restart ----------------------------------------------

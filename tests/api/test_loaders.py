@@ -51,11 +51,34 @@ def test_prefetch_factor_null_is_dataloaders_default(server: Server, dataset: st
     r = httpx.post(f"{server.url}/v1/loaders", json=body)
     assert r.status_code == 201, r.text
     assert r.json()["prefetch_factor"] == 2
-    assert r.json()["slots"]["total"] == 1 * 2 + 2  # the workers' ahead, the trainer's two
+    assert r.json()["slots"]["total"] == 1 * 2 + 3  # the workers' ahead, the trainer's three
     r = httpx.post(
         f"{server.url}/v1/loaders", json=body | {"name": unique("pf"), "prefetch_factor": 0}
     )
     assert r.status_code == 422, r.text
+
+
+def test_the_prefetch_depth_is_made_ahead_beside_a_trainers_nexts_in_flight(
+    admin: Client, server: Server, dataset: str
+) -> None:
+    """A trainer holds its batch and one slot for each NEXT it keeps in flight (the
+    batches sent, in its socket); the prefetch depth is made ahead beside them. With a
+    slot less, the trainer's NEXTs took the depth's slot, and a loader without workers
+    began each batch only once the one before was taken."""
+    name = unique("depth")
+    created = admin.create_loader(name, dataset=dataset, batch_size=2, num_workers=0)
+    held = 1 + NEXTS_IN_FLIGHT
+    assert created["slots"]["total"] == 1 + held  # the depth without workers, the trainer's
+    with Loader(name, socket=server.socket, timeout=60) as loader:
+        it = iter(loader)
+        next(it)  # held: the trainer has its batch, and NEXTs in flight for two more
+
+        def slots() -> tuple[int, int]:
+            s = admin.loader(name)["slots"]
+            return int(s["leased"]), int(s["filling"] + s["ready"])
+
+        wait_for(lambda: slots() == (held, 1), f"{held} batches leased, 1 made ahead")
+    admin.delete_loader(name)
 
 
 def test_live_status_follows_the_consumer(admin: Client, server: Server, dataset: str) -> None:
@@ -74,13 +97,13 @@ def test_live_status_follows_the_consumer(admin: Client, server: Server, dataset
         # The client keeps NEXTS_IN_FLIGHT NEXTs in flight: the server may have handed
         # out batches 1 and 2 too.
         assert status["epoch"] == 0 and 1 <= status["position"] <= 1 + NEXTS_IN_FLIGHT
-        # 1 worker x prefetch_factor 3 made ahead, plus the trainer's two.
+        # 1 worker x prefetch_factor 3 made ahead, plus the trainer's three.
         assert (
             status["slots"]["total"]
-            == 5
+            == 6
             == sum(status["slots"][s] for s in ("free", "filling", "ready", "leased"))
         )
-        assert status["ring_bytes"] == 5 * status["slot_bytes"] >= 4 * (3 * 8 * 8 * 4 + 8)
+        assert status["ring_bytes"] == 6 * status["slot_bytes"] >= 4 * (3 * 8 * 8 * 4 + 8)
         assert isinstance(status["page_locked"], bool)
         assert status["batches_per_epoch"] == 5
         assert status["batch"] == [

@@ -95,7 +95,7 @@ def test_metrics_follow_a_loader(admin: Client, server: Server) -> None:
         s: m[("pinfeed_loader_slots", (("loader", name), ("state", s)))]
         for s in ("free", "filling", "ready", "leased")
     }
-    assert sum(slots.values()) == 1 * 2 + 2  # made ahead, plus the trainer's two
+    assert sum(slots.values()) == 1 * 2 + 3  # made ahead, plus the trainer's three
     assert m[("pinfeed_loader_state", (("loader", name), ("state", "ready")))] == 1
     assert m[("pinfeed_loader_state", (("loader", name), ("state", "failed")))] == 0
     assert m[("pinfeed_loader_info", (("batch_size", "4"), ("dataset", name), ("loader", name)))]

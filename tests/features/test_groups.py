@@ -64,8 +64,8 @@ def test_broadcast_four_trainers_share_one_copy(
         num_workers=2,
         group_size=4,
     )
-    # One ring for the group: the prefetch depth plus two slots per member, not 4 rings.
-    assert loader["slots"]["total"] == 2 * 2 + 2 * 4
+    # One ring for the group: the prefetch depth plus three slots per member, not 4 rings.
+    assert loader["slots"]["total"] == 2 * 2 + 3 * 4
     outs = _trainers(server, name, tmp_path, 4, 2)
     logs = [read_log(out) for out in outs]
     want = _reference(server.data_root, 2)

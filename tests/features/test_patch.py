@@ -59,12 +59,12 @@ def test_patch_1_to_4_to_2x8_to_0_keeps_every_batch(admin: Client, server: Serve
                 if len(got) in at:
                     rings.append(_patch(admin, name, at[len(got)]))
     assert got == want
-    # 1 x 2 + 2 slots as created; 4 x 2 + 2 and 2 x 8 + 2 grew it; at 0 it shrank back.
-    assert created["slots"]["total"] == 4 and created["ring_segments"] == 1
-    assert [r["slots"]["total"] for r in rings[:2]] == [10, 18]
+    # 1 x 2 + 3 slots as created; 4 x 2 + 3 and 2 x 8 + 3 grew it; at 0 it shrank back.
+    assert created["slots"]["total"] == 5 and created["ring_segments"] == 1
+    assert [r["slots"]["total"] for r in rings[:2]] == [11, 19]
     assert rings[1]["ring_segments"] == 3
     final = admin.loader(name)
-    assert (final["slots"]["total"], final["ring_segments"]) == (4, 1)
+    assert (final["slots"]["total"], final["ring_segments"]) == (5, 1)
     assert final["ring_bytes"] == created["ring_bytes"]
     admin.delete_loader(name)
 

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal, Protocol, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pinfeed.protocol import NEXTS_IN_FLIGHT
 from pinfeed_server.engine.autotune import AutotuneSpec
 from pinfeed_server.engine.custom_sampler import (
     BatchSamplerSpec,
@@ -397,15 +398,16 @@ def prefetch_depth(config: LoaderConfig) -> int:
 
 
 def ring_slots(config: LoaderConfig, keeps: bool = False) -> int:
-    """The prefetch depth, plus two slots per trainer: the batch it is using and the
-    one announced ahead (the client keeps one NEXT in flight); with ``keeps`` (a
-    ``pinfeed.DataLoader``'s trainer, which hands a slot back once it no longer holds
-    the batch in it: its loop still holds the last one while it asks for the next),
-    three. A loader's one ``pinfeed.Loader`` keeps ``NEXTS_IN_FLIGHT`` NEXTs in flight
-    (``pinfeed._epochs``) in the same slots: the batch announced by the second NEXT is
-    one the prefetch depth would have held ready, so as many batches are made ahead of
-    the trainer (it hands its held slot back with each NEXT and before any wait)."""
-    return prefetch_depth(config) + (3 if keeps else 2) * config.group_size
+    """The prefetch depth, plus the slots each trainer holds: a ``pinfeed.Loader``'s, the
+    batch it is using and one for each of the ``NEXTS_IN_FLIGHT`` NEXTs it keeps in
+    flight (``pinfeed._epochs``: each is answered as soon as a batch is ready, and the
+    batch stays leased in the socket); with ``keeps``, a ``pinfeed.DataLoader``'s, which
+    keeps one NEXT in flight and hands a slot back only once it no longer holds the batch
+    in it (its loop still holds the last one while it asks for the next): three too.
+    With a slot less, a trainer's NEXTs held the prefetch depth's slots, and at
+    ``num_workers=0`` the server began each batch only once the one before was taken."""
+    held = 3 if keeps else 1 + NEXTS_IN_FLIGHT
+    return prefetch_depth(config) + held * config.group_size
 
 
 def make_sampler(
