@@ -13,10 +13,14 @@ time (about 130 us each, the most of a batch's cost without workers); these are 
 ``memcpy``. Where the offset cannot be found (another numpy's layout) both fall back to
 ``get_state``/``set_state``. The bytes are the same logical state either way (624
 little-endian words, position, has_gauss, gauss), so two processes may differ in which
-way they use."""
+way they use. random's global ``Random`` is read and written the same way
+(``_RandomGlobal``: its 624 words and index, where they lie in the object), against
+``getstate``/``setstate``'s tuple of 625 Python ints and ``struct`` over them (about
+30 us each way)."""
 
 from __future__ import annotations
 
+import _random
 import ctypes
 import random
 import struct
@@ -27,9 +31,15 @@ import torch
 
 from pinfeed.unbatched import Unbatched
 
-RngState = tuple[torch.Tensor, Any, bytes]  # torch's, random's, numpy's (``_NumpyGlobal``)
+# torch's, random's (``_RandomGlobal``), numpy's (``_NumpyGlobal``)
+RngState = tuple[torch.Tensor, bytes, bytes]
 
 _MT = struct.Struct("<624Ii")  # the Mersenne Twister's words and position
+# memmove with the GIL held (ctypes.memmove releases it): no other thread draws from an
+# RNG while its state is half written. ctypes.string_at holds it too.
+_memmove = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(
+    ctypes._memmove_addr  # type: ignore[attr-defined]
+)
 _GAUSS = struct.Struct("<id")  # has_gauss, gauss
 
 
@@ -87,34 +97,101 @@ class _NumpyGlobal:
             has, gauss = _GAUSS.unpack_from(state, _MT.size)
             self.rs.set_state(("MT19937", np.array(key, dtype=np.uint32), pos, has, gauss))
             return
-        ctypes.memmove(self._state_address(), state, _MT.size)
-        ctypes.memmove(id(self.rs) + self.offset, state[_MT.size : _MT.size + 4], 4)
-        ctypes.memmove(id(self.rs) + self.offset + 8, state[_MT.size + 4 :], 8)
+        _memmove(self._state_address(), state, _MT.size)
+        _memmove(id(self.rs) + self.offset, state[_MT.size : _MT.size + 4], 4)
+        _memmove(id(self.rs) + self.offset + 8, state[_MT.size + 4 :], 8)
 
 
 _NUMPY = _NumpyGlobal()
 
+_RANDOM = struct.Struct("<i625I?d")  # random's version, words and index, gauss_next (if any)
+_WORDS = struct.Struct("<624I")
+
+
+class _RandomGlobal:
+    """random's global ``Random`` as bytes (``_RANDOM``: what ``getstate`` gives, packed).
+    CPython's ``_random.Random`` holds its Mersenne Twister as an ``int index`` followed
+    by ``uint32_t state[624]``; their offset in the object is found at import by setting
+    known states through ``setstate`` and finding them in its memory. Where it cannot be
+    found (another layout or runtime) both fall back to ``getstate``/``setstate``."""
+
+    VERSION = 3  # random.Random.VERSION: the only state layout setstate takes
+
+    def __init__(self) -> None:
+        self.inst = cast(Any, random)._inst
+        self.offset = self._find_offset()  # of state[0] in the object; None: the slow way
+
+    def _find_offset(self) -> int | None:
+        inst = self.inst
+        saved = inst.getstate()
+        try:
+            if saved[0] != self.VERSION:
+                return None
+            size = _random.Random.__basicsize__
+            found = None
+            for seed in (1, 7, 23):
+                words = [(seed * 2654435761 + i * 40503 + 17) & 0xFFFFFFFF for i in range(624)]
+                index = seed * 13
+                inst.setstate((self.VERSION, (*words, index), None))
+                mem = ctypes.string_at(id(inst), size)
+                at = mem.find(_WORDS.pack(*words))
+                if at < 4 or mem.find(_WORDS.pack(*words), at + 1) != -1:
+                    return None
+                if struct.unpack_from("<i", mem, at - 4)[0] != index or found not in (None, at):
+                    return None
+                found = at
+            return found
+        except Exception:  # another layout or runtime: random's own way
+            return None
+        finally:
+            inst.setstate(saved)
+
+    def read(self) -> bytes:
+        inst = self.inst
+        gauss = inst.gauss_next
+        has = gauss is not None
+        if self.offset is None:
+            version, words, gauss = inst.getstate()
+            return _RANDOM.pack(version, *words, has, gauss if has else 0.0)
+        # index and words in one read: no other thread draws between the two
+        raw = ctypes.string_at(id(inst) + self.offset - 4, 4 + _WORDS.size)
+        return b"".join((_VERSION, raw[4:], raw[:4], _GAUSS_NEXT.pack(has, gauss if has else 0.0)))
+
+    def write(self, state: bytes) -> None:
+        if len(state) != _RANDOM.size:
+            raise ValueError(f"random's RNG state is {_RANDOM.size} bytes, not {len(state)}")
+        index = struct.unpack_from("<I", state, 4 + _WORDS.size)[0]
+        version = struct.unpack_from("<i", state)[0]
+        if self.offset is None or version != self.VERSION or index > 624:
+            version, *words, has, gauss = _RANDOM.unpack(state)
+            self.inst.setstate((version, tuple(words), gauss if has else None))  # or raises
+            return
+        raw = state[4 + _WORDS.size : 8 + _WORDS.size] + state[4 : 4 + _WORDS.size]
+        _memmove(id(self.inst) + self.offset - 4, raw, len(raw))  # index and words at once
+        has, gauss = _GAUSS_NEXT.unpack_from(state, 8 + _WORDS.size)
+        self.inst.gauss_next = gauss if has else None
+
+
+_VERSION = struct.pack("<i", _RandomGlobal.VERSION)
+_GAUSS_NEXT = struct.Struct("<?d")
+_RANDOM_GLOBAL = _RandomGlobal()
+
 
 def capture() -> RngState:
-    return torch.get_rng_state(), random.getstate(), _NUMPY.read()
+    return torch.get_rng_state(), _RANDOM_GLOBAL.read(), _NUMPY.read()
 
 
 def restore(state: RngState) -> None:
     torch.set_rng_state(state[0])
-    random.setstate(state[1])
+    _RANDOM_GLOBAL.write(state[1])
     _NUMPY.write(state[2])
-
-
-_RANDOM = struct.Struct("<i625I?d")  # random's version, words, and gauss_next (if any)
 
 
 def dump_state() -> bytes:
     """The global RNG states, as bytes: torch's, then random's (``_RANDOM``), then
     numpy's (``_NumpyGlobal``). Equal bytes are equal states and the other way round."""
-    torch_state, (version, words, gauss_next), np_state = capture()
+    torch_state, r, np_state = capture()
     t = torch_state.numpy().tobytes()
-    has = gauss_next is not None
-    r = _RANDOM.pack(version, *words, has, gauss_next if has else 0.0)
     return b"".join((struct.pack("<I", len(t)), t, r, np_state))
 
 
@@ -124,9 +201,8 @@ def load_state(blob: bytes) -> None:
     if len(blob) != 4 + n + _RANDOM.size + _NumpyGlobal.SIZE:
         raise ValueError(f"an RNG state of {len(blob)} bytes does not fit its torch part of {n}")
     t = torch.frombuffer(bytearray(blob[4 : 4 + n]), dtype=torch.uint8)
-    version, *words, has, gauss_next = _RANDOM.unpack_from(blob, 4 + n)
-    r = (version, tuple(words), gauss_next if has else None)
-    restore((t, r, blob[4 + n + _RANDOM.size :]))
+    split = 4 + n + _RANDOM.size
+    restore((t, blob[4 + n : split], blob[split:]))
 
 
 def draws_nothing(dataset: Any, collate_fn: Any, worker_init_fn: Any = None) -> bool:

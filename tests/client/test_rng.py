@@ -1,6 +1,6 @@
 """``pinfeed.rng``: the global RNG states as bytes, read and written without numpy's
-item-by-item ``get_state``/``set_state`` where numpy's layout allows, and the same bytes
-either way."""
+item-by-item ``get_state``/``set_state`` or random's ``getstate``/``setstate`` where their
+layouts allow, and the same bytes either way."""
 
 from __future__ import annotations
 
@@ -87,6 +87,43 @@ def test_the_fast_way_and_numpys_own_agree() -> None:
     fast.write(state)
     assert slow.read() == state
     assert np.array_equal(np.random.normal(size=5), expected)
+
+
+@pytest.mark.usefixtures("seeded")
+@pytest.mark.parametrize("gauss", [False, True], ids=["no-gauss", "cached-gauss"])
+def test_the_fast_way_and_randoms_own_agree(gauss: bool) -> None:
+    fast = rng._RandomGlobal()
+    if fast.offset is None:
+        pytest.skip("this Python's layout of random was not found: only its own way runs")
+    slow = rng._RandomGlobal()
+    slow.offset = None
+    random.random()
+    if not gauss:
+        random.gauss(0, 1)  # takes the cached second Gaussian: none is left
+    assert (random._inst.gauss_next is not None) is gauss
+    state = slow.read()
+    version, words, gauss_next = random.getstate()
+    assert state == rng._RANDOM.pack(version, *words, gauss, gauss_next or 0.0)
+    assert fast.read() == state
+    expected = [random.random(), random.gauss(0, 1), random.getrandbits(70)]
+    for writer, reader in ((fast, slow), (slow, fast)):
+        random.seed(9)
+        writer.write(state)
+        assert reader.read() == state
+        assert [random.random(), random.gauss(0, 1), random.getrandbits(70)] == expected
+
+
+def test_a_random_state_setstate_refuses_is_refused_the_fast_way_too() -> None:
+    state = bytearray(rng._RANDOM_GLOBAL.read())
+    before = rng._RANDOM_GLOBAL.read()
+    state[4 + 624 * 4 : 8 + 624 * 4] = (625).to_bytes(4, "little")  # index out of range
+    with pytest.raises(ValueError):
+        rng._RANDOM_GLOBAL.write(bytes(state))
+    version = bytearray(before)
+    version[:4] = (1).to_bytes(4, "little")  # a version setstate does not know
+    with pytest.raises(ValueError):
+        rng._RANDOM_GLOBAL.write(bytes(version))
+    assert rng._RANDOM_GLOBAL.read() == before  # nothing written
 
 
 def test_a_state_of_another_size_is_refused() -> None:
