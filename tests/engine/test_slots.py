@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 from pinfeed_server.engine.ring import SlotState, SlotTable
 
@@ -55,3 +56,21 @@ def test_a_waiting_acquire_wakes_when_a_slot_frees() -> None:
     table.move(0, SlotState.FILLING, SlotState.FREE)
     waiter.join(10)
     assert got == [0]
+
+
+def test_try_acquire_never_waits_and_wait_for_room_returns_on_room() -> None:
+    """What a trainer's session runs (``LoaderEngine.drive``): no slot is no wait."""
+    table = SlotTable(2)
+    table.set_limit(1)
+    stop = threading.Event()
+    assert table.try_acquire() == 0
+    assert table.try_acquire() is None  # at the limit: at once
+    t0 = time.monotonic()
+    table.wait_for_room(stop, 0.05)  # none comes: back after the timeout
+    assert time.monotonic() - t0 >= 0.05
+    waiter = threading.Thread(target=table.wait_for_room, args=(stop, 30))
+    waiter.start()
+    table.move(0, SlotState.FILLING, SlotState.FREE)
+    waiter.join(10)
+    assert not waiter.is_alive()
+    assert table.try_acquire() == 0

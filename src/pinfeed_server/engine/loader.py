@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -90,6 +90,8 @@ PRODUCER_THREAD = "pinfeed-produce-"
 # refused, where it held an HTTP thread and a core for hours (epoch 2**31 - 1 of a
 # shuffled loader was a valid request).
 LOOKUP_WALK_MAX = 200_000_000
+# The most batches a session's ``drive`` makes before it looks at its socket again.
+DRIVE_MAX = 64
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,12 @@ class LoaderEngine:
         self.consumers.by_arrival = self.iterable
         self._stop = threading.Event()
         self._cond = threading.Condition()
+        # The production steps (``_production``), run by one thread at a time: the
+        # producer thread, or a trainer's session (``drive``); ``_wake`` brings the
+        # producer thread back when a session no longer makes the batches.
+        self._stepping = threading.Lock()
+        self._steps: Iterator[bool] = iter(())
+        self._wake = threading.Event()
         self.publisher = Publisher(
             config.name,
             self.consumers,
@@ -343,6 +351,8 @@ class LoaderEngine:
         )
 
     def _start_producing(self) -> None:
+        with self._stepping:
+            self._steps = self._production()
         thread = threading.Thread(
             target=self._produce, name=PRODUCER_THREAD + self.config.name, daemon=True
         )
@@ -400,7 +410,12 @@ class LoaderEngine:
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(10)
-        self.producer.close()
+        stepping = self._stepping.acquire(timeout=10)  # a session's drive ends first
+        try:
+            self.producer.close()
+        finally:
+            if stepping:
+                self._stepping.release()
         if self.fetching is not None:
             self.fetching.close()
         if self.ring is not None:
@@ -413,16 +428,78 @@ class LoaderEngine:
 
     # -- producer ----------------------------------------------------------------------
     def _produce(self) -> None:
+        """The producer thread: runs the production steps, except while a trainer's
+        session makes the batches itself (``drive``)."""
         try:
             while not self._stop.is_set():
-                with self._cond:
-                    gen, (epoch, index) = self._gen, self._cursor
-                self._produce_from(gen, epoch, index)
+                if self._session_makes():
+                    self._wake.wait(0.5)  # until it no longer does (detach, a swap)
+                    self._wake.clear()
+                    continue
+                with self._stepping:
+                    made = next(self._steps, None)
+                if made is None:
+                    return  # stopped
+                if not made:
+                    self.slots.wait_for_room(self._stop, 0.5)
         except Exception as exc:  # a bug here must reach the consumer, not vanish
             log.exception("loader %s: producer failed", self.config.name)
             self._fail(f"producer failed: {type(exc).__name__}: {exc}")
 
-    def _produce_from(self, gen: int, epoch: int, index: int) -> None:
+    def _session_makes(self) -> bool:
+        """Whether the batches are made in the thread of the loader's one trainer's
+        session (``drive``) rather than in the producer thread: where the producer makes
+        a batch in ``submit``'s caller (no workers), nothing but the trainer frees a slot
+        (one consumer) and no step blocks (neither a trainer-fed plan nor an object
+        store's fetching). Then no batch is handed from one thread to another: on 2
+        cores each hand-over between two of the server's threads cost about 40 us, and
+        a batch took two."""
+        return (
+            self.producer.in_caller
+            and self.consumers.size == 1
+            and self.consumers.attached == 1
+            and self.fetching is None
+            and not isinstance(self.sampler, FedPlan)
+        )
+
+    def drive(self) -> None:
+        """Make batches into the free slots, in the calling thread: a trainer's session,
+        before it waits for its next message or item, where ``_session_makes``. Returns
+        once no slot is free (or after ``DRIVE_MAX`` batches); at once where another
+        thread is making one."""
+        if not self._session_makes() or not self._stepping.acquire(blocking=False):
+            return
+        try:
+            for _ in range(DRIVE_MAX):
+                if not next(self._steps, None):
+                    return
+        except Exception as exc:  # as in the producer thread: the loader fails
+            log.exception("loader %s: producer failed", self.config.name)
+            self._fail(f"producer failed: {type(exc).__name__}: {exc}")
+        finally:
+            self._stepping.release()
+
+    def _production(self) -> Iterator[bool]:
+        """The producer's work as steps, for whichever thread runs them (under
+        ``_stepping``): True after each batch handed to the producer, False where no
+        slot is free (its runner waits for room, or leaves it to the trainer's release);
+        it ends once the loader stops."""
+        while not self._stop.is_set():
+            with self._cond:
+                gen, (epoch, index) = self._gen, self._cursor
+            yield from self._produce_from(gen, epoch, index)
+
+    def _free_slot(self) -> Generator[bool, None, int | None]:
+        """A free slot marked filling, yielding False while there is none; None once
+        the loader stops."""
+        while not self._stop.is_set():
+            slot = self.slots.try_acquire()
+            if slot is not None:
+                return slot
+            yield False
+        return None
+
+    def _produce_from(self, gen: int, epoch: int, index: int) -> Iterator[bool]:
         """Produce from (epoch, index) on until a seek (new generation) or stop."""
         plan = self.sampler
         fed = plan if isinstance(plan, FedPlan) else None
@@ -434,8 +511,10 @@ class LoaderEngine:
             # A trainer-fed epoch's end is known only once its sampler ran out, after its
             # last batch was fed: no look-ahead, an END of its own follows (_end_fed).
             items = None if fed is None else ((i, b, False) for i, b in enumerate(batches, index))
+            empty = True
             for i, indices, last in items or with_last(batches, index):
-                slot = self.slots.acquire_free(self._stop)
+                empty = False
+                slot = yield from self._free_slot()
                 if slot is None:
                     return
                 with self._cond:
@@ -462,18 +541,21 @@ class LoaderEngine:
                 if fed is not None:
                     seed, shared = fed.base_seed(epoch), fed.shared_seed(epoch)
                 self.producer.submit(Task(seq, epoch, i, slot, indices, seed, shared))
-            if fed is not None and not self._end_fed(gen, epoch):
+                yield True
+            if fed is not None and not (yield from self._end_fed(gen, epoch)):
                 return
             epoch, index = epoch + 1, plan.span(epoch + 1)[0]
             with self._cond:
                 if self._gen != gen:
                     return
                 self._cursor = (epoch, index)
+            if empty:  # an epoch without batches (a sampler's): a trainer's session goes
+                yield False  # back to its socket rather than run through such epochs
 
-    def _end_fed(self, gen: int, epoch: int) -> bool:
+    def _end_fed(self, gen: int, epoch: int) -> Generator[bool, None, bool]:
         """The trainer's sampler ran out: the epoch's END, after its batches (an END
         result of its own, published in order). False if a seek or stop came first."""
-        slot = self.slots.acquire_free(self._stop)
+        slot = yield from self._free_slot()
         if slot is None:
             return False
         with self._cond:
@@ -714,6 +796,7 @@ class LoaderEngine:
                 self.resizer.retarget(self._ring_slots(new))
             self.slots.set_limit(prefetch_depth(new))
             self.producer.resize(new.num_workers)
+            self._wake.set()  # a producer of workers: the producer thread makes them
             self.config = new
             if new.autotune != old.autotune:
                 self.tuner = self._tuner_for(new)
@@ -790,6 +873,7 @@ class LoaderEngine:
             self.cuda_registered.discard(member)
             self._pending.pop(member, None)
             self._cond.notify_all()
+        self._wake.set()  # the producer thread makes the batches again
         self.upkeep()
 
     def release(self, member: int, slots: set[int] | list[int]) -> None:

@@ -22,6 +22,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -258,20 +259,43 @@ class SlotTable:
 
     def acquire_free(self, stop: threading.Event, poll_s: float = 0.2) -> int | None:
         """Wait for a free slot and mark it filling; ``None`` once ``stop`` is set."""
-        states = self.states
         with self.cond:
             while not stop.is_set():
-                if self.ahead < self.limit:
-                    try:
-                        i = states.index(SlotState.FREE, 0, self.usable)
-                    except ValueError:
-                        pass
-                    else:
-                        states[i] = SlotState.FILLING
-                        self.ahead += 1
-                        return i
+                slot = self._take_free()
+                if slot is not None:
+                    return slot
                 self.cond.wait(poll_s)
         return None
+
+    def try_acquire(self) -> int | None:
+        """A free slot marked filling, or ``None`` at once where there is no room."""
+        with self.cond:
+            return self._take_free()
+
+    def wait_for_room(self, stop: threading.Event, timeout: float) -> None:
+        """Return once a slot could be acquired, ``stop`` is set or ``timeout`` passed."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while not stop.is_set() and not self._room():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self.cond.wait(min(left, 0.2))
+
+    def _room(self) -> bool:
+        return self.ahead < self.limit and SlotState.FREE in self.states[: self.usable]
+
+    def _take_free(self) -> int | None:
+        """Under ``cond``: a free usable slot marked filling, within the limit, or None."""
+        if self.ahead >= self.limit:
+            return None
+        try:
+            i = self.states.index(SlotState.FREE, 0, self.usable)
+        except ValueError:
+            return None
+        self.states[i] = SlotState.FILLING
+        self.ahead += 1
+        return i
 
     def set_limit(self, limit: int) -> None:
         with self.cond:

@@ -61,7 +61,10 @@ class Session:
 
     def run(self) -> None:
         self.conn.settimeout(None)
+        engine = self.engine
         while not self.stop.is_set():
+            if not self.poller.poll(0):  # nothing to answer: make batches ahead first
+                engine.drive()
             n = self.recv()
             if n == 0:
                 return  # the trainer closed (or died)
@@ -272,6 +275,7 @@ class Session:
         slots back (RELEASE) while its NEXT waits, and one that hangs up is let go at
         once instead of wedging the loader. None: the connection is over."""
         while True:
+            self.engine.drive()  # where this session makes the batches (LoaderEngine.drive)
             item = self.engine.next_item(self.member, self.stop, timeout=0.02)
             if item is None:
                 item = self.engine.relieve()  # a trainer that holds every slot

@@ -9,7 +9,10 @@ order. Its health it reports too: ``ctx.on_fatal`` once it can make nothing more
 loader fails, with the reason), ``ctx.on_recovered`` once it can again (the loader is
 ready again and production goes on where it stopped: a remote backend that came back).
 
-    submit(task)        hand over one batch to make; never blocks on the making
+    submit(task)        hand over one batch to make; never blocks on the making, but
+                        where ``in_caller`` (``inline.py``): it makes the batch in the
+                        caller's thread and reports it before it returns, and the engine
+                        may then call it from a waiting trainer's session thread
     resize(n)           change the number of processes live, losing no task
     ring_ready(r, l)    a loader sized from its first batches (``ctx.ring`` None; their
                         results propose a layout) has its ring ``r`` of layout ``l``
@@ -26,7 +29,7 @@ ready again and production goes on where it stopped: a remote backend that came 
 
 Which producer a loader gets is its executor's business (``executor.py``, one module
 per executor, registered in ``__init__``): ``local`` (``inline.py`` at 0 processes, in
-the engine's producer thread as DataLoader's main process; ``pool.py``, worker
+the engine's thread as DataLoader's main process; ``pool.py``, worker
 processes forked from the dataset's zygote that collate straight into the ring),
 ``thread`` (``threads.py``: threads of the server), ``ray`` (``ray.py``: a bridge
 process that drives Ray actors and copies their batches into the ring).
@@ -179,6 +182,8 @@ def draws_rng(kind: Kind[Any], config: LoaderConfig, params: dict[str, Any] | No
 
 class Producer(Protocol):
     """Makes a loader's batches; see the module docstring."""
+
+    in_caller: bool
 
     @property
     def restarts(self) -> int: ...

@@ -1,6 +1,7 @@
 """``executor: "local"`` (the default): DataLoader's model on this node. With
-``num_workers=0`` the batches are made in the server's producer thread
-(``inline.py``), as DataLoader's main process makes them; with N > 0 by N worker
+``num_workers=0`` the batches are made in the server (``inline.py``), in the loader's
+producer thread or its one trainer's session thread, as DataLoader's main process makes
+them; with N > 0 by N worker
 processes forked from the dataset's zygote (``pool.py``)."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ the reason, as is an IterableDataset (its streams are per worker too); those run
 ``local``.
 
 Any thread takes the next task (batches are published in plan order whatever order they
-finish in); with ``num_workers=0`` the batches are made in the engine's producer thread
+finish in); with ``num_workers=0`` the batches are made in the engine's thread
 (``inline.py``), as for ``local``. The dataset's ``__getitem__`` must be thread-safe,
 which the built-in kinds are.
 """
@@ -77,6 +77,8 @@ class ThreadExecutor:
 
 class ThreadPool:
     """Threads taking tasks from one queue; see the module docstring."""
+
+    in_caller = False
 
     restarts = 0  # a thread never dies: a failing batch is that batch's error
 

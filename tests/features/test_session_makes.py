@@ -1,0 +1,87 @@
+"""Where a named loader without workers makes its batches: in its one trainer's session
+thread while that trainer is attached (``LoaderEngine.drive``: no batch is handed from
+the producer thread to the session), in the producer thread before and after (the warm
+queue a trainer finds). The batches are the same either way."""
+
+from __future__ import annotations
+
+import torch
+
+from pinfeed import Client, Loader
+from pinfeed.protocol import NEXTS_IN_FLIGHT
+from tests.conftest import Server
+from tests.helpers import unique
+from tests.reliability.procs import wait_for
+
+LENGTH = 200
+BATCH = 4
+
+
+def _loader(admin: Client, group_size: int = 1) -> tuple[str, int]:
+    ds, name = unique("madein"), unique("madein")
+    admin.create_dataset(ds, "python", {"factory": "tests.fixtures.datasets:MadeIn"})
+    admin.create_loader(name, dataset=ds, batch_size=BATCH, num_workers=0, group_size=group_size)
+    total = admin.loader(name)["slots"]["total"]
+    wait_for(lambda: admin.loader(name)["slots"]["ready"] >= 1, "the warm queue")
+    return name, total
+
+
+def _made(loader: Loader, batches: int) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for batch in loader:
+        out.append(batch.clone())
+        if len(out) == batches:
+            break
+    return out
+
+
+def test_an_attached_trainers_session_makes_its_batches(admin: Client, server: Server) -> None:
+    name, total = _loader(admin)
+    epochs: list[list[torch.Tensor]] = []
+    with Loader(name, socket=server.socket, timeout=60) as loader:
+        for _ in range(2):
+            epochs.append([batch.clone() for batch in loader])
+    for got in epochs:
+        assert torch.equal(torch.cat(got)[:, 0], torch.arange(LENGTH))  # DataLoader's order
+    flags = torch.cat([torch.cat(got)[:, 1] for got in epochs]).view(-1, BATCH)[:, 0]
+    # The warm queue (at most the ring's slots) came from the producer thread; after
+    # that, the trainer's session made every batch.
+    assert not flags[total:].any(), f"made in the producer thread: {flags.nonzero().view(-1)}"
+    admin.delete_loader(name)
+
+
+def test_after_the_trainer_the_producer_thread_makes_them_again(
+    admin: Client, server: Server
+) -> None:
+    name, total = _loader(admin)
+    with Loader(name, socket=server.socket, timeout=60) as loader:
+        first = _made(loader, 3 * total)
+    assert not torch.stack(first)[total:, 0, 1].any()
+    # Gone: the batches made ahead for the next trainer come from the producer thread.
+    wait_for(lambda: admin.loader(name)["slots"]["ready"] >= 1, "a batch made ahead")
+    with Loader(name, socket=server.socket, timeout=60) as loader:
+        second = _made(loader, total)
+    assert torch.stack(second)[:, 0, 1].any(), "no batch of the warm queue was made ahead"
+    # The next trainer goes on where this one stopped (the batches its NEXTs in flight
+    # were answered with went with it), in order.
+    before, after = torch.cat(first)[:, 0], torch.cat(second)[:, 0]
+    assert torch.equal(before, torch.arange(len(before)))
+    start = int(after[0])
+    assert len(before) <= start <= len(before) + NEXTS_IN_FLIGHT * BATCH
+    assert torch.equal(after, torch.arange(start, start + len(after)))
+    admin.delete_loader(name)
+
+
+def test_a_group_keeps_the_producer_thread(admin: Client, server: Server) -> None:
+    """Two members free slots from two threads: the batches stay the producer thread's."""
+    name, _ = _loader(admin, group_size=2)
+    with (
+        Loader(name, socket=server.socket, timeout=60) as a,
+        Loader(name, socket=server.socket, timeout=60) as b,
+    ):
+        ia, ib = iter(a), iter(b)
+        got = [(next(ia).clone(), next(ib).clone()) for _ in range(10)]
+    for x, y in got:
+        assert torch.equal(x, y)  # broadcast: both members get every batch
+        assert x[:, 1].all()
+    admin.delete_loader(name)
