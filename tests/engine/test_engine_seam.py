@@ -36,7 +36,6 @@ class RemoteLike:
     bytes into the ring slot; answers tasks in pairs, the second first."""
 
     restarts = 0
-    in_caller = False  # its batches are made elsewhere, not in submit's caller
 
     def __init__(self, ctx: ProducerContext) -> None:
         self.ctx = ctx

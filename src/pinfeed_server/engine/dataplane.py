@@ -310,7 +310,7 @@ class DataPlaneServer:
                         f"no loader named {request.loader!r}; create it with POST /v1/loaders"
                     )
             self._wait_ready(engine)
-            member = engine.attach(None if owned else request.member)
+            member = engine.attach(None if owned else request.member, drives=True)
         except (PinfeedError, DomainError) as exc:  # a CREATE refused where it arose, too
             error = exc.as_problem() if isinstance(exc, DomainError) else exc
             conn.send(error.info().encode())

@@ -183,6 +183,7 @@ class LoaderEngine:
         self._stepping = threading.Lock()
         self._steps: Iterator[bool] = iter(())
         self._wake = threading.Event()
+        self._driver: int | None = None  # the member attached with drives=True
         self.publisher = Publisher(
             config.name,
             self.consumers,
@@ -447,15 +448,18 @@ class LoaderEngine:
             self._fail(f"producer failed: {type(exc).__name__}: {exc}")
 
     def _session_makes(self) -> bool:
-        """Whether the batches are made in the thread of the loader's one trainer's
-        session (``drive``) rather than in the producer thread: where the producer makes
-        a batch in ``submit``'s caller (no workers), nothing but the trainer frees a slot
-        (one consumer) and no step blocks (neither a trainer-fed plan nor an object
-        store's fetching). Then no batch is handed from one thread to another: on 2
-        cores each hand-over between two of the server's threads cost about 40 us, and
-        a batch took two."""
+        """Whether the production steps run in the session thread of the loader's one
+        trainer (``drive``) rather than in the producer thread: where nothing but that
+        trainer frees a slot (one consumer, attached, which drives) and no step waits (neither a
+        trainer-fed plan, whose steps wait for its FEEDs, nor an object store's
+        fetching, whose steps wait for objects). Then the slot a trainer hands back is
+        filled again without waking another thread: without workers the session makes
+        the batch itself (``inline.py`` makes it in ``submit``'s caller); with workers it
+        hands the task to a worker (``submit`` never waits on the making). On 2 cores
+        each hand-over between two of the server's threads cost about 40 us, and a batch
+        took two without workers, one with."""
         return (
-            self.producer.in_caller
+            self._driver is not None
             and self.consumers.size == 1
             and self.consumers.attached == 1
             and self.fetching is None
@@ -463,10 +467,10 @@ class LoaderEngine:
         )
 
     def drive(self) -> None:
-        """Make batches into the free slots, in the calling thread: a trainer's session,
-        before it waits for its next message or item, where ``_session_makes``. Returns
-        once no slot is free (or after ``DRIVE_MAX`` batches); at once where another
-        thread is making one."""
+        """Run the production steps into the free slots in the calling thread: a
+        trainer's session, before it waits for its next message or item, where
+        ``_session_makes``. Returns once no slot is free (or after ``DRIVE_MAX``
+        batches); at once where another thread runs them."""
         if not self._session_makes() or not self._stepping.acquire(blocking=False):
             return
         try:
@@ -796,7 +800,7 @@ class LoaderEngine:
                 self.resizer.retarget(self._ring_slots(new))
             self.slots.set_limit(prefetch_depth(new))
             self.producer.resize(new.num_workers)
-            self._wake.set()  # a producer of workers: the producer thread makes them
+            self._wake.set()  # the producer thread looks again at who runs the steps
             self.config = new
             if new.autotune != old.autotune:
                 self.tuner = self._tuner_for(new)
@@ -853,14 +857,19 @@ class LoaderEngine:
         return config.num_workers if self.producer.executor.counts_workers else 0
 
     # -- consumer side (called from the data-plane threads) ------------------------------
-    def attach(self, member: int | None, wait_s: float = 2.0) -> int:
+    def attach(self, member: int | None, wait_s: float = 2.0, *, drives: bool = False) -> int:
         """Join the consumer group. A trainer that restarts at once may arrive before the
-        server has seen its old connection close, so a busy member is waited for briefly."""
+        server has seen its old connection close, so a busy member is waited for briefly.
+        ``drives``: the member calls ``drive`` before each wait (a session), so the
+        production steps may run in its thread (``_session_makes``)."""
         deadline = time.monotonic() + wait_s
         with self._cond:
             while True:
                 try:
-                    return self.consumers.join(member)
+                    joined = self.consumers.join(member)
+                    if drives:
+                        self._driver = joined
+                    return joined
                 except LookupError as exc:
                     left = deadline - time.monotonic()
                     if left <= 0:
@@ -870,6 +879,8 @@ class LoaderEngine:
     def detach(self, member: int, leased: set[int]) -> None:
         with self._cond:
             self.consumers.leave(member, leased)
+            if self._driver == member:
+                self._driver = None
             self.cuda_registered.discard(member)
             self._pending.pop(member, None)
             self._cond.notify_all()

@@ -53,12 +53,6 @@ class ProducerHandle:
     def started(self) -> bool:
         return self._producer is not None
 
-    @property
-    def in_caller(self) -> bool:
-        """Whether the producer makes a batch in ``submit``'s caller (``Producer.in_caller``)."""
-        producer = self._producer
-        return producer is not None and producer.in_caller
-
     def submit(self, task: Task) -> None:
         with self._submit:
             assert self._producer is not None, "submit before start"

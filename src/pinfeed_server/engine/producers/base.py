@@ -9,10 +9,9 @@ order. Its health it reports too: ``ctx.on_fatal`` once it can make nothing more
 loader fails, with the reason), ``ctx.on_recovered`` once it can again (the loader is
 ready again and production goes on where it stopped: a remote backend that came back).
 
-    submit(task)        hand over one batch to make; never blocks on the making, but
-                        where ``in_caller`` (``inline.py``): it makes the batch in the
-                        caller's thread and reports it before it returns, and the engine
-                        may then call it from a waiting trainer's session thread
+    submit(task)        hand over one batch to make; never blocks on the making (but
+                        ``inline.py`` makes it in the caller's thread: the engine's
+                        producer thread, or a trainer's session's, ``LoaderEngine.drive``)
     resize(n)           change the number of processes live, losing no task
     ring_ready(r, l)    a loader sized from its first batches (``ctx.ring`` None; their
                         results propose a layout) has its ring ``r`` of layout ``l``
@@ -182,8 +181,6 @@ def draws_rng(kind: Kind[Any], config: LoaderConfig, params: dict[str, Any] | No
 
 class Producer(Protocol):
     """Makes a loader's batches; see the module docstring."""
-
-    in_caller: bool
 
     @property
     def restarts(self) -> int: ...

@@ -1,6 +1,6 @@
 """``num_workers=0``: batches made in the server process, as DataLoader's main process
-makes them: in ``submit``'s caller (``in_caller``), the engine's producer thread, or the
-session thread of the loader's one trainer while it is attached (``LoaderEngine.drive``).
+makes them: in ``submit``'s caller, the engine's producer thread or the session thread of
+the loader's one trainer while it is attached (``LoaderEngine.drive``).
 
 Augmentations draw from RNGs owned by the loader: for its batches the process's global
 ``torch``/``random``/numpy states are the loader's, under one process-wide lock
@@ -49,7 +49,6 @@ from pinfeed_server.malloc import keep_inline_batches, release_inline_batches
 
 
 class InlineProducer:
-    in_caller = True
     restarts = 0
 
     def __init__(self, ctx: ProducerContext) -> None:

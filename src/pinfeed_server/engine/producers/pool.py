@@ -60,8 +60,6 @@ MAX_TASK_RETRIES = 2
 class WorkerPool:
     """Processes that fill slots; results go to ``on_result`` from one collector thread."""
 
-    in_caller = False
-
     def __init__(self, ctx: ProducerContext, spawn: ProcessFactory | None = None) -> None:
         self.name = ctx.config.name
         iterable = ctx.iterable or is_iterable(ctx.dataset)

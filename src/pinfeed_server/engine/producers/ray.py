@@ -138,8 +138,6 @@ class _Link:
 
 
 class RayProducer:
-    in_caller = False
-
     def __init__(self, ctx: ProducerContext, address: str) -> None:
         self.name = ctx.config.name
         self._spec = BridgeSpec(

@@ -78,8 +78,6 @@ class ThreadExecutor:
 class ThreadPool:
     """Threads taking tasks from one queue; see the module docstring."""
 
-    in_caller = False
-
     restarts = 0  # a thread never dies: a failing batch is that batch's error
 
     def __init__(self, ctx: ProducerContext) -> None:
