@@ -353,6 +353,7 @@ class LoaderEngine:
 
     def _start_producing(self) -> None:
         with self._stepping:
+            self._end_steps()
             self._steps = self._production()
         thread = threading.Thread(
             target=self._produce, name=PRODUCER_THREAD + self.config.name, daemon=True
@@ -413,6 +414,7 @@ class LoaderEngine:
                 t.join(10)
         stepping = self._stepping.acquire(timeout=10)  # a session's drive ends first
         try:
+            self._end_steps()
             self.producer.close()
         finally:
             if stepping:
@@ -482,6 +484,14 @@ class LoaderEngine:
             self._fail(f"producer failed: {type(exc).__name__}: {exc}")
         finally:
             self._stepping.release()
+
+    def _end_steps(self) -> None:
+        """Close the production steps (under ``_stepping``): a generator left at a yield
+        holds its epoch's order (16 MB at 2 M samples) and, through the engine, itself,
+        a cycle that only the garbage collector would have freed."""
+        steps, self._steps = self._steps, iter(())
+        if isinstance(steps, Generator):
+            steps.close()
 
     def _production(self) -> Iterator[bool]:
         """The producer's work as steps, for whichever thread runs them (under
