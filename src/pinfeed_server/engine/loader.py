@@ -399,6 +399,7 @@ class LoaderEngine:
                 self.state = "draining"
             self._cond.notify_all()
         self._stop.set()
+        self._wake.set()  # a parked producer thread ends now
         if isinstance(self.sampler, FedPlan):
             self.sampler.interrupt()
         with self.slots.cond:
@@ -414,7 +415,8 @@ class LoaderEngine:
                 t.join(10)
         stepping = self._stepping.acquire(timeout=10)  # a session's drive ends first
         try:
-            self._end_steps()
+            if stepping:  # else a step still runs (a batch stuck in its making)
+                self._end_steps()
             self.producer.close()
         finally:
             if stepping:
