@@ -13,9 +13,12 @@ batch fed *ahead* of them (``ahead=True``: the trainer drew nothing between its 
 so far) is made at once on the states the batch before left, and its states, fed after
 it, say whether that batch stands or is made again on them (``producers/inline.py``).
 
-The engine's producer thread iterates ``batches(epoch)``, which yields each index list as
-it arrives (``None`` turns for an IterableDataset, from ``begin`` on, until its streams
-run out) and ends after ``end``; ``interrupt`` wakes it for a seek or stop. The plan
+The engine's production steps iterate ``arrivals(epoch)``, which yields each index list
+as it arrives (``None`` turns for an IterableDataset, from ``begin`` on, until its
+streams run out), or a ``Pending`` while the next has not (a step must not block: the
+trainer's session may run it, and the FEED comes on that session's socket), and ends
+after ``end`` or at an ``interrupt`` (a seek or stop); ``batches`` waits instead.
+A batch fed ahead of its states waits for them the same way (``states_pending``). The plan
 keeps the epoch's batches and seeds (and the previous epoch's), for the replay that puts
 a replaced worker's RNG back where it was (``producers/seeding.py``).
 
@@ -24,11 +27,13 @@ Thread-safe: fed from the data-plane thread, read by the producer and the pool's
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 KEPT_EPOCHS = 2  # the current one and the one before (a persistent worker's replay)
+_CAME, _WAIT, _GONE = object(), object(), object()  # a fed batch's state (_batch_state)
 
 
 @dataclass
@@ -146,24 +151,76 @@ class FedPlan:
         return 0  # kept as the trainer fed it
 
     def batches(self, epoch: int, start: int = 0) -> Iterator[list[int] | None]:
+        """``epoch``'s index batches from ``start`` as the trainer feeds them (``None``
+        turns for an IterableDataset), each once it came; ends after the epoch's
+        ``end``, or at an ``interrupt``."""
+        for got in self._arrivals(epoch, start, waits=True):
+            assert not isinstance(got, Pending)
+            yield got
+
+    def arrivals(self, epoch: int, start: int = 0) -> Iterator[list[int] | Pending | None]:
+        """``batches``, but where the next batch has not come, a ``Pending`` (what to wait
+        for) in place of a wait here: for the engine's production steps, which a
+        trainer's session may run (the FEED they wait for comes on its own socket)."""
+        return self._arrivals(epoch, start, waits=False)
+
+    def _arrivals(
+        self, epoch: int, start: int, *, waits: bool
+    ) -> Iterator[list[int] | Pending | None]:
         with self._cond:
             interrupts = self._interrupts
         index = start
         while True:
             with self._cond:
-                while True:
-                    if self._interrupts != interrupts:
-                        return
-                    e = self._epochs.get(epoch)
-                    endless = self.iterable and not self.fed_turns
-                    if e is not None and (endless or index < len(e.batches)):
-                        break
-                    if e is not None and e.ended:
-                        return
+                state = self._batch_state(epoch, index, interrupts)
+                while state is _WAIT and waits:
                     self._cond.wait(0.5)
-                indices = None if self.iterable else e.batches[index]
-            yield indices
-            index += 1
+                    state = self._batch_state(epoch, index, interrupts)
+                if state is _GONE:
+                    return
+                got: list[int] | Pending | None
+                if state is _WAIT:
+                    still = functools.partial(self._batch_waits, epoch, index, interrupts)
+                    got = Pending(self._cond, still)
+                else:
+                    got = None if self.iterable else self._epochs[epoch].batches[index]
+                    index += 1
+            yield got
+
+    def _batch_waits(self, epoch: int, index: int, interrupts: int) -> bool:
+        return self._batch_state(epoch, index, interrupts) is _WAIT
+
+    def _batch_state(self, epoch: int, index: int, interrupts: int) -> object:
+        """Under ``_cond``: whether batch ``index`` of ``epoch`` came (``_CAME``), is still
+        to come (``_WAIT``) or never will (``_GONE``: the epoch ended before it, or an
+        interrupt since ``interrupts``)."""
+        if self._interrupts != interrupts:
+            return _GONE
+        e = self._epochs.get(epoch)
+        if e is None:
+            return _WAIT
+        if (self.iterable and not self.fed_turns) or index < len(e.batches):
+            return _CAME
+        return _GONE if e.ended else _WAIT
+
+    def states_pending(self, epoch: int, index: int) -> Pending | None:
+        """What batch ``index`` of ``epoch``, fed ahead of the trainer's RNG states, waits
+        for while they are still to come (they come, its epoch ends or goes, or an
+        interrupt); None where it waits for nothing."""
+        with self._cond:
+            due = functools.partial(self._states_due, epoch, index, self._interrupts)
+            return Pending(self._cond, due) if due() else None
+
+    def _states_due(self, epoch: int, index: int, interrupts: int) -> bool:
+        """Under ``_cond``: whether batch ``index``'s states are still to come."""
+        e = self._epochs.get(epoch)
+        return (
+            self._interrupts == interrupts
+            and e is not None
+            and not e.ended
+            and index in e.ahead
+            and index not in e.rng
+        )
 
     def base_seed(self, epoch: int) -> int:
         """The base seed the trainer's iterator drew for ``epoch``."""
@@ -211,3 +268,21 @@ class FedPlan:
                 if index not in e.ahead or e.ended:
                     return None
                 self._cond.wait(0.5)
+
+
+class Pending:
+    """What a production step that must not block waits for (``FedPlan.batches`` with
+    ``waits=False``, ``FedPlan.states_pending``): ``wait`` returns once it came or never
+    will, or after ``timeout``; ``done``, whether it has."""
+
+    def __init__(self, cond: threading.Condition, still: Callable[[], bool]) -> None:
+        self._cond = cond
+        self._still = still  # whether it is still to come (called under cond)
+
+    def done(self) -> bool:
+        with self._cond:
+            return not self._still()
+
+    def wait(self, timeout: float) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._still(), timeout)

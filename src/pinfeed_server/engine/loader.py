@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 from pinfeed import elastic
 from pinfeed.errors import (
@@ -52,7 +52,7 @@ from pinfeed_server.engine.config import (
 )
 from pinfeed_server.engine.consumers import BatchItem, Consumers, EndItem, ErrorItem, Item
 from pinfeed_server.engine.custom_sampler import oversize
-from pinfeed_server.engine.fed_plan import FedPlan
+from pinfeed_server.engine.fed_plan import FedPlan, Pending
 from pinfeed_server.engine.fetching import fetching_for
 from pinfeed_server.engine.iterable import MAX_TURN, IterablePlan, is_iterable, plan_len
 from pinfeed_server.engine.mixture import served_by
@@ -92,6 +92,15 @@ PRODUCER_THREAD = "pinfeed-produce-"
 LOOKUP_WALK_MAX = 200_000_000
 # The most batches a session's ``drive`` makes before it looks at its socket again.
 DRIVE_MAX = 64
+# A production step (``LoaderEngine._production``): True, a batch handed to the producer;
+# else what the step waits for, to call with a timeout (a thread that may block: the
+# producer thread) or to leave (a trainer's session, back to its socket).
+Wait = Callable[[float], object]
+Step = Literal[True] | Wait
+
+
+def _at_once(timeout: float) -> None:
+    """Wait for nothing: a step that yields only to let its runner look elsewhere."""
 
 
 @dataclass(frozen=True)
@@ -181,7 +190,7 @@ class LoaderEngine:
         # producer thread, or a trainer's session (``drive``); ``_wake`` brings the
         # producer thread back when a session no longer makes the batches.
         self._stepping = threading.Lock()
-        self._steps: Iterator[bool] = iter(())
+        self._steps: Iterator[Step] = iter(())
         self._wake = threading.Event()
         self._driver: int | None = None  # the member attached with drives=True
         self.publisher = Publisher(
@@ -442,11 +451,11 @@ class LoaderEngine:
                     self._wake.clear()
                     continue
                 with self._stepping:
-                    made = next(self._steps, None)
-                if made is None:
+                    step = next(self._steps, None)
+                if step is None:
                     return  # stopped
-                if not made:
-                    self.slots.wait_for_room(self._stop, 0.5)
+                if step is not True:
+                    step(0.5)  # for a free slot, or the trainer's FEED or RNG states
         except Exception as exc:  # a bug here must reach the consumer, not vanish
             log.exception("loader %s: producer failed", self.config.name)
             self._fail(f"producer failed: {type(exc).__name__}: {exc}")
@@ -454,20 +463,20 @@ class LoaderEngine:
     def _session_makes(self) -> bool:
         """Whether the production steps run in the session thread of the loader's one
         trainer (``drive``) rather than in the producer thread: where nothing but that
-        trainer frees a slot (one consumer, attached, which drives) and no step waits (neither a
-        trainer-fed plan, whose steps wait for its FEEDs, nor an object store's
-        fetching, whose steps wait for objects). Then the slot a trainer hands back is
-        filled again without waking another thread: without workers the session makes
-        the batch itself (``inline.py`` makes it in ``submit``'s caller); with workers it
-        hands the task to a worker (``submit`` never waits on the making). On 2 cores
-        each hand-over between two of the server's threads cost about 40 us, and a batch
-        took two without workers, one with."""
+        trainer frees a slot or feeds the plan (one consumer, attached, which drives)
+        and no step blocks (not an object store's fetching, whose steps wait for
+        objects; a trainer-fed plan's steps yield what they wait for, the trainer's FEED
+        or RNG states, which come on that session's socket). Then the slot a trainer
+        hands back is filled again without waking another thread: without workers the
+        session makes the batch itself (``inline.py`` makes it in ``submit``'s caller);
+        with workers it hands the task to a worker (``submit`` never waits on the
+        making). On 2 cores each hand-over between two of the server's threads cost
+        about 40 us, and a batch took two without workers, one with."""
         return (
             self._driver is not None
             and self.consumers.size == 1
             and self.consumers.attached == 1
             and self.fetching is None
-            and not isinstance(self.sampler, FedPlan)
         )
 
     def drive(self) -> None:
@@ -479,7 +488,7 @@ class LoaderEngine:
             return
         try:
             for _ in range(DRIVE_MAX):
-                if not next(self._steps, None):
+                if next(self._steps, None) is not True:
                     return
         except Exception as exc:  # as in the producer thread: the loader fails
             log.exception("loader %s: producer failed", self.config.name)
@@ -495,27 +504,31 @@ class LoaderEngine:
         if isinstance(steps, Generator):
             steps.close()
 
-    def _production(self) -> Iterator[bool]:
+    def _production(self) -> Iterator[Step]:
         """The producer's work as steps, for whichever thread runs them (under
-        ``_stepping``): True after each batch handed to the producer, False where no
-        slot is free (its runner waits for room, or leaves it to the trainer's release);
-        it ends once the loader stops."""
+        ``_stepping``): True after each batch handed to the producer, else what it waits
+        for (``Step``: a free slot, the trainer's FEED or RNG states), which its runner
+        waits for or leaves to the trainer's next message; it ends once the loader
+        stops."""
         while not self._stop.is_set():
             with self._cond:
                 gen, (epoch, index) = self._gen, self._cursor
             yield from self._produce_from(gen, epoch, index)
 
-    def _free_slot(self) -> Generator[bool, None, int | None]:
-        """A free slot marked filling, yielding False while there is none; None once
-        the loader stops."""
+    def _free_slot(self) -> Generator[Step, None, int | None]:
+        """A free slot marked filling, yielding the wait for one while there is none;
+        None once the loader stops."""
         while not self._stop.is_set():
             slot = self.slots.try_acquire()
             if slot is not None:
                 return slot
-            yield False
+            yield self._room
         return None
 
-    def _produce_from(self, gen: int, epoch: int, index: int) -> Iterator[bool]:
+    def _room(self, timeout: float) -> None:
+        self.slots.wait_for_room(self._stop, timeout)
+
+    def _produce_from(self, gen: int, epoch: int, index: int) -> Iterator[Step]:
         """Produce from (epoch, index) on until a seek (new generation) or stop."""
         plan = self.sampler
         fed = plan if isinstance(plan, FedPlan) else None
@@ -523,12 +536,19 @@ class LoaderEngine:
         if self.fetching is not None:
             self.fetching.start(epoch, index)
         while not self._stop.is_set():
-            batches = plan.batches(epoch, index)
             # A trainer-fed epoch's end is known only once its sampler ran out, after its
             # last batch was fed: no look-ahead, an END of its own follows (_end_fed).
-            items = None if fed is None else ((i, b, False) for i, b in enumerate(batches, index))
+            items: Iterator[tuple[int, list[int] | None, bool] | Pending]
+            if fed is None:
+                items = with_last(plan.batches(epoch, index), index)
+            else:
+                items = self._fed_items(fed, epoch, index)
             empty = True
-            for i, indices, last in items or with_last(batches, index):
+            for item in items:
+                if isinstance(item, Pending):  # its FEED: from the trainer's next message
+                    yield item.wait
+                    continue
+                i, indices, last = item
                 empty = False
                 slot = yield from self._free_slot()
                 if slot is None:
@@ -556,7 +576,18 @@ class LoaderEngine:
                 seed = shared = None
                 if fed is not None:
                     seed, shared = fed.base_seed(epoch), fed.shared_seed(epoch)
-                self.producer.submit(Task(seq, epoch, i, slot, indices, seed, shared))
+                task = Task(seq, epoch, i, slot, indices, seed, shared)
+                states = None if fed is None else fed.states_pending(epoch, i)
+                if states is not None:  # fed ahead of the trainer's RNG states
+                    self.producer.prepare(task)  # made on a guess meanwhile (inline.py)
+                    while not states.done():
+                        yield states.wait
+                    with self._cond:
+                        moved = self._gen != gen
+                    if moved or self._stop.is_set():  # a seek or stop came first
+                        self._on_result(Result(seq, rows=0))
+                        return
+                self.producer.submit(task)
                 yield True
             if fed is not None and not (yield from self._end_fed(gen, epoch)):
                 return
@@ -566,9 +597,9 @@ class LoaderEngine:
                     return
                 self._cursor = (epoch, index)
             if empty:  # an epoch without batches (a sampler's): a trainer's session goes
-                yield False  # back to its socket rather than run through such epochs
+                yield _at_once  # back to its socket rather than run through such epochs
 
-    def _end_fed(self, gen: int, epoch: int) -> Generator[bool, None, bool]:
+    def _end_fed(self, gen: int, epoch: int) -> Generator[Step, None, bool]:
         """The trainer's sampler ran out: the epoch's END, after its batches (an END
         result of its own, published in order). False if a seek or stop came first."""
         slot = yield from self._free_slot()
@@ -581,6 +612,20 @@ class LoaderEngine:
             seq = self.publisher.add(epoch, self._cursor[1], slot, 0, False)
         self._on_result(Result(seq, end=True))
         return True
+
+    @staticmethod
+    def _fed_items(
+        fed: FedPlan, epoch: int, index: int
+    ) -> Iterator[tuple[int, list[int] | None, bool] | Pending]:
+        """A trainer-fed epoch's ``(index, indices, False)`` from ``index`` on, or a
+        ``Pending`` where the next has not been fed (the step yields it: it must not
+        block)."""
+        for got in fed.arrivals(epoch, index):
+            if isinstance(got, Pending):
+                yield got
+                continue
+            yield index, got, False
+            index += 1
 
     # -- publisher -----------------------------------------------------------------------
     def _on_result(self, result: Result) -> None:

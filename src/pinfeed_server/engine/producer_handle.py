@@ -58,6 +58,11 @@ class ProducerHandle:
             assert self._producer is not None, "submit before start"
             self._producer.submit(task)
 
+    def prepare(self, task: Task) -> None:
+        with self._submit:
+            assert self._producer is not None, "prepare before start"
+            self._producer.prepare(task)
+
     def resize(self, processes: int) -> None:
         old = self._producer
         if old is None or processes == self.processes:

@@ -66,6 +66,9 @@ class InlineProducer:
         # A trainer-fed loader's last batch made on the trainer's states: (epoch, index,
         # the states after it), the states a batch fed ahead of its own is made on.
         self._after: tuple[int, int, bytes] | None = None
+        # A batch fed ahead of its states, made on a guess (``prepare``): (seq, the
+        # states it was made on, its result), till its states come (``submit``).
+        self._guessed: tuple[int, bytes, Result] | None = None
         self._config = ctx.config
         # A trainer's objects from an epoch on, loaded, till that epoch's first batch.
         self._pending: tuple[int, Shipped] | None = None
@@ -121,16 +124,12 @@ class InlineProducer:
     def submit(self, task: Task) -> None:
         """Make the batch now, in the caller's thread, and report it before returning."""
         t0 = time.perf_counter()
-        pending = self._pending
-        if pending is not None and task.epoch >= pending[0]:
-            self._pending = None
-            held = pending[1]
-            self._use(held.dataset, held.collate_fn, held.worker_init_fn)
-        if self._ring is not None and self._generation != self._ring.generation:
-            self.segments_changed()
-        if self._iter is not None and isinstance(self._ctx.plan, FedPlan):
-            result = self._on_trainer_rngs(self._ctx.plan, task, lambda: self._fed_turn(task))
-            if result.end:  # the one iterator ran out: the epoch's end
+        self._before(task)
+        make = self._on_trainers(task)
+        if make is not None:
+            assert isinstance(self._ctx.plan, FedPlan)
+            result = self._on_trainer_rngs(self._ctx.plan, task, make)
+            if result.end and self._iter is not None:  # the one iterator ran out
                 result.end = self._judge.ran_out(task.epoch, task.index)
         elif self._iter is not None:
             result = self._make_from_iterator(self._iter, task)
@@ -138,16 +137,47 @@ class InlineProducer:
             raise ValueError("a map-style dataset's batches come from index lists")
         elif self._workers is not None:
             result = self._make_as_workers(task, task.indices)
-        elif isinstance(self._ctx.plan, FedPlan) and self.streams.replay:
-            indices = task.indices
-            make = lambda: self._make(task.seq, task.slot, indices)  # noqa: E731
-            result = self._on_trainer_rngs(self._ctx.plan, task, make)
         elif self.streams.replay:
             result = self._make_with_own_rngs(task, task.indices)
         else:  # a built-in kind: it draws nothing from the global RNGs
             result = self._make(task.seq, task.slot, task.indices)
         self._busy_s += time.perf_counter() - t0
         self._on_result(result)
+
+    def prepare(self, task: Task) -> None:
+        """A batch fed ahead of the trainer's RNG states, which are still to come: made
+        now, on the states the batch before left (``_guess``), while the trainer steps;
+        ``submit`` keeps it if the states that come are those."""
+        t0 = time.perf_counter()
+        self._before(task)
+        make = self._on_trainers(task)
+        if make is not None:
+            self._guessed = self._guess(task, make)
+        self._busy_s += time.perf_counter() - t0
+
+    def _before(self, task: Task) -> None:
+        """Before ``task`` is made: the trainer's objects from its epoch on, a writer on
+        the ring's segments as they are now."""
+        pending = self._pending
+        if pending is not None and task.epoch >= pending[0]:
+            self._pending = None
+            held = pending[1]
+            self._use(held.dataset, held.collate_fn, held.worker_init_fn)
+        if self._ring is not None and self._generation != self._ring.generation:
+            self.segments_changed()
+
+    def _on_trainers(self, task: Task) -> Callable[[], Result] | None:
+        """How ``task`` is made where it is made on the trainer's RNG states (a
+        ``pinfeed.DataLoader`` without workers over objects that may draw, or over an
+        IterableDataset), else None."""
+        if not isinstance(self._ctx.plan, FedPlan):
+            return None
+        if self._iter is not None:
+            return lambda: self._fed_turn(task)
+        indices = task.indices
+        if indices is None or self._workers is not None or not self.streams.replay:
+            return None
+        return lambda: self._make(task.seq, task.slot, indices)
 
     def _make_with_own_rngs(self, task: Task, indices: list[int]) -> Result:
         with GLOBAL_RNG.lent_to(self) as held:
@@ -175,26 +205,23 @@ class InlineProducer:
         nothing meanwhile: the same batch, made on the same states, in the same order
         of calls), else it is made again on them."""
         state, ahead = plan.trainer_rng(task.epoch, task.index)
-        if state is None and not ahead:
+        guessed, self._guessed = self._guessed, None
+        if guessed is not None and guessed[0] != task.seq:
+            guessed = None  # made for another task (dropped: a seek, a stop)
+        if state is None and not ahead and guessed is None:
             return _attempt(task, make)  # nothing draws: the server's RNGs are untouched
         if state is None:
-            guess, made = None, None
-            after = self._after
-            if after is not None and after[:2] == (task.epoch, task.index - 1):
-                guess = after[2]
-                with GLOBAL_RNG.lent_to(self) as held:
-                    if not held:
-                        load_state(guess)
-                    made = _attempt(task, make)
-                    made.rng = dump_state()
+            if guessed is None:  # made now, while the states come (the engine waited
+                guessed = self._guess(task, make)  # for them where it prepared it)
             state = plan.wait_rng(task.epoch, task.index)
             if state is None:  # never asked for: the epoch was left, a seek, a stop
                 self._after = None
                 return Result(task.seq, rows=0)
-            if made is not None and state == guess:
-                self._after = (task.epoch, task.index, made.rng)
-                made.rng = _moved(state, made.rng)
-                return made
+        if guessed is not None and state == guessed[1]:
+            made = guessed[2]
+            self._after = (task.epoch, task.index, made.rng)
+            made.rng = _moved(state, made.rng)
+            return made
         with GLOBAL_RNG.lent_to(self):
             load_state(state)
             result = _attempt(task, make)
@@ -202,6 +229,20 @@ class InlineProducer:
         self._after = (task.epoch, task.index, result.rng)
         result.rng = _moved(state, result.rng)
         return result
+
+    def _guess(self, task: Task, make: Callable[[], Result]) -> tuple[int, bytes, Result] | None:
+        """``task`` made on the states the batch before it left, the trainer's states
+        still to come: (its seq, those states, the result, with the states after it);
+        None where the batch before was not made here on the trainer's states."""
+        after = self._after
+        if after is None or after[:2] != (task.epoch, task.index - 1):
+            return None
+        with GLOBAL_RNG.lent_to(self) as held:
+            if not held:
+                load_state(after[2])
+            made = _attempt(task, make)
+            made.rng = dump_state()
+        return task.seq, after[2], made
 
     def _make_as_workers(self, task: Task, indices: list[int]) -> Result:
         assert self._workers is not None

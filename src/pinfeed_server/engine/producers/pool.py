@@ -141,6 +141,9 @@ class WorkerPool:
             self._send(w, STOP)
             reap(w, 5.0)
 
+    def prepare(self, task: Task) -> None:
+        """Nothing: workers make batches on their own streams, none on a trainer's."""
+
     def submit(self, task: Task) -> None:
         self._give(task)
 

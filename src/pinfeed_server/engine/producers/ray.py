@@ -201,6 +201,9 @@ class RayProducer:
         return _Link(proc, parent)
 
     # -- the producer seam ---------------------------------------------------------------
+    def prepare(self, task: Task) -> None:
+        """Nothing: workers make batches on their own streams, none on a trainer's."""
+
     def submit(self, task: Task) -> None:
         with self._lock:
             self._outstanding[task.seq] = task

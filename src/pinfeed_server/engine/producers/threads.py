@@ -120,6 +120,9 @@ class ThreadPool:
             writer.close()
 
     # -- the producer seam ---------------------------------------------------------------
+    def prepare(self, task: Task) -> None:
+        """Nothing: workers make batches on their own streams, none on a trainer's."""
+
     def submit(self, task: Task) -> None:
         with self._lock:
             self._outstanding += 1
