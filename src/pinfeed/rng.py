@@ -24,6 +24,7 @@ import _random
 import ctypes
 import random
 import struct
+from collections.abc import Callable
 from typing import Any, cast
 
 import numpy as np
@@ -41,6 +42,26 @@ _memmove = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, 
     ctypes._memmove_addr  # type: ignore[attr-defined]
 )
 _GAUSS = struct.Struct("<id")  # has_gauss, gauss
+# A known state to set, and where in an object's memory it then lies (offsets)
+Probe = tuple[Callable[[], object], Callable[[bytes], list[int]]]
+
+
+def _one_offset(obj: object, size: int, probes: list[Probe]) -> int | None:
+    """The one offset in ``obj``'s first ``size`` bytes at which each probe's known
+    state lies once set, the same for all; None where it is not one and the same, or a
+    probe raised (another layout or runtime: the slow way). The caller restores the
+    object's state."""
+    found = None
+    try:
+        for put, where in probes:
+            put()
+            at = where(ctypes.string_at(id(obj), size))
+            if len(at) != 1 or found not in (None, at[0]):
+                return None
+            found = at[0]
+    except Exception:
+        return None
+    return found
 
 
 class _NumpyGlobal:
@@ -50,29 +71,27 @@ class _NumpyGlobal:
 
     def __init__(self) -> None:
         self.rs = np.random.mtrand._rand
-        self.offset = self._find_offsets()  # of has_gauss in the object; None: the slow way
+        self.offset = self._find_offset()  # of has_gauss in the object; None: the slow way
 
-    def _find_offsets(self) -> int | None:
+    def _find_offset(self) -> int | None:
         rs = self.rs
         saved: Any = rs.get_state()
-        try:
-            size = type(rs).__basicsize__
-            found = None
-            for has, gauss in ((1, 0.1234567891234), (0, -9876.54321), (1, 3.25e-200)):
-                rs.set_state((*saved[:3], has, gauss))
-                mem = ctypes.string_at(id(rs), size)
-                at = [
+        size = type(rs).__basicsize__
+
+        def probe(has: int, gauss: float) -> Probe:
+            def where(mem: bytes) -> list[int]:
+                return [
                     i - 8
-                    for i in range(8, size - 7, 8)
+                    for i in range(8, len(mem) - 7, 8)
                     if mem[i : i + 8] == struct.pack("<d", gauss)
                     and mem[i - 8 : i - 4] == struct.pack("<i", has)
                 ]
-                if len(at) != 1 or found not in (None, at[0]):
-                    return None
-                found = at[0]
-            return found
-        except Exception:  # another layout or runtime: numpy's own way
-            return None
+
+            return lambda: rs.set_state((*saved[:3], has, gauss)), where
+
+        try:
+            probes = [probe(1, 0.1234567891234), probe(0, -9876.54321), probe(1, 3.25e-200)]
+            return _one_offset(rs, size, probes)
         finally:
             rs.set_state(saved)
 
@@ -124,25 +143,23 @@ class _RandomGlobal:
     def _find_offset(self) -> int | None:
         inst = self.inst
         saved = inst.getstate()
-        try:
-            if saved[0] != self.VERSION:
-                return None
-            size = _random.Random.__basicsize__
-            found = None
-            for seed in (1, 7, 23):
-                words = [(seed * 2654435761 + i * 40503 + 17) & 0xFFFFFFFF for i in range(624)]
-                index = seed * 13
-                inst.setstate((self.VERSION, (*words, index), None))
-                mem = ctypes.string_at(id(inst), size)
+
+        def probe(seed: int) -> Probe:
+            words = [(seed * 2654435761 + i * 40503 + 17) & 0xFFFFFFFF for i in range(624)]
+            index = seed * 13
+
+            def where(mem: bytes) -> list[int]:
                 at = mem.find(_WORDS.pack(*words))
                 if at < 4 or mem.find(_WORDS.pack(*words), at + 1) != -1:
-                    return None
-                if struct.unpack_from("<i", mem, at - 4)[0] != index or found not in (None, at):
-                    return None
-                found = at
-            return found
-        except Exception:  # another layout or runtime: random's own way
+                    return []
+                return [at] if struct.unpack_from("<i", mem, at - 4)[0] == index else []
+
+            return lambda: inst.setstate((self.VERSION, (*words, index), None)), where
+
+        if saved[0] != self.VERSION:
             return None
+        try:
+            return _one_offset(inst, _random.Random.__basicsize__, [probe(s) for s in (1, 7, 23)])
         finally:
             inst.setstate(saved)
 

@@ -276,25 +276,27 @@ class SlotTable:
         """Return once a slot could be acquired, ``stop`` is set or ``timeout`` passed."""
         deadline = time.monotonic() + timeout
         with self.cond:
-            while not stop.is_set() and not self._room():
+            while not stop.is_set() and self._free() is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return
                 self.cond.wait(min(left, 0.2))
 
-    def _room(self) -> bool:
-        return self.ahead < self.limit and SlotState.FREE in self.states[: self.usable]
-
-    def _take_free(self) -> int | None:
-        """Under ``cond``: a free usable slot marked filling, within the limit, or None."""
+    def _free(self) -> int | None:
+        """Under ``cond``: a free usable slot, within the limit, or None."""
         if self.ahead >= self.limit:
             return None
         try:
-            i = self.states.index(SlotState.FREE, 0, self.usable)
+            return self.states.index(SlotState.FREE, 0, self.usable)
         except ValueError:
             return None
-        self.states[i] = SlotState.FILLING
-        self.ahead += 1
+
+    def _take_free(self) -> int | None:
+        """Under ``cond``: a free usable slot marked filling, within the limit, or None."""
+        i = self._free()
+        if i is not None:
+            self.states[i] = SlotState.FILLING
+            self.ahead += 1
         return i
 
     def set_limit(self, limit: int) -> None:
