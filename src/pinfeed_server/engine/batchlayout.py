@@ -17,6 +17,7 @@ namedtuples namedtuples; a mapping becomes a ``dict``; a numpy array a numpy vie
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -73,7 +74,7 @@ class _Walk:
 
     def array(self, kind: str, value: Any, dtype: torch.dtype) -> list[Any]:
         shape = tuple(value.shape)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         self.arrays.append((value, dtype, shape, nbytes))
         return self.leaf(kind, str(dtype).removeprefix("torch."), len(shape))
 
@@ -156,12 +157,14 @@ class OutputPlan:
             fill(targets)
         else:
             for (value, _, _, _), target in zip(w.arrays, targets, strict=True):
-                if isinstance(value, torch.Tensor):
+                if not isinstance(value, torch.Tensor):
+                    np.copyto(target.numpy(), value, casting="no")
+                elif value.requires_grad:
                     with torch.no_grad():
                         target.copy_(value)
                 else:
-                    np.copyto(target.numpy(), value, casting="no")
-        structure = json.dumps([self._treedef, w.specs], separators=(",", ":")).encode()
+                    target.copy_(value)
+        structure = _structure(self._treedef, w.specs)
         objects = json.dumps(w.objects, separators=(",", ":")).encode() if w.objects else b""
         body = encode_batch_layout(structure, self._dims, objects)
         if len(body) > MAX_BODY:
@@ -173,6 +176,23 @@ class OutputPlan:
                 error_type="BatchTooLarge",
             )
         return body
+
+
+_last_structure: tuple[list[Any], list[list[Any]], bytes] = ([], [], b"")
+
+
+def _structure(treedef: list[Any], specs: list[list[Any]]) -> bytes:
+    """The structure bytes of an output (JSON ``[treedef, specs]``); those of the last
+    output again where its structure is the same (batches of one loader mostly are: two
+    list comparisons in place of an encoding). Threads may race on the last one: each
+    then encodes its own."""
+    global _last_structure
+    last_treedef, last_specs, encoded = _last_structure
+    if treedef == last_treedef and specs == last_specs:
+        return encoded
+    encoded = json.dumps([treedef, specs], separators=(",", ":")).encode()
+    _last_structure = (treedef, specs, encoded)
+    return encoded
 
 
 def write_output(out: Any, slot: torch.Tensor, what: str = "collate_fn") -> bytes:

@@ -376,13 +376,17 @@ class SlotWriter:
         self._fetch: Fetch | None = None
         self._listed: tuple[torch.Tensor, ...] | None = None  # listed_tensors of it
         self._views: dict[tuple[int, int], list[torch.Tensor | None]] = {}
+        self._slots: dict[int, torch.Tensor] = {}  # each slot's bytes, as _slot views them
         self._made: OwnBuffer | None = None
         self._proposal: Layout | None = None
 
     def _slot(self, slot: int) -> torch.Tensor:
-        assert self._ring is not None
-        start = slot * self._slot_bytes
-        return self._ring[start : start + self._slot_bytes]
+        view = self._slots.get(slot)
+        if view is None:
+            assert self._ring is not None
+            start = slot * self._slot_bytes
+            view = self._slots[slot] = self._ring[start : start + self._slot_bytes]
+        return view
 
     def take(self) -> tuple[OwnBuffer | None, Layout | None]:
         """The last batch's buffer of its own (None: it is in its slot) and the ring
@@ -469,6 +473,7 @@ class SlotWriter:
     def close(self) -> None:
         """Drop the cached views (they keep the ring's mapping alive)."""
         self._views.clear()
+        self._slots.clear()
         self._ring = None
 
 
