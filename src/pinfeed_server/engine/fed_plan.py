@@ -259,20 +259,16 @@ class FedPlan:
         come; None if they never will (its epoch ended or went, a seek, a stop)."""
         with self._cond:
             interrupts = self._interrupts
-            while True:
-                e = self._epochs.get(epoch)
-                if e is None or self._interrupts != interrupts:
-                    return None
-                if index in e.rng:
-                    return e.rng.pop(index)
-                if index not in e.ahead or e.ended:
-                    return None
-                self._cond.wait(0.5)
+            self._cond.wait_for(lambda: not self._states_due(epoch, index, interrupts))
+            e = self._epochs.get(epoch)
+            if e is None or self._interrupts != interrupts:
+                return None
+            return e.rng.pop(index, None)
 
 
 class Pending:
-    """What a production step that must not block waits for (``FedPlan.batches`` with
-    ``waits=False``, ``FedPlan.states_pending``): ``wait`` returns once it came or never
+    """What a production step that must not block waits for (``FedPlan.arrivals``,
+    ``FedPlan.states_pending``): ``wait`` returns once it came or never
     will, or after ``timeout``; ``done``, whether it has."""
 
     def __init__(self, cond: threading.Condition, still: Callable[[], bool]) -> None:
