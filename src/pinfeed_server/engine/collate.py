@@ -236,25 +236,31 @@ def loader_layout(
         raise LayoutError(f"collate_fn's output cannot be carried: {exc}") from None
 
 
-def flatten(sample: Any, treedef: TreeDef, out: list[Any]) -> None:
-    """Append ``sample``'s leaves in treedef order; LayoutError if its structure differs."""
+def columns(samples: list[Any], treedef: TreeDef, out: list[list[Any]]) -> None:
+    """Append, in treedef order, each leaf's values across ``samples`` (a column per
+    leaf); LayoutError where a sample's structure differs. Walked once per node of the
+    structure, not once per sample and node."""
     tag, body = treedef[:2]
     if tag == "leaf":
-        out.append(sample)
+        out.append(samples)
     elif tag == "dict":
-        if not isinstance(sample, Mapping) or len(sample) != len(body):
-            raise LayoutError("sample structure differs from the first sample's (dict)")
+        for sample in samples:
+            if not isinstance(sample, Mapping) or len(sample) != len(body):
+                raise LayoutError("sample structure differs from the first sample's (dict)")
         for key, child in body:
-            if key not in sample:
-                raise LayoutError(f"sample has no key {key!r}")
-            flatten(sample[key], child, out)
+            try:
+                column = [sample[key] for sample in samples]
+            except KeyError:
+                raise LayoutError(f"sample has no key {key!r}") from None
+            columns(column, child, out)
     else:
         if tag == "namedtuple":
             body = body[2]
-        if not isinstance(sample, (tuple, list)) or len(sample) != len(body):
-            raise LayoutError(f"sample structure differs from the first sample's ({tag})")
-        for value, child in zip(sample, body, strict=True):
-            flatten(value, child, out)
+        for sample in samples:
+            if not isinstance(sample, (tuple, list)) or len(sample) != len(body):
+                raise LayoutError(f"sample structure differs from the first sample's ({tag})")
+        for k, child in enumerate(body):
+            columns([sample[k] for sample in samples], child, out)
 
 
 def leaf_views(layout: Layout, slot: torch.Tensor, rows: int) -> list[torch.Tensor | None]:
@@ -321,11 +327,16 @@ def dataset_error(exc: BaseException, message: str, index: int | None) -> Sample
 
 
 def _write_leaf(leaf: Leaf, view: torch.Tensor, values: list[Any]) -> None:
+    first = values[0]
+    if type(first) is torch.Tensor:  # the common case, checked without _leaf_of's strings
+        dtype, shape = view.dtype, view.shape[1:]
+        if all(type(v) is torch.Tensor and v.dtype == dtype and v.shape == shape for v in values):
+            torch.stack(values, out=view)
+            return
     for value in values:
         spec = _leaf_of(value)
         if spec is None or spec[1] != leaf.dtype or spec[2] != leaf.shape:
             raise _NotTheLayout
-    first = values[0]
     if isinstance(first, torch.Tensor):
         torch.stack(values, out=view)
     elif isinstance(first, (np.ndarray, np.generic)):
@@ -521,17 +532,13 @@ def _gather_listed(
 
 def _write_fixed(layout: Layout, views: list[torch.Tensor | None], samples: list[Any]) -> bytes:
     """Write samples shaped as the fixed layout into its leaf views; the strings JSON."""
-    flats: list[list[Any]] = []
-    for sample in samples:
-        flat: list[Any] = []
-        try:
-            flatten(sample, layout.treedef, flat)
-        except LayoutError:
-            raise _NotTheLayout from None
-        flats.append(flat)
+    cols: list[list[Any]] = []
+    try:
+        columns(samples, layout.treedef, cols)
+    except LayoutError:
+        raise _NotTheLayout from None
     strings: list[list[str]] = []
-    for j, (leaf, view) in enumerate(zip(layout.leaves, views, strict=True)):
-        values = [flat[j] for flat in flats]
+    for leaf, view, values in zip(layout.leaves, views, cols, strict=True):
         if view is None:
             if not all(isinstance(v, str) for v in values):
                 raise _NotTheLayout
